@@ -1,0 +1,1 @@
+"""Representation analysis tools (uniformity, tolerance) used to study trained encoders."""

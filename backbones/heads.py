@@ -1,0 +1,47 @@
+"""Projector and predictor MLPs: every paper's head is one `MLPSpec`.
+
+Examples (input dim comes from the trunk or the previous head):
+- MoCo v2: `MLPSpec(hidden_dim=2048, output_dim=128, batch_norm=False)` -> Linear-ReLU-Linear, biases.
+- SCE small datasets: `MLPSpec(512, 256)` -> Linear(no bias)-BN-ReLU-Linear(bias).
+- SCE ImageNet: `MLPSpec(4096, 256, num_layers=3, last_batch_norm=True, last_batch_norm_affine=False)`.
+- NPID / Wang & Liu: `MLPSpec(output_dim=128, num_layers=1)` -> one Linear.
+"""
+
+from dataclasses import dataclass
+
+import torch.nn as nn
+
+
+@dataclass
+class MLPSpec:
+    hidden_dim: int = 2048
+    output_dim: int = 128
+    num_layers: int = 2
+    batch_norm: bool = True  # BN after every hidden Linear
+    last_batch_norm: bool = False  # BN after the output Linear (SCE/BYOL-style ImageNet projectors)
+    last_batch_norm_affine: bool = True
+
+    def build(self, input_dim: int) -> nn.Sequential:
+        return build_mlp(input_dim, self)
+
+
+def build_mlp(input_dim: int, spec: MLPSpec) -> nn.Sequential:
+    """Linear layers with ReLU between them; a Linear has a bias exactly when no BN follows it
+    (a bias before BN is cancelled by the mean subtraction)."""
+    if spec.num_layers < 1:
+        raise ValueError(f"an MLP head needs num_layers >= 1, got {spec.num_layers}")
+    for name in ("hidden_dim", "output_dim"):
+        if getattr(spec, name) < 1:
+            raise ValueError(f"MLP head {name} must be >= 1, got {getattr(spec, name)}")
+    layers: list[nn.Module] = []
+    in_dim = input_dim
+    for _ in range(spec.num_layers - 1):
+        layers.append(nn.Linear(in_dim, spec.hidden_dim, bias=not spec.batch_norm))
+        if spec.batch_norm:
+            layers.append(nn.BatchNorm1d(spec.hidden_dim))
+        layers.append(nn.ReLU(inplace=True))
+        in_dim = spec.hidden_dim
+    layers.append(nn.Linear(in_dim, spec.output_dim, bias=not spec.last_batch_norm))
+    if spec.last_batch_norm:
+        layers.append(nn.BatchNorm1d(spec.output_dim, affine=spec.last_batch_norm_affine))
+    return nn.Sequential(*layers)

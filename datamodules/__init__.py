@@ -1,0 +1,10 @@
+"""DataModules: named training views, evaluation view, kNN bank; datasets and augmentation presets.
+
+Configs refer to a DataModule by its short name, e.g. `class_path: datamodules.DigitsDataModule`.
+"""
+
+from datamodules.base import ContrastiveDataModule
+from datamodules.cifar import CIFAR10DataModule, CIFAR100DataModule
+from datamodules.digits import DigitsDataModule
+
+__all__ = ["CIFAR100DataModule", "CIFAR10DataModule", "ContrastiveDataModule", "DigitsDataModule"]

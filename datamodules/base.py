@@ -1,0 +1,142 @@
+"""The DataModule base: named views for pretraining, an evaluation view, and the kNN bank.
+
+Batches:
+- training: `{"views": {name: tensor, ...}, "label": y, "index": i}`, one tensor per configured view
+  (shape (B, C, H, W), or (B, N, C, H, W) for a view with `count: N`);
+- evaluation: `{"image": x, "label": y, "index": i}`.
+
+`val_dataloader()` returns the validation split and, when `knn_bank` is on, the training split under
+the evaluation view (the labelled bank of the kNN monitor). A subclass only says where its splits come
+from (`build_splits`), its class count, image size and normalisation.
+"""
+
+from pathlib import Path
+from typing import Any, Callable
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from datamodules.transforms import build_view
+
+
+class ViewsDataset(Dataset):
+    """Wraps a dataset of `(image, label)` pairs into training samples with several named views."""
+
+    def __init__(self, base: Dataset, views: dict[str, Callable]):
+        self.base, self.views = base, views
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        image, label = self.base[index]
+        return {"views": {name: view(image) for name, view in self.views.items()}, "label": label, "index": index}
+
+
+class EvalDataset(Dataset):
+    def __init__(self, base: Dataset, transform: Callable):
+        self.base, self.transform = base, transform
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        image, label = self.base[index]
+        return {"image": self.transform(image), "label": label, "index": index}
+
+
+class ContrastiveDataModule(L.LightningDataModule):
+    """Base of every DataModule. Subclasses set `num_classes`, `image_size`, `mean`, `std` (before
+    calling this `__init__`) and implement `build_splits`."""
+
+    num_classes: int
+    image_size: int
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+
+    def __init__(
+        self,
+        root: str | None = None,
+        batch_size: int = 256,
+        num_workers: int = 4,
+        views: dict[str, dict[str, Any]] | None = None,
+        eval_view: dict[str, Any] | None = None,
+        knn_bank: bool = True,
+        pin_memory: bool = True,
+    ):
+        """
+        Args:
+            root: where the dataset lives on disk.
+            batch_size: images per device and step.
+            num_workers: DataLoader worker processes per device.
+            views: named training views, `{name: {preset: ..., **params}}`; the method decides which
+                view feeds which branch, so the names must be the ones the method consumes.
+            eval_view: the evaluation pipeline (default: the `center` preset at the dataset's size).
+            knn_bank: also serve the training split under `eval_view` during validation (kNN monitor).
+            pin_memory: pin host memory for faster host-to-GPU copies.
+        """
+        super().__init__()
+        if batch_size < 1:
+            raise ValueError(f"data.batch_size must be >= 1, got {batch_size}")
+        if num_workers < 0:
+            raise ValueError(f"data.num_workers must be >= 0, got {num_workers}")
+        self.root = self._checked_root(root)
+        self.batch_size = batch_size
+        self.num_workers = num_workers
+        self.knn_bank = knn_bank
+        self.pin_memory = pin_memory
+        defaults = {"size": self.image_size, "mean": self.mean, "std": self.std}
+        self.views = {name: build_view(name, spec, defaults) for name, spec in (views or {}).items()}
+        self.eval_transform = build_view("eval_view", eval_view or {"preset": "center"}, defaults)
+        self.splits: dict[str, Dataset] | None = None
+
+    @property
+    def view_names(self) -> tuple[str, ...]:
+        return tuple(self.views)
+
+    def _checked_root(self, root: str | None) -> Path | None:
+        if root is None:
+            return None
+        path = Path(root).expanduser()
+        if not path.is_dir():
+            raise ValueError(f"data.root {str(root)!r} is not an existing directory")
+        return path
+
+    def build_splits(self) -> dict[str, Dataset]:
+        """Return `{"train": ..., "val": ..., "test": ...}` datasets of `(image, label)` pairs."""
+        raise NotImplementedError
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.splits is None:
+            self.splits = self.build_splits()
+
+    def _loader(self, dataset: Dataset, train: bool) -> DataLoader:
+        return DataLoader(
+            dataset,
+            batch_size=self.batch_size,
+            shuffle=train,
+            drop_last=train,  # equal batches: split-BN groups and queue updates assume it
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory and torch.cuda.is_available(),
+            persistent_workers=self.num_workers > 0,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        if not self.views:
+            raise ValueError("data.views is empty: the training split needs at least one named view")
+        self.setup()
+        return self._loader(ViewsDataset(self.splits["train"], self.views), train=True)
+
+    def _eval_loaders(self, split: str) -> list[DataLoader]:
+        self.setup()
+        loaders = [self._loader(EvalDataset(self.splits[split], self.eval_transform), train=False)]
+        if self.knn_bank:
+            loaders.append(self._loader(EvalDataset(self.splits["train"], self.eval_transform), train=False))
+        return loaders
+
+    def val_dataloader(self) -> list[DataLoader]:
+        return self._eval_loaders("val")
+
+    def test_dataloader(self) -> list[DataLoader]:
+        return self._eval_loaders("test")

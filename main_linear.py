@@ -1,0 +1,18 @@
+"""Linear evaluation of a pretrained trunk (frozen, eval mode), the second stage.
+
+    python main_linear.py fit --config configs/linear_digits.yaml --model.pretrained_ckpt runs/moco_digits/checkpoints/last.ckpt
+
+The pretraining checkpoint is `--model.pretrained_ckpt`, not `--ckpt_path` (that one resumes a
+linear run).
+"""
+
+from methods import LinearProbe
+from methods.cli import ContrastlabCLI
+
+
+def cli_main(args=None) -> ContrastlabCLI:
+    return ContrastlabCLI(LinearProbe, args=args)
+
+
+if __name__ == "__main__":
+    cli_main()

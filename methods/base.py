@@ -1,0 +1,121 @@
+"""`PretrainMethod`: the LightningModule every pretraining method builds on.
+
+It owns the trunk (`self.backbone`), the projector, the online linear probe and the kNN monitor, the
+optimizer with its parameter groups and the per-step schedule. A method subclass sets `views` (the
+named views it consumes) and implements `contrastive_step(batch) -> (loss, online_features)`: which
+view goes through which branch, which loss, what is enqueued. Everything else lives here.
+"""
+
+import lightning as L
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from backbones import BackboneSpec, MLPSpec
+from methods.config import as_spec, check_positive, save_plain_hyperparameters
+from methods.evaluation import EvaluationMixin
+from methods.momentum import KeyQueue
+from methods.optim import OptimizerSpec, ScheduleSpec, configure_optimization, parameter_groups
+
+
+class PretrainMethod(EvaluationMixin, L.LightningModule):
+    views: tuple[str, ...] = ()  # names of the data views the method consumes
+    keys_per_sample: int = 1  # keys a queue receives per training image and step
+
+    def __init__(
+        self,
+        backbone: BackboneSpec = BackboneSpec(),
+        projector: MLPSpec = MLPSpec(),
+        optimizer: OptimizerSpec = OptimizerSpec(),
+        schedule: ScheduleSpec = ScheduleSpec(),
+        num_classes: int = 10,
+        probe_lr: float = 0.1,
+        knn_k: int = 200,
+        knn_temperature: float = 0.07,
+    ):
+        """
+        Args:
+            backbone: the trunk, see `backbones.build_backbone`.
+            projector: the projection head on the trunk's pooled features.
+            optimizer: optimizer, learning rate (per 256 images when scaled) and weight decay.
+            schedule: warm-up and decay of the learning rate, applied per optimizer step.
+            num_classes: classes of the dataset, for the online probe and the kNN monitor (linked
+                from the DataModule by the CLI).
+            probe_lr: learning rate of the online linear probe (its own parameter group, no weight
+                decay, never scaled by the batch size); the probe sees detached features only.
+            knn_k: neighbours of the kNN monitor (0 disables it); knn_temperature: its vote temperature.
+        """
+        super().__init__()
+        save_plain_hyperparameters(self)
+        check_positive("probe_lr", probe_lr)
+        projector = as_spec(MLPSpec, projector)
+        self.backbone, self.feature_dim = as_spec(BackboneSpec, backbone).build()
+        self.projector = projector.build(self.feature_dim)
+        self.projection_dim = projector.output_dim
+        self.probe = nn.Linear(self.feature_dim, num_classes)
+        self.optimizer_spec = as_spec(OptimizerSpec, optimizer)
+        self.schedule_spec = as_spec(ScheduleSpec, schedule)
+        self.probe_lr = probe_lr
+        self.init_evaluation(num_classes, knn_k, knn_temperature)
+
+    # ----------------------------------------------------------------- the method's part
+    def contrastive_step(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return the pretraining loss and the online trunk features (for the probe)."""
+        raise NotImplementedError
+
+    def check_data(self, datamodule, world_size: int) -> None:
+        """Fail before training when the data cannot feed this method (the CLI calls this before
+        anything is written; `setup` calls it again for runs started from Python)."""
+        provided = tuple(getattr(datamodule, "view_names", ()))
+        if sorted(provided) != sorted(self.views):
+            raise ValueError(
+                f"{type(self).__name__} consumes the views {list(self.views)} but data.views provides "
+                f"{list(provided)}; rename or remove views so that they match (no view is computed unused)"
+            )
+        keys_per_step = self.keys_per_sample * datamodule.batch_size * world_size
+        for name, module in self.named_modules():
+            if isinstance(module, KeyQueue) and module.size < keys_per_step:
+                raise ValueError(
+                    f"{name} size {module.size} is smaller than the {keys_per_step} keys enqueued per step "
+                    f"(data.batch_size {datamodule.batch_size} x {world_size} processes x {self.keys_per_sample})"
+                )
+
+    def setup(self, stage: str) -> None:
+        if stage == "fit" and self.trainer.datamodule is not None:
+            self.check_data(self.trainer.datamodule, self.trainer.world_size)
+
+    # ----------------------------------------------------------------- shared helpers
+    def embed(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Online branch: trunk features and the L2-normalised projection."""
+        features = self.backbone(images)
+        return features, F.normalize(self.projector(features), dim=1)
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Concatenate a tensor from all processes in rank order (no gradient), e.g. keys to enqueue."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return tensor
+        return self.all_gather(tensor).flatten(0, 1)
+
+    # ----------------------------------------------------------------- training
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        loss, features = self.contrastive_step(batch)
+        probe_loss = self.probe_loss(features.detach(), batch["label"])
+        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/probe_loss", probe_loss)
+        return loss + probe_loss
+
+    def probe_loss(self, features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Cross-entropy of the online probe; unlabelled samples (label -1) are left out."""
+        per_sample = F.cross_entropy(self.probe(features), labels.clamp(min=0), reduction="none")
+        labelled = (labels >= 0).float()
+        return (per_sample * labelled).sum() / labelled.sum().clamp(min=1)
+
+    def configure_optimizers(self):
+        method_params = [(name, p) for name, p in self.named_parameters() if not name.startswith("probe.")]
+        groups = parameter_groups(method_params, self.optimizer_spec)
+        probe_group = {"params": list(self.probe.parameters()), "lr": self.probe_lr, "weight_decay": 0.0, "lars_exclude": True}
+        return configure_optimization(self.trainer, groups + [probe_group], self.optimizer_spec, self.schedule_spec)
+
+    def on_train_batch_start(self, batch, batch_idx) -> None:
+        self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], on_step=True, on_epoch=False)

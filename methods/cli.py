@@ -1,0 +1,122 @@
+"""The LightningCLI shared by `main_pretrain.py` and `main_linear.py`.
+
+- `fit` / `validate` / `test` subcommands, `--config` YAMLs, `--print_config`;
+- `data.num_classes` linked into `model.num_classes` (read from the instantiated DataModule);
+- optimizers and schedules come from the model's own config (`auto_configure_optimizers=False`),
+  because they need parameter groups and per-step schedules;
+- the resolved config is written with overwrite enabled (a second run in the same directory or a
+  Slurm requeue must not crash) and, with a `WandbLogger`, sent to the W&B run;
+- a `checkpoint` group (ModelCheckpoint) is always present, with `save_last: true`;
+- configuration mistakes end with one `error:` line naming the offending key or value, before any
+  directory, config or checkpoint is written (set CONTRASTLAB_TRACEBACK=1 for the full traceback).
+"""
+
+import os
+import sys
+from typing import Any
+
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
+from lightning.pytorch.loggers import WandbLogger
+
+from datamodules.base import ContrastiveDataModule
+
+SUMMARY_KEYS = ("probe_top1", "probe_top5", "knn_top1", "knn_top5")
+
+
+def fail(message: str) -> None:
+    sys.stderr.write(f"error: {message}\n")
+    sys.exit(2)
+
+
+NOISE = ("Does not validate", "Subtypes:", "Errors:", "Given value", "- Expected a <class 'NoneType'>", "- Problem with given class_path")
+
+
+def condense_parser_error(message: str) -> str:
+    """jsonargparse explains a bad subclass config over many lines (every union member it tried); keep
+    the key it concerns and the most specific reason."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    if not lines:
+        return message
+    reasons = [line.lstrip("- ") for line in lines[1:] if not line.startswith(NOISE)]
+    head = None if lines[0].startswith(NOISE) else lines[0].rstrip(":")
+    if not reasons:
+        return head or message
+    return f"{head}: {reasons[-1]}" if head else reasons[-1]
+
+
+def root_cause(error: BaseException) -> BaseException:
+    """The original exception under jsonargparse's wrapping (e.g. a ValueError from a constructor)."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    return error
+
+
+class ContrastlabArgumentParser(LightningArgumentParser):
+    def error(self, message: str, ex: Exception | None = None):
+        if os.environ.get("CONTRASTLAB_TRACEBACK") or not self.exit_on_error:
+            return super().error(message, ex)
+        fail(f"{condense_parser_error(message)} (run with --help for the accepted options)")
+
+
+class SaveConfigToRun(SaveConfigCallback):
+    """Write the resolved config next to the run and, with W&B, into the run's config so that runs
+    can be compared by hyperparameter."""
+
+    def save_config(self, trainer, pl_module, stage: str) -> None:
+        if isinstance(trainer.logger, WandbLogger):
+            trainer.logger.experiment.config.update(self.config.as_dict(), allow_val_change=True)
+
+
+class ContrastlabCLI(LightningCLI):
+    def __init__(self, model_class, args: Any = None, **kwargs):
+        super().__init__(
+            model_class,
+            ContrastiveDataModule,
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            parser_class=ContrastlabArgumentParser,
+            save_config_callback=SaveConfigToRun,
+            save_config_kwargs={"overwrite": True},
+            auto_configure_optimizers=False,
+            args=args,
+            **kwargs,
+        )
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.link_arguments("data.num_classes", "model.init_args.num_classes", apply_on="instantiate")
+        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        parser.set_defaults({"checkpoint.save_last": True})
+
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except ValueError as error:
+            if os.environ.get("CONTRASTLAB_TRACEBACK"):
+                raise
+            fail(condense_parser_error(str(root_cause(error))))
+
+    def _check_data(self) -> None:
+        try:
+            self.model.check_data(self.datamodule, self.trainer.world_size)
+        except ValueError as error:
+            if os.environ.get("CONTRASTLAB_TRACEBACK"):
+                raise
+            fail(str(error))
+
+    before_fit = before_validate = before_test = _check_data
+
+    def _print_summary(self, stage: str) -> None:
+        metrics = self.trainer.callback_metrics
+        found = {key: float(metrics[f"{stage}/{key}"]) for key in SUMMARY_KEYS if f"{stage}/{key}" in metrics}
+        if found and self.trainer.is_global_zero:
+            print(f"\n{stage} results: " + "  ".join(f"{key} {100 * value:.2f}%" for key, value in found.items()))
+
+    def after_fit(self) -> None:
+        self._print_summary("val")
+
+    def after_validate(self) -> None:
+        self._print_summary("val")
+
+    def after_test(self) -> None:
+        self._print_summary("test")

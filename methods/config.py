@@ -1,0 +1,28 @@
+"""Small helpers for configuration values: spec dataclasses, hyperparameters, range checks."""
+
+import inspect
+from dataclasses import asdict, is_dataclass
+from typing import TypeVar
+
+import lightning as L
+
+Spec = TypeVar("Spec")
+
+
+def as_spec(spec_type: type[Spec], value: Spec | dict) -> Spec:
+    """Accept a spec dataclass or its dict form (as stored in checkpoints' hyperparameters)."""
+    return value if isinstance(value, spec_type) else spec_type(**value)
+
+
+def check_positive(name: str, value: float) -> None:
+    if not value > 0:
+        raise ValueError(f"{name} must be > 0, got {value}")
+
+
+def save_plain_hyperparameters(module: L.LightningModule) -> None:
+    """`save_hyperparameters()` of the calling `__init__`, with spec dataclasses stored as dicts so
+    that checkpoints load with `torch.load(weights_only=True)`, as LightningCLI's `--ckpt_path` does."""
+    module.save_hyperparameters(frame=inspect.currentframe().f_back)
+    for key, value in list(module.hparams.items()):
+        if is_dataclass(value):
+            module.hparams[key] = asdict(value)

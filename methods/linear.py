@@ -1,0 +1,119 @@
+"""`LinearProbe`: the second stage, a linear classifier on a frozen pretrained trunk (`main_linear.py`).
+
+The trunk is loaded **strictly** from the `backbone.*` weights of a pretraining checkpoint (the online
+trunk, as MoCo's `main_lincls.py` uses `encoder_q`), frozen and kept in eval mode (BatchNorm
+statistics frozen), and run without gradients; only the linear layer learns. The default optimizer is
+the MoCo / SCE small-dataset protocol (SGD lr 30, momentum 0.9, no weight decay, x0.1 at epochs 60
+and 80 of 100; spec_selfsup 1.6). The pretraining checkpoint is a model argument, never `ckpt_path`
+(which would try to restore this module from it).
+"""
+
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from backbones import BackboneSpec
+from methods.config import as_spec, save_plain_hyperparameters
+from methods.evaluation import EvaluationMixin
+from methods.optim import OptimizerSpec, ScheduleSpec, configure_optimization, parameter_groups
+
+
+def load_backbone_state(checkpoint_path: str) -> tuple[dict[str, torch.Tensor], dict | None]:
+    """The `backbone.*` weights (prefix removed) and the backbone spec stored in a pretraining checkpoint."""
+    path = Path(checkpoint_path).expanduser()
+    if not path.is_file():
+        raise ValueError(f"model.pretrained_ckpt {checkpoint_path!r} is not an existing file")
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # a truncated or foreign file: say which file, not a pickle traceback
+        raise ValueError(f"model.pretrained_ckpt {checkpoint_path!r} could not be read as a checkpoint: {error}") from None
+    state = {
+        key.removeprefix("backbone."): value
+        for key, value in checkpoint.get("state_dict", {}).items()
+        if key.startswith("backbone.")
+    }
+    if not state:
+        raise ValueError(f"model.pretrained_ckpt {checkpoint_path!r} holds no 'backbone.*' weights: not a contrastlab pretraining checkpoint")
+    return state, checkpoint.get("hyper_parameters", {}).get("backbone")
+
+
+class LinearProbe(EvaluationMixin, L.LightningModule):
+    views = ("image",)
+
+    def __init__(
+        self,
+        pretrained_ckpt: str | None = None,
+        backbone: BackboneSpec | None = None,
+        random_init: bool = False,
+        num_classes: int = 10,
+        optimizer: OptimizerSpec = OptimizerSpec(name="sgd", lr=30.0, weight_decay=0.0, momentum=0.9),
+        schedule: ScheduleSpec = ScheduleSpec(decay="step", milestones=[60, 80], gamma=0.1),
+        knn_k: int = 200,
+        knn_temperature: float = 0.07,
+    ):
+        """
+        Args:
+            pretrained_ckpt: the pretraining checkpoint whose `backbone.*` weights are probed.
+            backbone: the trunk; by default the one recorded in the checkpoint.
+            random_init: probe a randomly initialised trunk instead (a baseline); needs `backbone`
+                and no checkpoint.
+            num_classes: classes of the dataset (linked from the DataModule by the CLI).
+            optimizer, schedule: the linear classifier's optimizer and learning-rate schedule.
+            knn_k, knn_temperature: kNN evaluation of the frozen features (0 disables it).
+        """
+        super().__init__()
+        save_plain_hyperparameters(self)
+        if random_init == (pretrained_ckpt is not None):
+            raise ValueError("give exactly one of model.pretrained_ckpt (a pretraining checkpoint) or model.random_init: true")
+        state, stored_spec = load_backbone_state(pretrained_ckpt) if pretrained_ckpt else (None, None)
+        if backbone is None and stored_spec is None:
+            raise ValueError("model.backbone is required when the checkpoint does not record its backbone")
+        spec = as_spec(BackboneSpec, backbone if backbone is not None else stored_spec)
+        self.backbone, feature_dim = spec.build()
+        if state is not None:
+            self._load_strictly(state, spec, pretrained_ckpt)
+        self.backbone.requires_grad_(False).eval()
+        self.probe = nn.Linear(feature_dim, num_classes)
+        nn.init.normal_(self.probe.weight, std=0.01)  # MoCo main_lincls: N(0, 0.01), bias 0
+        nn.init.zeros_(self.probe.bias)
+        self.optimizer_spec = as_spec(OptimizerSpec, optimizer)
+        self.schedule_spec = as_spec(ScheduleSpec, schedule)
+        self.init_evaluation(num_classes, knn_k, knn_temperature)
+
+    def _load_strictly(self, state: dict, spec: BackboneSpec, path: str) -> None:
+        try:
+            incompatible = self.backbone.load_state_dict(state, strict=False)
+        except RuntimeError as error:  # same keys, different shapes
+            raise ValueError(f"model.pretrained_ckpt {path!r} does not fit backbone {spec.name!r}: {error}") from None
+        if incompatible.missing_keys or incompatible.unexpected_keys:
+            raise ValueError(
+                f"model.pretrained_ckpt {path!r} does not match backbone {spec.name!r} "
+                f"(small_input={spec.small_input}): missing keys {incompatible.missing_keys[:5]}, "
+                f"unexpected keys {incompatible.unexpected_keys[:5]}"
+            )
+
+    def check_data(self, datamodule, world_size: int) -> None:
+        if tuple(datamodule.view_names) != self.views:
+            raise ValueError(f"LinearProbe trains on one view named 'image', but data.views provides {list(datamodule.view_names)}")
+
+    def train(self, mode: bool = True):
+        """Keep the frozen trunk in eval mode whatever Lightning switches (BN statistics stay fixed)."""
+        super().train(mode)
+        self.backbone.eval()
+        return self
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        with torch.no_grad():
+            features = self.backbone(batch["views"]["image"])
+        logits = self.probe(features)
+        loss = F.cross_entropy(logits, batch["label"])
+        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/top1", (logits.argmax(1) == batch["label"]).float().mean())
+        return loss
+
+    def configure_optimizers(self):
+        groups = parameter_groups(self.probe.named_parameters(), self.optimizer_spec)
+        return configure_optimization(self.trainer, groups, self.optimizer_spec, self.schedule_spec)

@@ -1,0 +1,44 @@
+"""MoCo v2 (He et al., CVPR 2020; Chen et al., arXiv 2003.04297), as in facebookresearch/moco with
+`--mlp --moco-t 0.2 --aug-plus --cos` (spec_selfsup 2).
+
+The query view goes through the online encoder, the key view through the momentum encoder (with
+shuffle-BN); InfoNCE puts the positive key in column 0 against the queue of past keys; the keys are
+enqueued after the loss. The official code updates the momentum encoder at the start of the forward,
+this one right after each optimizer step: the same sequence of updates except for the very last.
+"""
+
+from methods.base import PretrainMethod
+from methods.config import check_positive
+from methods.losses import info_nce
+from methods.momentum import KeyQueue, MomentumMixin, MomentumSpec
+
+
+class MoCoV2(MomentumMixin, PretrainMethod):
+    views = ("query", "key")
+
+    def __init__(
+        self,
+        temperature: float = 0.2,
+        queue_size: int = 65536,
+        momentum: MomentumSpec = MomentumSpec(base=0.999),
+        **kwargs,
+    ):
+        """
+        Args:
+            temperature: tau of InfoNCE (0.2 for MoCo v2).
+            queue_size: K, negatives kept from previous steps (65,536 on ImageNet).
+            momentum: EMA momentum of the key encoder (0.999, constant) and shuffle-BN settings.
+            **kwargs: the PretrainMethod arguments (backbone, projector, optimizer, schedule, ...).
+        """
+        super().__init__(**kwargs)
+        check_positive("temperature", temperature)
+        self.temperature = temperature
+        self.init_momentum(momentum)
+        self.queue = KeyQueue(queue_size, self.projection_dim)
+
+    def contrastive_step(self, batch):
+        features, query = self.embed(batch["views"]["query"])
+        key = self.target_embed(batch["views"]["key"])
+        loss = info_nce(query, key, self.queue.read(), self.temperature)
+        self.queue.push(self.gather(key))
+        return loss, features

@@ -1,0 +1,131 @@
+"""Optimizers (SGD, LARS, AdamW), parameter groups and the per-step learning-rate schedule.
+
+Configured from YAML through two dataclasses, e.g. SCE's small-dataset recipe:
+
+    optimizer: {name: sgd, lr: 0.06, lr_scaling: linear, weight_decay: 5.0e-4, momentum: 0.9}
+    schedule: {warmup_epochs: 5, decay: cosine}
+
+`lr` is the learning rate for 256 images when `lr_scaling` is `linear` or `sqrt` (scaled by the
+global batch size, as the papers state it) and the learning rate itself when it is `none`.
+"""
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterable, Literal
+
+import torch
+from torch.optim import Optimizer
+
+
+@dataclass
+class OptimizerSpec:
+    name: Literal["sgd", "lars", "adamw"] = "sgd"
+    lr: float = 0.03
+    lr_scaling: Literal["none", "linear", "sqrt"] = "none"
+    weight_decay: float = 1e-4
+    momentum: float = 0.9  # SGD and LARS
+    nesterov: bool = False  # SGD
+    betas: tuple[float, float] = (0.9, 0.999)  # AdamW
+    trust_coefficient: float = 0.001  # LARS eta
+    # No weight decay, and no LARS adaptation, for biases and normalisation parameters (ndim <= 1).
+    exclude_bias_and_norm: bool = True
+
+    def effective_lr(self, global_batch_size: int) -> float:
+        ratio = global_batch_size / 256
+        return self.lr * {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[self.lr_scaling]
+
+
+@dataclass
+class ScheduleSpec:
+    warmup_epochs: float = 0.0  # linear warm-up from lr / warmup_steps to lr
+    decay: Literal["cosine", "step", "constant"] = "cosine"
+    milestones: list[int] = field(default_factory=list)  # epochs at which `step` multiplies by gamma
+    gamma: float = 0.1
+    final_lr_fraction: float = 0.0  # where cosine ends, as a fraction of the peak lr
+    unit: Literal["step", "epoch"] = "step"  # `epoch` holds the lr constant within an epoch (MoCo --cos)
+
+
+def parameter_groups(named_params: Iterable[tuple[str, torch.nn.Parameter]], spec: OptimizerSpec) -> list[dict]:
+    """Split trainable parameters into a decayed group and, with `exclude_bias_and_norm`, a group of
+    biases and norm parameters (ndim <= 1) without weight decay or LARS adaptation (SCE, ReSSL)."""
+    decayed, excluded = [], []
+    for _, param in named_params:
+        if not param.requires_grad:
+            continue
+        (excluded if spec.exclude_bias_and_norm and param.ndim <= 1 else decayed).append(param)
+    groups = [{"params": decayed, "weight_decay": spec.weight_decay, "lars_exclude": False}]
+    if excluded:
+        groups.append({"params": excluded, "weight_decay": 0.0, "lars_exclude": True})
+    return groups
+
+
+def build_optimizer(groups: list[dict], spec: OptimizerSpec, lr: float) -> Optimizer:
+    if spec.name == "sgd":
+        return torch.optim.SGD(groups, lr=lr, momentum=spec.momentum, nesterov=spec.nesterov)
+    if spec.name == "lars":
+        return LARS(groups, lr=lr, momentum=spec.momentum, trust_coefficient=spec.trust_coefficient)
+    return torch.optim.AdamW(groups, lr=lr, betas=spec.betas)
+
+
+def lr_factor(step: int, steps_per_epoch: int, total_steps: int, spec: ScheduleSpec) -> float:
+    """Multiplier of the peak learning rate at optimizer step `step` (0-based)."""
+    if spec.unit == "epoch":
+        step = (step // steps_per_epoch) * steps_per_epoch
+    warmup_steps = round(spec.warmup_epochs * steps_per_epoch)
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if spec.decay == "constant":
+        return 1.0
+    if spec.decay == "step":
+        return spec.gamma ** sum(step >= milestone * steps_per_epoch for milestone in spec.milestones)
+    progress = (step - warmup_steps) / max(total_steps - warmup_steps, 1)
+    cosine = 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+    return spec.final_lr_fraction + (1.0 - spec.final_lr_fraction) * cosine
+
+
+def configure_optimization(trainer, groups: list[dict], optimizer_spec: OptimizerSpec, schedule_spec: ScheduleSpec) -> dict:
+    """The optimizer and per-step LambdaLR in the form `configure_optimizers` returns; the learning
+    rate is scaled by the global batch size (per-device batch x processes x accumulation) as
+    `optimizer_spec.lr_scaling` says."""
+    global_batch_size = trainer.datamodule.batch_size * trainer.world_size * trainer.accumulate_grad_batches
+    total_steps = int(trainer.estimated_stepping_batches)  # also sets up the training dataloader
+    steps_per_epoch = max(1, trainer.num_training_batches // trainer.accumulate_grad_batches)
+    lr = optimizer_spec.effective_lr(global_batch_size)
+    optimizer = build_optimizer(groups, optimizer_spec, lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, steps_per_epoch, total_steps, schedule_spec)
+    )
+    trainer.print(f"learning rate {lr:.6g} for a global batch of {global_batch_size} ({optimizer_spec.lr_scaling} scaling)")
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}
+
+
+class LARS(Optimizer):
+    """SGD with momentum and layer-wise adaptive rate scaling (You et al. 2017), in the form used by
+    SCE/BYOL: for a group without `lars_exclude`, the update g + wd * p is rescaled by
+    trust_coefficient * ||p|| / ||g + wd * p|| (1 where a norm is 0); excluded groups are plain SGD."""
+
+    def __init__(self, params, lr: float, momentum: float = 0.9, trust_coefficient: float = 0.001):
+        super().__init__(params, dict(lr=lr, momentum=momentum, trust_coefficient=trust_coefficient, weight_decay=0.0))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                update = param.grad.add(param, alpha=group["weight_decay"])
+                if not group.get("lars_exclude", False):
+                    param_norm, update_norm = torch.norm(param), torch.norm(update)
+                    ratio = group["trust_coefficient"] * param_norm / update_norm
+                    trust = torch.where((param_norm > 0) & (update_norm > 0), ratio, torch.ones_like(ratio))
+                    update = update.mul(trust)
+                state = self.state[param]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(param)
+                buffer = state["momentum_buffer"].mul_(group["momentum"]).add_(update)
+                param.add_(buffer, alpha=-group["lr"])
+        return loss

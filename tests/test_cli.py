@@ -1,0 +1,103 @@
+"""The two entry points, driven as a user drives them (in-process, `cli_main(args)`)."""
+
+from pathlib import Path
+
+import pytest
+
+import main_linear
+import main_pretrain
+
+ROOT = Path(__file__).parents[1]
+CONFIGS = sorted(ROOT.glob("configs/*.yaml"))
+PRETRAIN_DIGITS = str(ROOT / "configs/moco_digits.yaml")
+LINEAR_DIGITS = str(ROOT / "configs/linear_digits.yaml")
+TINY_RUN = [
+    "--trainer.max_epochs=1",
+    "--trainer.limit_train_batches=2",
+    "--trainer.check_val_every_n_epoch=1",
+    "--trainer.limit_val_batches=2",
+    "--trainer.enable_progress_bar=false",
+    "--data.init_args.batch_size=16",
+    "--data.init_args.train_variants=1",
+    "--data.init_args.eval_variants=1",
+    "--model.init_args.projector.hidden_dim=32",
+    "--model.init_args.queue_size=64",
+]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=[config.name for config in CONFIGS])
+def test_every_shipped_config_parses(config, capsys):
+    entry = main_linear if config.name.startswith("linear_") else main_pretrain
+    with pytest.raises(SystemExit) as exit_info:
+        entry.cli_main(["fit", "--config", str(config), "--print_config"])
+    assert exit_info.value.code == 0
+    assert "class_path" in capsys.readouterr().out
+
+
+def run_failing(entry, args, capsys) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        entry.cli_main(args)
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines and lines[-1].startswith("error: ")
+    return lines[-1]
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("--model.init_args.temprature=0.1", "temprature"),
+        ("--model.init_args.backbone.name=resnet19", "unknown backbone name 'resnet19'"),
+        ("--model.init_args.temperature=-0.2", "temperature must be > 0, got -0.2"),
+        ("--model.init_args.queue_size=8", "queue size 8 is smaller than the 16 keys enqueued per step"),
+        ("--data.init_args.root=/no/such/folder", "data.root '/no/such/folder' is not an existing directory"),
+        ("--data.init_args.views.key.preset=mocov3", "view 'key': unknown preset 'mocov3'"),
+    ],
+)
+def test_bad_input_ends_with_one_error_line_naming_the_value_and_writes_nothing(override, expected, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    line = run_failing(
+        main_pretrain,
+        ["fit", "--config", PRETRAIN_DIGITS, *TINY_RUN, f"--trainer.default_root_dir={run_dir}", override],
+        capsys,
+    )
+    assert expected in line
+    assert not run_dir.exists()
+
+
+def test_pretrain_then_linear_probe_pipeline_with_a_rerun_in_the_same_directory(tmp_path, capsys):
+    run_dir = tmp_path / "pretrain"
+    args = ["fit", "--config", PRETRAIN_DIGITS, *TINY_RUN, f"--trainer.default_root_dir={run_dir}", "--trainer.logger=false"]
+    cli = main_pretrain.cli_main(args)
+    assert cli.model.probe.out_features == cli.datamodule.num_classes == 10  # linked from the data
+    assert "val results: probe_top1" in capsys.readouterr().out
+    main_pretrain.cli_main(args)  # same directory again: the saved config is overwritten, no crash
+    checkpoint = run_dir / "checkpoints" / "last.ckpt"
+    assert checkpoint.is_file() and (run_dir / "config.yaml").is_file()
+
+    linear = main_linear.cli_main(
+        [
+            "fit",
+            "--config", LINEAR_DIGITS,
+            f"--model.pretrained_ckpt={checkpoint}",
+            f"--trainer.default_root_dir={tmp_path / 'linear'}",
+            "--trainer.max_epochs=1",
+            "--trainer.limit_train_batches=2",
+            "--trainer.limit_val_batches=2",
+            "--trainer.enable_progress_bar=false",
+            "--data.init_args.train_variants=1",
+            "--data.init_args.eval_variants=1",
+        ]
+    )
+    assert linear.model.probe.out_features == 10
+    assert "val results: probe_top1" in capsys.readouterr().out
+
+
+def test_linear_stage_refuses_a_checkpoint_that_does_not_fit_in_one_line(tmp_path, capsys):
+    line = run_failing(
+        main_linear,
+        ["fit", "--config", LINEAR_DIGITS, f"--model.pretrained_ckpt={tmp_path / 'missing.ckpt'}",
+         f"--trainer.default_root_dir={tmp_path / 'run'}"],
+        capsys,
+    )
+    assert "missing.ckpt' is not an existing file" in line

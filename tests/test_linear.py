@@ -1,0 +1,75 @@
+import pytest
+import torch
+
+from backbones import BackboneSpec
+from helpers import TINY_BACKBONE, TINY_PROJECTOR, cpu_trainer, digits
+from methods import LinearProbe, MoCoV2
+from methods.momentum import MomentumSpec
+from methods.optim import OptimizerSpec, ScheduleSpec
+
+LINEAR_VIEWS = {"image": {"preset": "crop_pad_flip"}}
+
+
+@pytest.fixture(scope="module")
+def pretrained_checkpoint(tmp_path_factory):
+    """A real (one-step) MoCo v2 pretraining checkpoint written by Lightning."""
+    directory = tmp_path_factory.mktemp("pretrain")
+    model = MoCoV2(backbone=TINY_BACKBONE, projector=TINY_PROJECTOR, queue_size=64, momentum=MomentumSpec(shuffle_bn=False), knn_k=0)
+    trainer = cpu_trainer(directory, max_steps=1, limit_val_batches=0)
+    trainer.fit(model, digits({"query": {"preset": "mocov2"}, "key": {"preset": "mocov2"}}, batch_size=16))
+    path = directory / "pretrain.ckpt"
+    trainer.save_checkpoint(path)
+    return path, {key: value.clone() for key, value in model.backbone.state_dict().items()}
+
+
+def test_backbone_is_loaded_from_the_checkpoint_with_its_recorded_spec(pretrained_checkpoint):
+    path, weights = pretrained_checkpoint
+    probe = LinearProbe(pretrained_ckpt=str(path))
+    for key, value in probe.backbone.state_dict().items():
+        assert torch.equal(value, weights[key]), key
+
+
+@pytest.mark.parametrize(
+    "backbone, message",
+    [
+        (BackboneSpec("resnet34"), r"does not match backbone 'resnet34' \(small_input=False\): missing keys \['layer1.2"),
+        (BackboneSpec("resnet18", small_input=True), "does not fit backbone 'resnet18'"),
+    ],
+)
+def test_a_checkpoint_with_mismatched_backbone_keys_is_refused(pretrained_checkpoint, backbone, message):
+    with pytest.raises(ValueError, match=message):
+        LinearProbe(pretrained_ckpt=str(pretrained_checkpoint[0]), backbone=backbone)
+
+
+def test_a_file_without_backbone_weights_is_refused(tmp_path):
+    path = tmp_path / "other.ckpt"
+    torch.save({"state_dict": {"encoder.weight": torch.zeros(2)}}, path)
+    with pytest.raises(ValueError, match="holds no 'backbone.\\*' weights"):
+        LinearProbe(pretrained_ckpt=str(path))
+    with pytest.raises(ValueError, match="is not an existing file"):
+        LinearProbe(pretrained_ckpt=str(tmp_path / "missing.ckpt"))
+
+
+def test_exactly_one_of_checkpoint_or_random_init():
+    with pytest.raises(ValueError, match="give exactly one of"):
+        LinearProbe()
+    probe = LinearProbe(random_init=True, backbone=TINY_BACKBONE)
+    assert not any(p.requires_grad for p in probe.backbone.parameters())
+
+
+def test_frozen_backbone_is_bit_identical_after_a_linear_probe_epoch(pretrained_checkpoint, tmp_path):
+    path, weights = pretrained_checkpoint
+    probe = LinearProbe(
+        pretrained_ckpt=str(path),
+        optimizer=OptimizerSpec(lr=1.0, weight_decay=0.0),
+        schedule=ScheduleSpec(decay="constant"),
+        knn_k=0,
+    )
+    probe_before = probe.probe.weight.clone()
+    trainer = cpu_trainer(tmp_path, max_epochs=1, limit_train_batches=5, limit_val_batches=2)
+    trainer.fit(probe, digits(LINEAR_VIEWS, batch_size=32))
+    state = probe.backbone.state_dict()  # parameters and BatchNorm running statistics
+    assert all(torch.equal(state[key], weights[key]) for key in weights)
+    assert not probe.backbone.training  # BN kept in eval mode through training and validation
+    assert not torch.equal(probe.probe.weight, probe_before)
+    assert "val/probe_top1" in trainer.callback_metrics

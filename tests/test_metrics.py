@@ -1,0 +1,65 @@
+"""Tests of analysis/metrics.py against spec_selfsup.md section 9.8 and the pairwise definitions."""
+
+import itertools
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from analysis.metrics import tolerance, uniformity
+
+
+def unit(seed, *shape):
+    return F.normalize(torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64), dim=-1)
+
+
+def test_uniformity_of_two_orthogonal_unit_vectors_is_minus_four():
+    assert uniformity(torch.eye(2, dtype=torch.float64)).item() == pytest.approx(-4.0, abs=1e-12)
+
+
+def test_uniformity_of_identical_points_is_zero():
+    assert uniformity(unit(0, 1, 5).expand(6, 5)).item() == pytest.approx(0.0, abs=1e-12)
+
+
+def test_uniformity_matches_mean_over_unordered_pairs():
+    z, t = unit(1, 7, 4), 1.5
+    pairs = [math.exp(-t * (z[i] - z[j]).pow(2).sum().item()) for i, j in itertools.combinations(range(7), 2)]
+    assert uniformity(z, t).item() == pytest.approx(math.log(sum(pairs) / len(pairs)), abs=1e-12)
+
+
+def test_tolerance_of_identical_same_class_features_is_one():
+    z = torch.cat([unit(2, 1, 4).expand(3, 4), unit(3, 1, 4).expand(2, 4)])
+    assert tolerance(z, torch.tensor([0, 0, 0, 1, 1])).item() == pytest.approx(1.0, abs=1e-12)
+
+
+def test_tolerance_is_mean_over_same_class_pairs_without_self():
+    z, labels = unit(4, 6, 3), torch.tensor([0, 1, 0, 0, 1, 2])
+    pairs = [(z[i] @ z[j]).item() for i in range(6) for j in range(6) if i != j and labels[i] == labels[j]]
+    assert tolerance(z, labels).item() == pytest.approx(sum(pairs) / len(pairs), abs=1e-12)
+
+
+def test_tolerance_is_invariant_to_the_order_of_classes():
+    z, labels = unit(5, 8, 3), torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
+    relabelled = torch.tensor([2, 0, 1])[labels]
+    assert tolerance(z, relabelled).item() == pytest.approx(tolerance(z, labels).item(), abs=1e-12)
+
+
+def test_metrics_return_float32_for_low_precision_input():
+    z = unit(6, 5, 4).to(torch.bfloat16)
+    assert uniformity(z).dtype == torch.float32
+    assert tolerance(z, torch.tensor([0, 0, 1, 1, 1])).dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: uniformity(torch.ones(1, 3)), r"z must have shape \(N, D\) with N >= 2"),
+        (lambda: uniformity(torch.eye(2), t=0.0), "t must be > 0"),
+        (lambda: tolerance(torch.eye(3), torch.tensor([0, 1])), r"labels must have shape \(3,\)"),
+        (lambda: tolerance(torch.eye(3), torch.tensor([0, 1, 2])), "at least one class with two samples"),
+    ],
+)
+def test_bad_input_raises_value_error(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()

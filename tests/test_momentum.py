@@ -1,0 +1,203 @@
+import math
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+
+from methods.momentum import (
+    KeyQueue,
+    MemoryBank,
+    SplitBatchNorm2d,
+    convert_to_split_batchnorm,
+    distributed_shuffled_forward,
+    ema_update_,
+    momentum_at,
+)
+
+
+# ------------------------------------------------------------------ EMA and its schedules
+def test_constant_momentum_is_the_same_at_every_step():
+    assert [momentum_at(step, 100, 0.99, "constant") for step in (0, 50, 99)] == [0.99] * 3
+
+
+def test_cosine_momentum_goes_from_base_to_exactly_one():
+    total, base = 101, 0.99
+    assert momentum_at(0, total, base, "cosine") == pytest.approx(base, abs=1e-15)
+    assert momentum_at(50, total, base, "cosine") == pytest.approx(base + (1 - base) / 2, abs=1e-15)
+    assert momentum_at(100, total, base, "cosine") == 1.0
+    # m_t = 1 - (1 - m_0)(cos(pi t / T) + 1) / 2 with T = total - 1 (SCE, spec_selfsup 1.2)
+    assert momentum_at(25, total, base, "cosine") == pytest.approx(1 - 0.01 * (math.cos(math.pi / 4) + 1) / 2, abs=1e-15)
+    values = [momentum_at(step, total, base, "cosine") for step in range(total)]
+    assert all(a <= b for a, b in zip(values, values[1:]))
+
+
+def _pair():
+    online = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
+    target = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
+    online[1].running_mean.fill_(5.0)
+    return online, target
+
+
+def test_ema_update_mixes_parameters_with_the_momentum():
+    online, target = _pair()
+    before = [p.clone() for p in target.parameters()]
+    ema_update_(online, target, 0.9)
+    for after, old, new in zip(target.parameters(), before, online.parameters()):
+        torch.testing.assert_close(after, 0.9 * old + 0.1 * new)
+
+
+def test_ema_with_momentum_one_freezes_and_zero_copies():
+    online, target = _pair()
+    frozen = [p.clone() for p in target.parameters()]
+    ema_update_(online, target, 1.0)
+    assert all(torch.equal(a, b) for a, b in zip(target.parameters(), frozen))
+    ema_update_(online, target, 0.0)
+    assert all(torch.equal(a, b) for a, b in zip(target.parameters(), online.parameters()))
+
+
+def test_ema_leaves_batchnorm_buffers_alone():
+    online, target = _pair()
+    ema_update_(online, target, 0.0)
+    assert torch.equal(target[1].running_mean, torch.zeros(3))
+
+
+# ------------------------------------------------------------------ queue
+def test_queue_starts_with_unit_keys_and_random_labels_in_range():
+    queue = KeyQueue(size=64, dim=8, num_classes=5)
+    torch.testing.assert_close(queue.keys.norm(dim=1), torch.ones(64))
+    assert 0 <= queue.labels.min() and queue.labels.max() < 5
+
+
+def test_queue_is_fifo_and_every_slot_is_replaced_once_per_cycle():
+    queue = KeyQueue(size=8, dim=2)
+    batches = [torch.full((2, 2), float(step)) for step in range(4)]
+    for batch in batches:
+        queue.push(batch)
+    assert queue.pointer.item() == 0
+    torch.testing.assert_close(queue.keys[:, 0], torch.tensor([0.0, 0, 1, 1, 2, 2, 3, 3]))
+    queue.push(torch.full((2, 2), 4.0))  # the oldest entries go first
+    torch.testing.assert_close(queue.keys[:, 0], torch.tensor([4.0, 4, 1, 1, 2, 2, 3, 3]))
+
+
+def test_queue_wraps_around_when_its_size_is_not_a_multiple_of_the_batch():
+    queue = KeyQueue(size=5, dim=1, num_classes=10)
+    queue.push(torch.tensor([[1.0], [2.0], [3.0]]), torch.tensor([1, 2, 3]))
+    queue.push(torch.tensor([[4.0], [5.0], [6.0]]), torch.tensor([4, 5, 6]))
+    assert queue.keys.flatten().tolist() == [6.0, 2.0, 3.0, 4.0, 5.0]
+    assert queue.labels.tolist() == [6, 2, 3, 4, 5]  # labels stay aligned with their keys
+    assert queue.pointer.item() == 1
+
+
+def test_queue_read_is_a_detached_copy_unaffected_by_later_pushes():
+    queue = KeyQueue(size=4, dim=2)
+    snapshot = queue.read()
+    queue.push(torch.ones(2, 2, requires_grad=True))
+    assert not torch.equal(snapshot, queue.keys)
+    assert not queue.keys.requires_grad
+
+
+def test_queue_state_is_saved_and_restored_with_the_state_dict():
+    queue = KeyQueue(size=6, dim=3, num_classes=4)
+    queue.push(torch.randn(4, 3), torch.tensor([0, 1, 2, 3]))
+    restored = KeyQueue(size=6, dim=3, num_classes=4)
+    restored.load_state_dict(queue.state_dict())
+    assert set(queue.state_dict()) == {"keys", "labels", "pointer"}
+    assert torch.equal(restored.keys, queue.keys) and torch.equal(restored.labels, queue.labels)
+    assert restored.pointer.item() == 4
+
+
+def test_queue_refuses_more_keys_than_it_holds_and_missing_labels():
+    queue = KeyQueue(size=4, dim=2, num_classes=3)
+    with pytest.raises(ValueError, match="cannot enqueue 5 keys into a queue of size 4"):
+        queue.push(torch.randn(5, 2), torch.zeros(5, dtype=torch.long))
+    with pytest.raises(ValueError, match="labels must be given"):
+        queue.push(torch.randn(2, 2))
+
+
+# ------------------------------------------------------------------ memory bank
+def test_memory_bank_starts_uniform_in_npid_range():
+    bank = MemoryBank(size=1000, dim=128)
+    bound = 1 / math.sqrt(128 / 3)
+    assert bank.entries.abs().max() <= bound and bank.entries.abs().max() > 0.9 * bound
+
+
+def test_memory_bank_updates_only_the_given_indices_with_the_momentum_rule():
+    bank = MemoryBank(size=10, dim=4)
+    before = bank.entries.clone()
+    indices = torch.tensor([7, 2])
+    features = F.normalize(torch.randn(2, 4), dim=1)
+    bank.update(indices, features, momentum=0.5)
+    expected = F.normalize(0.5 * before[indices] + 0.5 * features, dim=1)
+    torch.testing.assert_close(bank.entries[indices], expected)
+    untouched = torch.ones(10, dtype=torch.bool)
+    untouched[indices] = False
+    assert torch.equal(bank.entries[untouched], before[untouched])
+
+
+# ------------------------------------------------------------------ split BatchNorm and shuffling
+def test_split_batchnorm_normalises_each_interleaved_group_separately():
+    split = SplitBatchNorm2d(3, num_splits=4)
+    x = torch.randn(8, 3, 5, 5) * 3 + 1
+    out = split(x)
+    for group in range(4):
+        members = x[group::4]
+        mean = members.mean(dim=(0, 2, 3), keepdim=True)
+        var = members.var(dim=(0, 2, 3), unbiased=False, keepdim=True)
+        torch.testing.assert_close(out[group::4], (members - mean) / torch.sqrt(var + split.eps), atol=1e-5, rtol=1e-5)
+
+
+def test_split_batchnorm_running_stats_average_the_groups_and_eval_is_plain_batchnorm():
+    split, plain = SplitBatchNorm2d(3, num_splits=2), nn.BatchNorm2d(3)
+    x = torch.randn(4, 3, 2, 2)
+    split(x)
+    group_means = torch.stack([x[g::2].mean(dim=(0, 2, 3)) for g in range(2)])
+    torch.testing.assert_close(split.running_mean, 0.1 * group_means.mean(0))
+    plain.load_state_dict(split.state_dict())
+    split.eval(), plain.eval()
+    torch.testing.assert_close(split(x), plain(x))
+
+
+def test_split_batchnorm_refuses_a_batch_that_does_not_divide():
+    with pytest.raises(ValueError, match="divisible by 4"):
+        SplitBatchNorm2d(3, num_splits=4)(torch.randn(6, 3, 2, 2))
+
+
+def test_conversion_splits_only_batchnorm2d_and_keeps_its_state():
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), nn.Flatten(), nn.BatchNorm1d(4))
+    model[1].running_mean.fill_(2.0)
+    converted = convert_to_split_batchnorm(model, 8)
+    assert isinstance(converted[1], SplitBatchNorm2d) and converted[1].num_splits == 8
+    assert torch.equal(converted[1].running_mean, torch.full((4,), 2.0))
+    assert type(converted[3]) is nn.BatchNorm1d
+
+
+def _shuffle_worker(rank: int, world: int, port: int, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(rank)
+    local = torch.arange(4, dtype=torch.float32).view(4, 1) + 10 * rank
+    seen = []
+
+    def encoder(images):
+        seen.append(images.clone())
+        return images * 2
+
+    output = distributed_shuffled_forward(encoder, local)
+    results[rank] = (output, seen[0])
+    dist.destroy_process_group()
+
+
+def test_distributed_shuffle_bn_encodes_a_mixed_batch_and_returns_each_rank_its_own_keys():
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_shuffle_worker, args=(2, 29511, results), nprocs=2)
+        results = dict(results)
+    everything = torch.cat([results[rank][1] for rank in (0, 1)]).flatten().sort().values
+    assert everything.tolist() == [0.0, 1, 2, 3, 10, 11, 12, 13]  # one permutation shared by both ranks
+    for rank in (0, 1):
+        torch.testing.assert_close(results[rank][0], 2 * (torch.arange(4.0).view(4, 1) + 10 * rank))
+    assert results[0][1].flatten().tolist() != [0.0, 1, 2, 3]  # rank 0 did not just encode its own batch

@@ -1,0 +1,83 @@
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+from methods.optim import LARS, OptimizerSpec, ScheduleSpec, build_optimizer, lr_factor, parameter_groups
+
+
+def test_linear_warmup_then_cosine_per_step():
+    spec = ScheduleSpec(warmup_epochs=2, decay="cosine")
+    steps_per_epoch, total = 10, 100
+    assert lr_factor(0, steps_per_epoch, total, spec) == pytest.approx(1 / 20)
+    assert lr_factor(19, steps_per_epoch, total, spec) == pytest.approx(1.0)
+    assert lr_factor(20, steps_per_epoch, total, spec) == pytest.approx(1.0)
+    assert lr_factor(60, steps_per_epoch, total, spec) == pytest.approx(0.5)
+    assert lr_factor(100, steps_per_epoch, total, spec) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_cosine_can_end_at_a_fraction_of_the_peak():
+    spec = ScheduleSpec(decay="cosine", final_lr_fraction=0.1)
+    assert lr_factor(100, 10, 100, spec) == pytest.approx(0.1)
+
+
+def test_epoch_unit_holds_the_rate_within_an_epoch_like_moco_cos():
+    spec = ScheduleSpec(decay="cosine", unit="epoch")
+    # MoCo --cos: lr * 0.5 * (1 + cos(pi * epoch / epochs)), epochs = 10 here
+    for step in (30, 35, 39):
+        assert lr_factor(step, 10, 100, spec) == pytest.approx(0.5 * (1 + math.cos(math.pi * 3 / 10)))
+
+
+def test_step_decay_multiplies_by_gamma_at_each_milestone_epoch():
+    spec = ScheduleSpec(decay="step", milestones=[60, 80], gamma=0.1)
+    assert [lr_factor(epoch * 5, 5, 500, spec) for epoch in (0, 59, 60, 79, 80, 99)] == pytest.approx(
+        [1, 1, 0.1, 0.1, 0.01, 0.01]
+    )
+
+
+@pytest.mark.parametrize("scaling, expected", [("none", 0.06), ("linear", 0.06 * 2), ("sqrt", 0.06 * math.sqrt(2))])
+def test_learning_rate_scaling_by_global_batch(scaling, expected):
+    assert OptimizerSpec(lr=0.06, lr_scaling=scaling).effective_lr(512) == pytest.approx(expected)
+
+
+def test_biases_and_norm_parameters_get_no_weight_decay():
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2, bias=False))
+    groups = parameter_groups(model.named_parameters(), OptimizerSpec(weight_decay=5e-4))
+    decayed, excluded = groups
+    assert [p.shape for p in decayed["params"]] == [(4, 3), (2, 4)] and decayed["weight_decay"] == 5e-4
+    assert len(excluded["params"]) == 3 and excluded["weight_decay"] == 0.0 and excluded["lars_exclude"]
+    everything = parameter_groups(model.named_parameters(), OptimizerSpec(exclude_bias_and_norm=False))
+    assert len(everything) == 1 and len(everything[0]["params"]) == 5
+
+
+def test_frozen_parameters_are_left_out_of_the_groups():
+    model = nn.Linear(3, 4)
+    model.bias.requires_grad_(False)
+    groups = parameter_groups(model.named_parameters(), OptimizerSpec())
+    assert sum(len(g["params"]) for g in groups) == 1
+
+
+def test_lars_scales_the_update_by_the_trust_ratio_and_skips_excluded_groups():
+    weight = nn.Parameter(torch.tensor([[3.0, 4.0]]))  # norm 5
+    bias = nn.Parameter(torch.tensor([1.0]))
+    weight.grad, bias.grad = torch.tensor([[0.6, 0.8]]), torch.tensor([0.5])
+    optimizer = LARS(
+        [{"params": [weight], "weight_decay": 0.0, "lars_exclude": False}, {"params": [bias], "weight_decay": 0.0, "lars_exclude": True}],
+        lr=0.1,
+        momentum=0.9,
+        trust_coefficient=0.001,
+    )
+    optimizer.step()
+    # update = grad * eta * ||w|| / ||grad|| = grad * 0.001 * 5 / 1
+    torch.testing.assert_close(weight, torch.tensor([[3.0, 4.0]]) - 0.1 * 0.005 * torch.tensor([[0.6, 0.8]]))
+    torch.testing.assert_close(bias, torch.tensor([1.0 - 0.1 * 0.5]))
+    optimizer.step()  # momentum buffer: second update is (0.9 + 1) x the (re-scaled) first
+    assert optimizer.state[bias]["momentum_buffer"].item() == pytest.approx(0.5 * 1.9)
+
+
+def test_optimizer_factory_builds_each_kind():
+    groups = lambda: parameter_groups(nn.Linear(2, 2).named_parameters(), OptimizerSpec())  # noqa: E731
+    assert isinstance(build_optimizer(groups(), OptimizerSpec(name="sgd"), 0.1), torch.optim.SGD)
+    assert isinstance(build_optimizer(groups(), OptimizerSpec(name="lars"), 0.1), LARS)
+    assert isinstance(build_optimizer(groups(), OptimizerSpec(name="adamw"), 0.1), torch.optim.AdamW)
