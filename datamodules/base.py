@@ -5,15 +5,21 @@ Batches:
   (shape (B, C, H, W), or (B, N, C, H, W) for a view with `count: N`);
 - evaluation: `{"image": x, "label": y, "index": i}`.
 
+With `pipeline: device` the DataLoader delivers the raw uint8 images and the views are drawn on the
+training device after the transfer (`augment_on_device`, called by the method's
+`on_after_batch_transfer`), every random parameter per sample; `workers` (the default) augments each
+image with PIL in the DataLoader workers.
+
 `val_dataloader()` returns the validation split and, when `knn_bank` is on, the training split under
 the evaluation view (the labelled bank of the kNN monitor). A subclass only says where its splits come
 from (`build_splits`), its class count, image size and normalisation.
 """
 
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import lightning as L
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
@@ -32,6 +38,21 @@ class ViewsDataset(Dataset):
     def __getitem__(self, index: int) -> dict[str, Any]:
         image, label = self.base[index]
         return {"views": {name: view(image) for name, view in self.views.items()}, "label": label, "index": index}
+
+
+class RawImageDataset(Dataset):
+    """Training samples as uint8 (C, H, W) tensors, augmented later on the device."""
+
+    def __init__(self, base: Dataset):
+        self.base = base
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        image, label = self.base[index]
+        pixels = torch.from_numpy(np.array(image.convert("RGB"), dtype=np.uint8)).permute(2, 0, 1)
+        return {"image": pixels, "label": label, "index": index}
 
 
 class EvalDataset(Dataset):
@@ -64,6 +85,7 @@ class ContrastiveDataModule(L.LightningDataModule):
         eval_view: dict[str, Any] | None = None,
         knn_bank: bool = True,
         pin_memory: bool = True,
+        pipeline: Literal["workers", "device"] = "workers",
     ):
         """
         Args:
@@ -75,6 +97,9 @@ class ContrastiveDataModule(L.LightningDataModule):
             eval_view: the evaluation pipeline (default: the `center` preset at the dataset's size).
             knn_bank: also serve the training split under `eval_view` during validation (kNN monitor).
             pin_memory: pin host memory for faster host-to-GPU copies.
+            pipeline: where the training views are drawn: `workers` (per image, PIL, in the DataLoader
+                workers) or `device` (per batch on the training device, same parameters, per-sample
+                randomness; needs images of one size).
         """
         super().__init__()
         if batch_size < 1:
@@ -86,8 +111,9 @@ class ContrastiveDataModule(L.LightningDataModule):
         self.num_workers = num_workers
         self.knn_bank = knn_bank
         self.pin_memory = pin_memory
+        self.pipeline = pipeline
         defaults = {"size": self.image_size, "mean": self.mean, "std": self.std}
-        self.views = {name: build_view(name, spec, defaults) for name, spec in (views or {}).items()}
+        self.views = {name: build_view(name, spec, defaults, pipeline) for name, spec in (views or {}).items()}
         self.eval_transform = build_view("eval_view", eval_view or {"preset": "center"}, defaults)
         self.splits: dict[str, Dataset] | None = None
 
@@ -126,7 +152,15 @@ class ContrastiveDataModule(L.LightningDataModule):
         if not self.views:
             raise ValueError("data.views is empty: the training split needs at least one named view")
         self.setup()
-        return self._loader(ViewsDataset(self.splits["train"], self.views), train=True)
+        train = self.splits["train"]
+        return self._loader(RawImageDataset(train) if self.pipeline == "device" else ViewsDataset(train, self.views), train=True)
+
+    def augment_on_device(self, batch: dict) -> dict:
+        """Draw the training views from a transferred batch of raw images (`pipeline: device`)."""
+        if self.pipeline != "device" or "image" not in batch:
+            return batch
+        views = {name: view(batch["image"]) for name, view in self.views.items()}
+        return {"views": views, "label": batch["label"], "index": batch["index"]}
 
     def _eval_loaders(self, split: str) -> list[DataLoader]:
         self.setup()

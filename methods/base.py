@@ -33,6 +33,7 @@ class PretrainMethod(EvaluationMixin, L.LightningModule):
         probe_lr: float = 0.1,
         knn_k: int = 200,
         knn_temperature: float = 0.07,
+        channels_last: bool = False,
     ):
         """
         Args:
@@ -45,6 +46,8 @@ class PretrainMethod(EvaluationMixin, L.LightningModule):
             probe_lr: learning rate of the online linear probe (its own parameter group, no weight
                 decay, never scaled by the batch size); the probe sees detached features only.
             knn_k: neighbours of the kNN monitor (0 disables it); knn_temperature: its vote temperature.
+            channels_last: keep convolution weights and input images in channels-last memory layout
+                (faster convolutions on recent GPUs and on CPUs with oneDNN, the same numbers).
         """
         super().__init__()
         save_plain_hyperparameters(self)
@@ -57,6 +60,7 @@ class PretrainMethod(EvaluationMixin, L.LightningModule):
         self.optimizer_spec = as_spec(OptimizerSpec, optimizer)
         self.schedule_spec = as_spec(ScheduleSpec, schedule)
         self.probe_lr = probe_lr
+        self.channels_last = channels_last
         self.init_evaluation(num_classes, knn_k, knn_temperature)
 
     # ----------------------------------------------------------------- the method's part
@@ -84,6 +88,19 @@ class PretrainMethod(EvaluationMixin, L.LightningModule):
     def setup(self, stage: str) -> None:
         if stage == "fit" and self.trainer.datamodule is not None:
             self.check_data(self.trainer.datamodule, self.trainer.world_size)
+        if self.channels_last:
+            self.to(memory_format=torch.channels_last)
+
+    def on_after_batch_transfer(self, batch: dict, dataloader_idx: int) -> dict:
+        if self._trainer is not None and self.trainer.training and self.trainer.datamodule is not None:
+            batch = self.trainer.datamodule.augment_on_device(batch)
+        if self.channels_last:
+            to_channels_last = lambda x: x.contiguous(memory_format=torch.channels_last) if x.ndim == 4 else x  # noqa: E731
+            if "views" in batch:
+                batch["views"] = {name: to_channels_last(images) for name, images in batch["views"].items()}
+            if "image" in batch:
+                batch["image"] = to_channels_last(batch["image"])
+        return batch
 
     # ----------------------------------------------------------------- shared helpers
     def embed(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

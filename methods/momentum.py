@@ -217,7 +217,7 @@ class SplitBatchNorm2d(nn.BatchNorm2d):
         running_mean = self.running_mean.repeat(splits)
         running_var = self.running_var.repeat(splits)
         out = F.batch_norm(
-            x.view(-1, channels * splits, height, width),
+            x.reshape(-1, channels * splits, height, width),
             running_mean,
             running_var,
             self.weight.repeat(splits) if self.affine else None,
@@ -225,7 +225,7 @@ class SplitBatchNorm2d(nn.BatchNorm2d):
             True,
             self.momentum if self.momentum is not None else 0.1,
             self.eps,
-        ).view(batch, channels, height, width)
+        ).reshape(batch, channels, height, width)
         with torch.no_grad():
             self.running_mean.copy_(running_mean.view(splits, channels).mean(0))
             self.running_var.copy_(running_var.view(splits, channels).mean(0))

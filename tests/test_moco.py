@@ -119,3 +119,21 @@ def test_views_must_match_what_the_method_consumes():
     model = tiny_moco()
     with pytest.raises(ValueError, match=r"consumes the views \['query', 'key'\] but data.views provides \['weak', 'strong'\]"):
         model.check_data(digits({"weak": {"preset": "crop_flip"}, "strong": {"preset": "mocov2"}}), world_size=1)
+
+
+def test_the_online_probe_never_changes_the_backbone():
+    model = tiny_moco()
+    batch = first_batch(digits(MOCO_VIEWS, batch_size=16))
+    features = model.backbone(batch["views"]["query"])
+    model.probe_loss(features.detach(), batch["label"]).backward()
+    assert all(p.grad is None for p in model.backbone.parameters())
+    assert model.probe.weight.grad is not None and model.probe.weight.grad.abs().sum() > 0
+
+
+def test_unlabelled_samples_are_left_out_of_the_probe_loss():
+    model = tiny_moco()
+    features = torch.randn(4, model.feature_dim)
+    labels = torch.tensor([3, -1, 5, -1])
+    expected = torch.nn.functional.cross_entropy(model.probe(features[[0, 2]]), labels[[0, 2]])
+    torch.testing.assert_close(model.probe_loss(features, labels), expected)
+    assert model.probe_loss(features, torch.full((4,), -1)).item() == 0.0  # no NaN on an unlabelled batch

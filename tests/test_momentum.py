@@ -201,3 +201,10 @@ def test_distributed_shuffle_bn_encodes_a_mixed_batch_and_returns_each_rank_its_
     for rank in (0, 1):
         torch.testing.assert_close(results[rank][0], 2 * (torch.arange(4.0).view(4, 1) + 10 * rank))
     assert results[0][1].flatten().tolist() != [0.0, 1, 2, 3]  # rank 0 did not just encode its own batch
+
+
+def test_split_batchnorm_gives_the_same_result_on_channels_last_input():
+    split = SplitBatchNorm2d(3, num_splits=2)
+    x = torch.randn(4, 3, 5, 5)
+    expected = split(x)
+    torch.testing.assert_close(split(x.contiguous(memory_format=torch.channels_last)), expected)

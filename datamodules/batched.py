@@ -1,0 +1,190 @@
+"""Per-sample random augmentation of a whole batch of tensors, on whatever device the batch is on.
+
+`BatchedAugment` takes the same parameters as `datamodules.transforms.augment` and draws every random
+parameter per sample, like the per-image pipeline does (torchvision v2 applied to a batch would draw
+one set for the whole batch, which is wrong for two-view contrastive learning):
+
+- RandomResizedCrop: torchvision's sampling (10 tries of area and log-ratio, then the clamped centre
+  fallback) vectorised, resampled with `roi_align` (bilinear, averaging when it shrinks);
+- ColorJitter: torchvision's tensor formulas for brightness, contrast, saturation and hue, each step
+  clamped to [0, 1], in an order drawn per sample;
+- grayscale (ITU-R 601 weights as torchvision), Gaussian blur with a per-sample sigma, solarisation,
+  horizontal flip; then normalisation.
+
+Input: uint8 (B, C, H, W) or float in [0, 1]. Output: float32 (B, C, size, size), normalised.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torchvision.ops import roi_align
+
+GRAY_WEIGHTS = (0.2989, 0.587, 0.114)
+
+
+def _uniform(low: float, high: float, count: int, device) -> torch.Tensor:
+    return torch.empty(count, device=device).uniform_(low, high)
+
+
+def crop_boxes(batch: int, height: int, width: int, scale, ratio, device, tries: int = 10) -> torch.Tensor:
+    """(B, 4) boxes (x1, y1, x2, y2) drawn per sample as torchvision's RandomResizedCrop.get_params:
+    up to `tries` draws of area and log-ratio, the first that fits wins, else the centred fallback."""
+    area = height * width * torch.empty(batch, tries, device=device).uniform_(*scale)
+    aspect = torch.empty(batch, tries, device=device).uniform_(math.log(ratio[0]), math.log(ratio[1])).exp()
+    crop_w = torch.sqrt(area * aspect).round()
+    crop_h = torch.sqrt(area / aspect).round()
+    fits = (crop_w > 0) & (crop_w <= width) & (crop_h > 0) & (crop_h <= height)
+    found = fits.any(dim=1)
+    first = fits.float().argmax(dim=1, keepdim=True)
+    fallback_w, fallback_h = _fallback_size(height, width, ratio)
+    w = torch.where(found, crop_w.gather(1, first)[:, 0], torch.full((batch,), fallback_w, device=device))
+    h = torch.where(found, crop_h.gather(1, first)[:, 0], torch.full((batch,), fallback_h, device=device))
+    top = torch.where(found, torch.floor(torch.rand(batch, device=device) * (height - h + 1)), torch.div(height - h, 2, rounding_mode="floor"))
+    left = torch.where(found, torch.floor(torch.rand(batch, device=device) * (width - w + 1)), torch.div(width - w, 2, rounding_mode="floor"))
+    return torch.stack([left, top, left + w, top + h], dim=1)
+
+
+def _fallback_size(height: int, width: int, ratio) -> tuple[float, float]:
+    """torchvision's fallback: the whole image, narrowed to the nearest allowed aspect ratio."""
+    in_ratio = width / height
+    if in_ratio < min(ratio):
+        return float(width), float(round(width / min(ratio)))
+    if in_ratio > max(ratio):
+        return float(round(height * max(ratio))), float(height)
+    return float(width), float(height)
+
+
+def rgb_to_gray(images: torch.Tensor) -> torch.Tensor:
+    weights = images.new_tensor(GRAY_WEIGHTS).view(1, 3, 1, 1)
+    return (images * weights).sum(dim=1, keepdim=True)
+
+
+def _blend(images: torch.Tensor, other: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    factor = factor.view(-1, 1, 1, 1)
+    return (factor * images + (1 - factor) * other).clamp(0, 1)
+
+
+def adjust_hue(images: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """torchvision's tensor `adjust_hue`: RGB -> HSV, hue + shift (mod 1), HSV -> RGB, per sample."""
+    red, green, blue = images.unbind(1)
+    maximum, _ = images.max(dim=1)
+    minimum, _ = images.min(dim=1)
+    chroma = maximum - minimum
+    safe_max = torch.where(maximum == 0, torch.ones_like(maximum), maximum)
+    saturation = chroma / safe_max
+    safe_chroma = torch.where(chroma == 0, torch.ones_like(chroma), chroma)
+    rc, gc, bc = (maximum - red) / safe_chroma, (maximum - green) / safe_chroma, (maximum - blue) / safe_chroma
+    hue = torch.where(maximum == red, bc - gc, torch.where(maximum == green, 2.0 + rc - bc, 4.0 + gc - rc))
+    hue = torch.where(chroma == 0, torch.zeros_like(hue), hue)
+    hue = torch.fmod(hue / 6.0 + 1.0, 1.0)
+    hue = torch.remainder(hue + shift.view(-1, 1, 1), 1.0) * 6.0
+    # HSV -> RGB in closed form, channel = v - v s clamp(min(k, 4 - k), 0, 1) with k = (n + 6h) mod 6 for
+    # n = 5, 3, 1: the same values as torchvision's sector table, without building six candidate maps.
+    channels = []
+    for offset in (5.0, 3.0, 1.0):
+        k = torch.remainder(hue + offset, 6.0)
+        channels.append(maximum - maximum * saturation * torch.minimum(k, 4.0 - k).clamp(0, 1))
+    return torch.stack(channels, dim=1)
+
+
+def gaussian_blur(images: torch.Tensor, sigma: torch.Tensor, max_sigma: float) -> torch.Tensor:
+    """Separable Gaussian blur with one sigma per sample; kernel radius ceil(3 * max_sigma), reflect padding."""
+    batch, channels, height, width = images.shape
+    radius = min(math.ceil(3 * max_sigma), height - 1, width - 1)
+    offsets = torch.arange(-radius, radius + 1, device=images.device, dtype=images.dtype)
+    kernel = torch.exp(-(offsets[None] ** 2) / (2 * sigma[:, None] ** 2))
+    kernel = (kernel / kernel.sum(dim=1, keepdim=True)).repeat_interleave(channels, dim=0)  # (B*C, 2r+1)
+    flat = F.pad(images.reshape(1, batch * channels, height, width), (radius, radius, radius, radius), mode="reflect")
+    flat = F.conv2d(flat, kernel[:, None, :, None], groups=batch * channels)
+    flat = F.conv2d(flat, kernel[:, None, None, :], groups=batch * channels)
+    return flat.reshape(batch, channels, height, width)
+
+
+class BatchedAugment:
+    """The `augment` family of `datamodules.transforms` on a batch, every parameter drawn per sample."""
+
+    def __init__(
+        self,
+        size: int,
+        mean,
+        std,
+        scale=(0.2, 1.0),
+        ratio=(3 / 4, 4 / 3),
+        jitter=(0.4, 0.4, 0.4, 0.1),
+        jitter_prob: float = 0.8,
+        gray_prob: float = 0.2,
+        blur_prob: float = 0.0,
+        blur_sigma=(0.1, 2.0),
+        solarize_prob: float = 0.0,
+        solarize_threshold: float = 0.5,
+        flip: bool = True,
+    ):
+        self.size, self.scale, self.ratio = size, tuple(scale), tuple(ratio)
+        brightness, contrast, saturation, hue = jitter
+        self.jitter_ranges = (
+            (max(0.0, 1 - brightness), 1 + brightness),
+            (max(0.0, 1 - contrast), 1 + contrast),
+            (max(0.0, 1 - saturation), 1 + saturation),
+            (-hue, hue),
+        )
+        self.jitter_prob, self.gray_prob, self.flip = jitter_prob, gray_prob, flip
+        self.blur_prob, self.blur_sigma = blur_prob, tuple(blur_sigma)
+        self.solarize_prob, self.solarize_threshold = solarize_prob, solarize_threshold
+        self.mean = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1)
+        self.std = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1)
+
+    def _chance(self, probability: float, batch: int, device) -> torch.Tensor:
+        return torch.rand(batch, device=device) < probability
+
+    def color_jitter(self, images: torch.Tensor) -> torch.Tensor:
+        batch, device = images.shape[0], images.device
+        applied = self._chance(self.jitter_prob, batch, device)
+        neutral = (1.0, 1.0, 1.0, 0.0)
+        factors = [
+            torch.where(applied, _uniform(low, high, batch, device), torch.full((batch,), value, device=device))
+            for (low, high), value in zip(self.jitter_ranges, neutral)
+        ]
+        order = torch.rand(batch, 4, device=device).argsort(dim=1)  # a random order per sample, as torchvision
+        blend_factors = torch.stack(factors[:3], dim=1)
+        for position in range(4):
+            step = order[:, position]
+            # brightness, contrast and saturation all blend with a reference: black, the mean gray, the gray image
+            gray = rgb_to_gray(images)
+            reference = torch.where(step.view(-1, 1, 1, 1) == 1, gray.mean(dim=(1, 2, 3), keepdim=True), gray)
+            reference = torch.where(step.view(-1, 1, 1, 1) == 0, torch.zeros_like(reference), reference)
+            blended = _blend(images, reference, blend_factors.gather(1, step.clamp(max=2)[:, None])[:, 0])
+            images = self._hue_where(step == 3, images, blended, factors[3])
+        return images
+
+    @staticmethod
+    def _hue_where(selected: torch.Tensor, images: torch.Tensor, others: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+        """Hue-shifted `images` where `selected`, `others` elsewhere. On an accelerator the whole batch is
+        shifted and selected (no host synchronisation); on the CPU only the selected quarter is."""
+        if images.device.type != "cpu":
+            return torch.where(selected.view(-1, 1, 1, 1), adjust_hue(images, shift), others)
+        rows = selected.nonzero()[:, 0]
+        return others.index_copy(0, rows, adjust_hue(images[rows], shift[rows]))
+
+    @torch.no_grad()
+    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+        images = images.float() / 255 if images.dtype == torch.uint8 else images.float()
+        batch, _, height, width = images.shape
+        device = images.device
+        boxes = crop_boxes(batch, height, width, self.scale, self.ratio, device)
+        indexed = torch.cat([torch.arange(batch, device=device, dtype=boxes.dtype)[:, None], boxes], dim=1)
+        images = roi_align(images, indexed, self.size, spatial_scale=1.0, sampling_ratio=-1, aligned=True)
+        if any(high != low for low, high in self.jitter_ranges) and self.jitter_prob > 0:
+            images = self.color_jitter(images)
+        if self.gray_prob > 0:
+            images = torch.where(self._chance(self.gray_prob, batch, device).view(-1, 1, 1, 1), rgb_to_gray(images).expand_as(images), images)
+        if self.blur_prob > 0:
+            sigma = _uniform(*self.blur_sigma, batch, device)
+            blurred = gaussian_blur(images, sigma, self.blur_sigma[1])
+            images = torch.where(self._chance(self.blur_prob, batch, device).view(-1, 1, 1, 1), blurred, images)
+        if self.solarize_prob > 0:
+            solarized = torch.where(images >= self.solarize_threshold, 1 - images, images)
+            images = torch.where(self._chance(self.solarize_prob, batch, device).view(-1, 1, 1, 1), solarized, images)
+        if self.flip:
+            images = torch.where(self._chance(0.5, batch, device).view(-1, 1, 1, 1), images.flip(-1), images)
+        return (images - self.mean.to(device)) / self.std.to(device)

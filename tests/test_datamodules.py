@@ -1,0 +1,84 @@
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torchvision.transforms import v2 as T
+
+from datamodules.digits import SPLIT_SIZES, composite_digits, source_digit_splits
+from datamodules.transforms import ToNormalizedTensor, build_view
+from helpers import digits
+
+DEFAULTS = {"size": 32, "mean": (0.5, 0.4, 0.3), "std": (0.2, 0.25, 0.3)}
+
+
+def test_digit_splits_are_disjoint_by_source_digit_and_cover_all_of_them():
+    splits = source_digit_splits()
+    assert {name: len(indices) for name, indices in splits.items()} == SPLIT_SIZES
+    assert len(np.unique(np.concatenate(list(splits.values())))) == 1797
+    assert np.array_equal(source_digit_splits()["val"], splits["val"])  # fixed permutation
+
+
+def test_digits_are_generated_deterministically_as_32px_rgb_with_balanced_labels():
+    images, labels = composite_digits.__wrapped__("val", 2)
+    again, _ = composite_digits.__wrapped__("val", 2)
+    assert images.shape == (600, 32, 32, 3) and images.dtype == np.uint8
+    assert np.array_equal(images, again)
+    assert set(labels.tolist()) == set(range(10)) and np.bincount(labels).min() >= 40
+    assert not np.array_equal(images[:300], images[300:])  # two different composites of each digit
+
+
+def test_training_batches_carry_named_views_labels_and_indices():
+    datamodule = digits({"weak": {"preset": "crop_flip"}, "keys": {"preset": "mocov2", "count": 3}}, batch_size=8)
+    batch = next(iter(datamodule.train_dataloader()))
+    assert set(batch["views"]) == {"weak", "keys"}
+    assert batch["views"]["weak"].shape == (8, 3, 32, 32)
+    assert batch["views"]["keys"].shape == (8, 3, 3, 32, 32)
+    assert not torch.equal(batch["views"]["keys"][:, 0], batch["views"]["keys"][:, 1])  # independent draws
+    assert batch["label"].shape == (8,) and batch["index"].shape == (8,)
+
+
+def test_validation_serves_the_eval_split_and_the_training_split_as_knn_bank():
+    datamodule = digits({"weak": {"preset": "crop_flip"}}, batch_size=64)
+    val, bank = datamodule.val_dataloader()
+    assert len(val.dataset) == 300 and len(bank.dataset) == 1197
+    first = next(iter(bank))
+    assert set(first) == {"image", "label", "index"}
+    torch.testing.assert_close(first["image"], next(iter(bank))["image"])  # no augmentation
+    assert len(digits({"weak": {"preset": "crop_flip"}}, knn_bank=False).val_dataloader()) == 1
+
+
+def test_fused_tensor_conversion_matches_torchvision():
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (32, 32, 3), dtype=np.uint8))
+    reference = T.Compose([T.ToImage(), T.ToDtype(torch.float32, scale=True), T.Normalize(DEFAULTS["mean"], DEFAULTS["std"])])
+    torch.testing.assert_close(ToNormalizedTensor(DEFAULTS["mean"], DEFAULTS["std"])(image), reference(image))
+
+
+def test_presets_carry_the_papers_parameters_and_accept_overrides():
+    mocov2 = build_view("strong", {"preset": "mocov2"}, DEFAULTS)
+    jitter = mocov2.transforms[1]
+    assert jitter.p == 0.8 and jitter.transforms[0].hue == (-0.1, 0.1)
+    assert mocov2.transforms[3].p == 0.5  # blur
+    npid = build_view("npid", {"preset": "npid"}, DEFAULTS)
+    assert npid.transforms[1].p == 1.0 and npid.transforms[1].transforms[0].hue == (-0.4, 0.4)
+    assert not any(isinstance(t, T.RandomHorizontalFlip) for t in npid.transforms)
+    stronger = build_view("strong", {"preset": "mocov2", "jitter": [0.4, 0.4, 0.4, 0.5], "blur_prob": 0.0}, DEFAULTS)
+    assert stronger.transforms[1].transforms[0].hue == (-0.5, 0.5) and stronger.transforms[3].p == 0.0
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ({"preset": "mocov3"}, "view 'v': unknown preset 'mocov3'"),
+        ({"preset": "mocov2", "strength": 1.0}, "view 'v': preset 'mocov2' does not accept \\['strength'\\]"),
+        ({"size": 32}, "view 'v' must be a mapping with a 'preset' key"),
+        ({"preset": "mocov2", "count": 0}, "view 'v': count must be an integer >= 1"),
+    ],
+)
+def test_bad_view_specs_name_the_view_and_the_key(spec, message):
+    with pytest.raises(ValueError, match=message):
+        build_view("v", spec, DEFAULTS)
+
+
+def test_a_missing_root_is_refused_with_its_path():
+    with pytest.raises(ValueError, match="data.root '/no/such/dir' is not an existing directory"):
+        digits({"weak": {"preset": "crop_flip"}}, root="/no/such/dir")
