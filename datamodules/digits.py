@@ -30,7 +30,8 @@ class DigitsStyle:
     image_size: int = 32
     digit_size: tuple[int, int] = (14, 26)  # side of the pasted digit, pixels
     background_crop: tuple[int, int] = (24, 96)  # side of the photo crop resized to the image, pixels
-    opacity: tuple[float, float] = (0.5, 1.0)  # how strongly the digit colour covers the background
+    opacity: tuple[float, float] = (0.6, 1.0)  # how strongly the digit colour covers the background
+    background_gain: tuple[float, float] = (0.2, 0.6)  # per-image brightness factor of the photo crop
 
 
 def source_digit_splits() -> dict[str, np.ndarray]:
@@ -57,6 +58,7 @@ def composite_digits(split: str, variants: int, style: DigitsStyle = DigitsStyle
         top = rng.integers(photo.shape[0] - crop + 1)
         left = rng.integers(photo.shape[1] - crop + 1)
         background = Image.fromarray(photo[top : top + crop, left : left + crop]).resize((size, size), Image.BILINEAR)
+        gain = rng.uniform(*style.background_gain)
         side = rng.integers(style.digit_size[0], style.digit_size[1] + 1)
         stroke = Image.fromarray(np.uint8(digits.images[source] * (255 / 16))).resize((side, side), Image.BICUBIC)
         alpha = np.zeros((size, size, 1), dtype=np.float32)
@@ -64,7 +66,7 @@ def composite_digits(split: str, variants: int, style: DigitsStyle = DigitsStyle
         alpha[row : row + side, col : col + side, 0] = np.asarray(stroke, dtype=np.float32) / 255
         alpha *= rng.uniform(*style.opacity)
         colour = rng.uniform(0, 255, size=3).astype(np.float32)
-        mixed = np.asarray(background, dtype=np.float32) * (1 - alpha) + colour * alpha
+        mixed = np.asarray(background, dtype=np.float32) * gain * (1 - alpha) + colour * alpha
         images[position] = np.clip(np.rint(mixed), 0, 255).astype(np.uint8)
     return images, digits.target[sources].astype(np.int64)
 
@@ -91,8 +93,8 @@ class DigitsDataModule(ContrastiveDataModule):
     num_classes = 10
     image_size = 32
     # Per-channel statistics of the training split (train_variants=4), see benchmarks/calibrate_digits.py.
-    mean = (0.4803, 0.4542, 0.4161)
-    std = (0.2567, 0.2475, 0.2700)
+    mean = (0.1950, 0.2033, 0.1866)
+    std = (0.1783, 0.1546, 0.1607)
 
     def __init__(self, train_variants: int = 4, eval_variants: int = 2, **kwargs):
         """
