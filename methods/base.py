@@ -114,6 +114,15 @@ class PretrainMethod(EvaluationMixin, L.LightningModule):
             return tensor
         return self.all_gather(tensor).flatten(0, 1)
 
+    def gather_with_grad(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Concatenate a tensor from all processes in rank order, keeping the gradient to every
+        process's rows (its backward all-reduces), so that in-batch negatives span the global batch
+        (SimCLR, SupCon): with DDP's gradient averaging, W processes then compute the gradient of the
+        single-process loss on the concatenated batch."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return tensor
+        return self.all_gather(tensor, sync_grads=True).flatten(0, 1)
+
     # ----------------------------------------------------------------- training
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         loss, features = self.contrastive_step(batch)

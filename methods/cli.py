@@ -8,11 +8,15 @@
   Slurm requeue must not crash) and, with a `WandbLogger`, sent to the W&B run;
 - a `checkpoint` group (ModelCheckpoint) is always present, with `save_last: true`;
 - configuration mistakes end with one `error:` line naming the offending key or value, before any
-  directory, config or checkpoint is written (set CONTRASTLAB_TRACEBACK=1 for the full traceback).
+  directory, config or checkpoint is written (set CONTRASTLAB_TRACEBACK=1 for the full traceback);
+- at the end of `fit` / `validate` / `test`, the final metrics are printed and written to
+  `<default_root_dir>/results_<stage>.json` (what `scripts/sweep.py` collects).
 """
 
+import json
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -50,6 +54,15 @@ def root_cause(error: BaseException) -> BaseException:
     while error.__cause__ is not None:
         error = error.__cause__
     return error
+
+
+def write_results(path: Path, trainer, metrics: dict[str, float]) -> None:
+    """Write the final metrics atomically (a reader never sees half a file)."""
+    record = {"epoch": trainer.current_epoch, "global_step": trainer.global_step, "metrics": metrics}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".json.partial")
+    partial.write_text(json.dumps(record, indent=1, sort_keys=True))
+    partial.replace(path)
 
 
 class ContrastlabArgumentParser(LightningArgumentParser):
@@ -107,10 +120,13 @@ class ContrastlabCLI(LightningCLI):
     before_fit = before_validate = before_test = _check_data
 
     def _print_summary(self, stage: str) -> None:
-        metrics = self.trainer.callback_metrics
-        found = {key: float(metrics[f"{stage}/{key}"]) for key in SUMMARY_KEYS if f"{stage}/{key}" in metrics}
-        if found and self.trainer.is_global_zero:
+        if not self.trainer.is_global_zero:
+            return
+        metrics = {name: float(value) for name, value in self.trainer.callback_metrics.items() if value.numel() == 1}
+        found = {key: metrics[f"{stage}/{key}"] for key in SUMMARY_KEYS if f"{stage}/{key}" in metrics}
+        if found:
             print(f"\n{stage} results: " + "  ".join(f"{key} {100 * value:.2f}%" for key, value in found.items()))
+        write_results(Path(self.trainer.default_root_dir) / f"results_{stage}.json", self.trainer, metrics)
 
     def after_fit(self) -> None:
         self._print_summary("val")

@@ -1,5 +1,6 @@
 """The two entry points, driven as a user drives them (in-process, `cli_main(args)`)."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -74,6 +75,8 @@ def test_pretrain_then_linear_probe_pipeline_with_a_rerun_in_the_same_directory(
     main_pretrain.cli_main(args)  # same directory again: the saved config is overwritten, no crash
     checkpoint = run_dir / "checkpoints" / "last.ckpt"
     assert checkpoint.is_file() and (run_dir / "config.yaml").is_file()
+    results = json.loads((run_dir / "results_val.json").read_text())
+    assert results["global_step"] == 2 and 0.0 <= results["metrics"]["val/knn_top1"] <= 1.0
 
     linear = main_linear.cli_main(
         [

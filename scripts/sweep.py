@@ -1,0 +1,220 @@
+"""Run a grid of settings x seeds and collect their final metrics into one table.
+
+    uv run python scripts/sweep.py --config configs/sce_digits.yaml --out runs/sweeps/sce_tau \\
+        --grid model.init_args.temperature=0.1,0.2 \\
+        --grid model.init_args.temperature_momentum=0.03,0.05,0.07,0.1 \\
+        --seeds 0 1 2 --linear configs/linear_digits.yaml -- --trainer.max_epochs=20
+
+Every (grid point, seed) is one `main_pretrain.py fit` run in `OUT/<point>_seed<S>/` (its log in
+`log.txt`), followed, with `--linear`, by `main_linear.py fit` on its `last.ckpt` in `.../linear/`.
+Arguments after `--` are passed to every pretraining run. A run whose results file already exists is
+skipped, so re-running the command resumes an interrupted sweep; a failed run is reported and the
+others go on. The table `OUT/results.md` gives, per grid point, mean ± std and the 95% confidence
+interval (Student t) over seeds; `OUT/results.csv` has one row per run.
+
+On a cluster, `--slurm` writes `OUT/sweep.sbatch`, a job array with one task per run (each task is
+this command with `--only <index>`); `--collect` then only rebuilds the table.
+"""
+
+import argparse
+import csv
+import itertools
+import json
+import math
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from scipy import stats
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_METRICS = ("val/knn_top1", "val/probe_top1", "linear:val/probe_top1")
+
+
+@dataclass(frozen=True)
+class Run:
+    point: tuple[tuple[str, str], ...]  # ((config key, value), ...)
+    seed: int
+    directory: Path
+
+    @property
+    def point_name(self) -> str:
+        return ",".join(f"{key.rsplit('.', 1)[-1]}={value}" for key, value in self.point) or "base"
+
+
+def parse_grid(entries: list[str]) -> list[tuple[str, list[str]]]:
+    grid = []
+    for entry in entries:
+        key, separator, values = entry.partition("=")
+        if not separator or not key or not values:
+            raise ValueError(f"--grid {entry!r} must look like key=value1,value2")
+        grid.append((key, values.split(",")))
+    return grid
+
+
+def expand(grid: list[tuple[str, list[str]]], seeds: list[int], out: Path) -> list[Run]:
+    """Every combination of the grid values, each with every seed, in a stable order."""
+    runs = []
+    for values in itertools.product(*(values for _, values in grid)):
+        point = tuple((key, value) for (key, _), value in zip(grid, values))
+        for seed in seeds:
+            label = "_".join(f"{key.rsplit('.', 1)[-1]}{value}" for key, value in point) or "base"
+            runs.append(Run(point, seed, out / re.sub(r"[^\w.=-]", "-", f"{label}_seed{seed}")))
+    return runs
+
+
+def pretrain_command(run: Run, config: str, extra: list[str]) -> list[str]:
+    overrides = [f"--{key}={value}" for key, value in run.point]
+    return [sys.executable, str(ROOT / "main_pretrain.py"), "fit", "--config", config, f"--seed_everything={run.seed}",
+            f"--trainer.default_root_dir={run.directory}", *overrides, *extra]
+
+
+def linear_command(run: Run, config: str, extra: list[str]) -> list[str]:
+    return [sys.executable, str(ROOT / "main_linear.py"), "fit", "--config", config, f"--seed_everything={run.seed}",
+            f"--model.pretrained_ckpt={run.directory / 'checkpoints' / 'last.ckpt'}",
+            f"--trainer.default_root_dir={run.directory / 'linear'}", *extra]
+
+
+def execute(command: list[str], log: Path) -> bool:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("a") as stream:
+        stream.write("$ " + shlex.join(command) + "\n")
+        stream.flush()
+        return subprocess.run(command, stdout=stream, stderr=subprocess.STDOUT, cwd=ROOT).returncode == 0
+
+
+def perform(run: Run, args) -> bool:
+    """Run the stages of one sweep entry that have no results yet; False when one fails."""
+    stages = [(run.directory, pretrain_command(run, args.config, args.extra))]
+    if args.linear:
+        stages.append((run.directory / "linear", linear_command(run, args.linear, args.linear_override)))
+    for directory, command in stages:
+        if (directory / "results_val.json").is_file():
+            continue
+        print(f"[{run.point_name} seed {run.seed}] {shlex.join(command[1:])}", flush=True)
+        if not execute(command, run.directory / "log.txt"):
+            print(f"  failed: see {run.directory / 'log.txt'}", flush=True)
+            return False
+    return True
+
+
+def read_metric(run: Run, metric: str) -> float | None:
+    stage, _, key = metric.rpartition(":")
+    path = run.directory / stage / "results_val.json" if stage else run.directory / "results_val.json"
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text())["metrics"].get(key)
+
+
+def summarise(values: list[float]) -> dict[str, float]:
+    """Mean, sample standard deviation and the half-width of the 95% Student-t confidence interval."""
+    n = len(values)
+    mean = sum(values) / n
+    if n == 1:
+        return {"n": 1, "mean": mean, "std": math.nan, "ci95": math.nan}
+    std = math.sqrt(sum((value - mean) ** 2 for value in values) / (n - 1))
+    return {"n": n, "mean": mean, "std": std, "ci95": stats.t.ppf(0.975, n - 1) * std / math.sqrt(n)}
+
+
+def format_summary(summary: dict[str, float], metric: str) -> str:
+    scale = 100.0 if "top" in metric else 1.0  # accuracies in %
+    if summary["n"] == 1:
+        return f"{scale * summary['mean']:.2f}"
+    return f"{scale * summary['mean']:.2f} ± {scale * summary['std']:.2f} (±{scale * summary['ci95']:.2f})"
+
+
+def collect(runs: list[Run], metrics: list[str], out: Path) -> str:
+    """Write results.csv (one row per run) and results.md (per grid point: mean ± std (95% CI
+    half-width) over the seeds that finished); return the markdown table."""
+    with (out / "results.csv").open("w", newline="") as stream:
+        writer = csv.writer(stream)
+        writer.writerow(["point", "seed", *metrics])
+        for run in runs:
+            writer.writerow([run.point_name, run.seed, *(read_metric(run, metric) for metric in metrics)])
+    points = list(dict.fromkeys(run.point for run in runs))
+    header = ["setting", "seeds", *metrics]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for point in points:
+        members = [run for run in runs if run.point == point]
+        cells = []
+        for metric in metrics:
+            values = [value for value in (read_metric(run, metric) for run in members) if value is not None]
+            cells.append(format_summary(summarise(values), metric) if values else "missing")
+        lines.append(f"| {members[0].point_name} | {len(members)} | " + " | ".join(cells) + " |")
+    table = "\n".join(lines) + "\n\nAccuracies in %; mean ± std over seeds, (± half-width of the 95% CI).\n"
+    (out / "results.md").write_text(table)
+    return table
+
+
+def sweep_argv(args) -> list[str]:
+    """The arguments that define this sweep (what every Slurm array task repeats)."""
+    argv = ["--config", args.config, "--out", str(args.out), "--seeds", *map(str, args.seeds)]
+    for grid in args.grid:
+        argv += ["--grid", grid]
+    if args.linear:
+        argv += ["--linear", args.linear, *itertools.chain(*(("--linear-override", o) for o in args.linear_override))]
+    if args.metrics:
+        argv += ["--metrics", *args.metrics]
+    return argv + (["--", *args.extra] if args.extra else [])
+
+
+def write_slurm_array(runs: list[Run], argv: list[str], out: Path, options: list[str]) -> Path:
+    script = out / "sweep.sbatch"
+    lines = ["#!/bin/bash", f"#SBATCH --job-name={out.name}", f"#SBATCH --array=0-{len(runs) - 1}",
+             f"#SBATCH --output={out}/slurm-%A_%a.out", *(f"#SBATCH {option}" for option in options),
+             f"cd {shlex.quote(str(ROOT))}",
+             f"srun python scripts/sweep.py --only $SLURM_ARRAY_TASK_ID {shlex.join(argv)}"]
+    script.write_text("\n".join(lines) + "\n")
+    return script
+
+
+def parse_args(argv: list[str]):
+    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
+    own = argv[: argv.index("--")] if "--" in argv else argv
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="the pretraining config")
+    parser.add_argument("--out", required=True, type=Path, help="folder of the sweep")
+    parser.add_argument("--grid", action="append", default=[], help="key=v1,v2,... (repeat for a product grid)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--linear", help="a linear-stage config run on each pretraining checkpoint")
+    parser.add_argument("--linear-override", action="append", default=[], help="an argument for every linear run")
+    parser.add_argument("--metrics", nargs="+", default=[], help="more keys of results_val.json ('linear:KEY' for the second stage)")
+    parser.add_argument("--only", type=int, help="run only the run with this index (a Slurm array task)")
+    parser.add_argument("--collect", action="store_true", help="only rebuild the table from finished runs")
+    parser.add_argument("--slurm", action="store_true", help="write OUT/sweep.sbatch (a job array) instead of running")
+    parser.add_argument("--sbatch-option", action="append", default=[], help="an #SBATCH line, e.g. --sbatch-option=--gpus=1")
+    args = parser.parse_args(own)
+    args.extra = extra
+    return args
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    for path, flag in ((args.config, "--config"), (args.linear, "--linear")):
+        if path is not None and not Path(path).is_file():
+            raise SystemExit(f"error: {flag} {path!r} is not an existing file")
+    try:
+        runs = expand(parse_grid(args.grid), args.seeds, args.out.resolve())
+    except ValueError as error:
+        raise SystemExit(f"error: {error}") from None
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.slurm:
+        script = write_slurm_array(runs, sweep_argv(args), args.out, args.sbatch_option)
+        print(f"sbatch {script}   # then: python scripts/sweep.py --collect {shlex.join(sweep_argv(args))}")
+        return 0
+    if args.only is not None and not 0 <= args.only < len(runs):
+        raise SystemExit(f"error: --only {args.only} is outside the {len(runs)} runs of this sweep (0..{len(runs) - 1})")
+    selected = [runs[args.only]] if args.only is not None else runs
+    failed = [] if args.collect else [run for run in selected if not perform(run, args)]
+    metrics = [*DEFAULT_METRICS[: 2 if not args.linear else 3], *args.metrics]
+    print(collect(runs, metrics, args.out))
+    for run in failed:
+        print(f"failed: {run.point_name} seed {run.seed} (log: {run.directory / 'log.txt'})")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,87 @@
+"""scripts/sweep.py: grid expansion, statistics over seeds, the table, the Slurm array, and one real run."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from scripts import sweep
+from test_cli import PRETRAIN_DIGITS, TINY_RUN
+
+
+def test_grid_expands_to_the_product_of_values_times_seeds_with_distinct_directories(tmp_path):
+    grid = sweep.parse_grid(["model.init_args.temperature=0.1,0.2", "model.init_args.temperature_momentum=0.05,0.07"])
+    runs = sweep.expand(grid, [0, 1], tmp_path)
+    assert len(runs) == 8
+    assert [run.point_name for run in runs[:2]] == ["temperature=0.1,temperature_momentum=0.05"] * 2
+    assert [run.seed for run in runs[:2]] == [0, 1]
+    assert runs[-1].point == (("model.init_args.temperature", "0.2"), ("model.init_args.temperature_momentum", "0.07"))
+    assert len({run.directory for run in runs}) == 8
+    assert runs[0].directory.name == "temperature0.1_temperature_momentum0.05_seed0"
+
+
+@pytest.mark.parametrize("entry", ["model.init_args.temperature", "=0.1", "model.init_args.temperature="])
+def test_a_malformed_grid_entry_is_refused_with_its_text(entry):
+    with pytest.raises(ValueError, match="must look like key=value1,value2"):
+        sweep.parse_grid([entry])
+
+
+def test_summary_is_mean_sample_std_and_student_t_interval():
+    summary = sweep.summarise([0.1, 0.2, 0.3])
+    assert summary["mean"] == pytest.approx(0.2)
+    assert summary["std"] == pytest.approx(0.1)
+    assert summary["ci95"] == pytest.approx(4.302653 * 0.1 / math.sqrt(3), rel=1e-6)  # t(0.975, 2 dof)
+    single = sweep.summarise([0.5])
+    assert single["mean"] == 0.5 and math.isnan(single["ci95"])
+
+
+def write_results(directory: Path, metrics: dict) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "results_val.json").write_text(json.dumps({"metrics": metrics}))
+
+
+def test_table_aggregates_seeds_per_point_and_marks_missing_runs(tmp_path):
+    runs = sweep.expand(sweep.parse_grid(["model.init_args.temperature=0.1,0.2"]), [0, 1], tmp_path)
+    write_results(runs[0].directory, {"val/knn_top1": 0.40})
+    write_results(runs[0].directory / "linear", {"val/probe_top1": 0.50})
+    write_results(runs[1].directory, {"val/knn_top1": 0.60})
+    write_results(runs[1].directory / "linear", {"val/probe_top1": 0.70})
+    table = sweep.collect(runs, ["val/knn_top1", "linear:val/probe_top1"], tmp_path)
+    rows = table.splitlines()
+    assert rows[2].startswith("| temperature=0.1 | 2 | 50.00 ± 14.14 (±127.06) | 60.00 ± 14.14")
+    assert rows[3] == "| temperature=0.2 | 2 | missing | missing |"
+    assert (tmp_path / "results.md").read_text() == table
+    assert (tmp_path / "results.csv").read_text().splitlines()[1] == "temperature=0.1,0,0.4,0.5"
+
+
+def test_slurm_mode_writes_one_array_task_per_run_and_runs_nothing(tmp_path, capsys):
+    out = tmp_path / "sweep"
+    code = sweep.main(["--config", PRETRAIN_DIGITS, "--out", str(out), "--grid", "model.init_args.temperature=0.1,0.2",
+                       "--seeds", "0", "1", "2", "--slurm", "--sbatch-option=--gpus=1", "--", "--trainer.max_epochs=5"])
+    assert code == 0
+    script = (out / "sweep.sbatch").read_text()
+    assert "#SBATCH --array=0-5" in script and "#SBATCH --gpus=1" in script
+    task = script.strip().splitlines()[-1]
+    assert task.startswith("srun python scripts/sweep.py --only $SLURM_ARRAY_TASK_ID --config")
+    assert task.endswith("--grid model.init_args.temperature=0.1,0.2 -- --trainer.max_epochs=5")
+    assert "sbatch" in capsys.readouterr().out
+    assert not any(path.is_dir() for path in out.iterdir())
+
+
+def test_only_refuses_an_index_outside_the_sweep(tmp_path):
+    with pytest.raises(SystemExit, match="--only 2 is outside the 2 runs"):
+        sweep.main(["--config", PRETRAIN_DIGITS, "--out", str(tmp_path), "--seeds", "0", "1", "--only", "2"])
+
+
+def test_a_real_run_is_collected_and_a_rerun_skips_it(tmp_path):
+    args = ["--config", PRETRAIN_DIGITS, "--out", str(tmp_path), "--seeds", "3", "--",
+            *TINY_RUN, "--trainer.logger=false", "--trainer.precision=32-true"]
+    assert sweep.main(args) == 0
+    (run_dir,) = [path for path in tmp_path.iterdir() if path.is_dir()]
+    assert run_dir.name == "base_seed3"
+    record = json.loads((run_dir / "results_val.json").read_text())
+    assert 0.0 <= record["metrics"]["val/probe_top1"] <= 1.0
+    assert "| base | 1 |" in (tmp_path / "results.md").read_text()
+    assert sweep.main(args) == 0  # finished runs are not repeated
+    assert (run_dir / "log.txt").read_text().count("$ ") == 1
