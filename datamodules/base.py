@@ -10,9 +10,11 @@ training device after the transfer (`augment_on_device`, called by the method's
 `on_after_batch_transfer`), every random parameter per sample; `workers` (the default) augments each
 image with PIL in the DataLoader workers.
 
-`val_dataloader()` returns the validation split and, when `knn_bank` is on, the training split under
-the evaluation view (the labelled bank of the kNN monitor). A subclass only says where its splits come
-from (`build_splits`), its class count, image size and normalisation.
+`val_dataloader()` returns the validation split and, when `knn_bank` is on, the labelled bank of the kNN
+monitor under the evaluation view: the `bank` split where a dataset has one (STL-10 pretrains on
+unlabelled images too, label -1, but its bank is the labelled training set), else the training split.
+A subclass only says where its splits come from (`build_splits`), its class count, image size,
+normalisation, default evaluation view and the layout it expects under `data.root`.
 """
 
 from pathlib import Path
@@ -75,6 +77,9 @@ class ContrastiveDataModule(L.LightningDataModule):
     image_size: int
     mean: tuple[float, float, float]
     std: tuple[float, float, float]
+    expected_layout: str = ""  # what must be under data.root, for the errors ("" when no root is needed)
+    how_to_get = ""  # where the files come from, for the missing-root error
+    uniform_image_size = True  # False where images vary in size: `pipeline: device` cannot batch them raw
 
     def __init__(
         self,
@@ -94,8 +99,9 @@ class ContrastiveDataModule(L.LightningDataModule):
             num_workers: DataLoader worker processes per device.
             views: named training views, `{name: {preset: ..., **params}}`; the method decides which
                 view feeds which branch, so the names must be the ones the method consumes.
-            eval_view: the evaluation pipeline (default: the `center` preset at the dataset's size).
-            knn_bank: also serve the training split under `eval_view` during validation (kNN monitor).
+            eval_view: the evaluation pipeline (default: `default_eval_view()`, the SCE supplement D
+                protocol at the dataset's resolution).
+            knn_bank: also serve the labelled training images under `eval_view` during validation (kNN monitor).
             pin_memory: pin host memory for faster host-to-GPU copies.
             pipeline: where the training views are drawn: `workers` (per image, PIL, in the DataLoader
                 workers) or `device` (per batch on the training device, same parameters, per-sample
@@ -106,6 +112,8 @@ class ContrastiveDataModule(L.LightningDataModule):
             raise ValueError(f"data.batch_size must be >= 1, got {batch_size}")
         if num_workers < 0:
             raise ValueError(f"data.num_workers must be >= 0, got {num_workers}")
+        if pipeline == "device" and not self.uniform_image_size:
+            raise ValueError(f"data.pipeline: device needs images of one size, and {type(self).__name__}'s vary; use data.pipeline: workers")
         self.root = self._checked_root(root)
         self.batch_size = batch_size
         self.num_workers = num_workers
@@ -114,23 +122,33 @@ class ContrastiveDataModule(L.LightningDataModule):
         self.pipeline = pipeline
         defaults = {"size": self.image_size, "mean": self.mean, "std": self.std}
         self.views = {name: build_view(name, spec, defaults, pipeline) for name, spec in (views or {}).items()}
-        self.eval_transform = build_view("eval_view", eval_view or {"preset": "center"}, defaults)
+        self.eval_transform = build_view("eval_view", eval_view or self.default_eval_view(), defaults)
         self.splits: dict[str, Dataset] | None = None
 
     @property
     def view_names(self) -> tuple[str, ...]:
         return tuple(self.views)
 
+    def default_eval_view(self) -> dict[str, Any]:
+        """Evaluation view of small and medium datasets: the image at the dataset's resolution (SCE seed D)."""
+        return {"preset": "center"}
+
     def _checked_root(self, root: str | None) -> Path | None:
+        name = type(self).__name__
         if root is None:
+            if self.expected_layout:
+                raise ValueError(f"data.root is required for {name}: the folder that holds {self.expected_layout}")
             return None
         path = Path(root).expanduser()
         if not path.is_dir():
-            raise ValueError(f"data.root {str(root)!r} is not an existing directory")
+            expected = f": {name} expects {self.expected_layout} under it" if self.expected_layout else ""
+            source = f" ({self.how_to_get})" if self.how_to_get else ""
+            raise ValueError(f"data.root {str(root)!r} is not an existing directory{expected}{source}")
         return path
 
     def build_splits(self) -> dict[str, Dataset]:
-        """Return `{"train": ..., "val": ..., "test": ...}` datasets of `(image, label)` pairs."""
+        """Return `{"train": ..., "val": ..., "test": ...}` (and optionally `"bank"`) datasets of
+        `(image, label)` pairs; label -1 marks an unlabelled image."""
         raise NotImplementedError
 
     def setup(self, stage: str | None = None) -> None:
@@ -166,7 +184,8 @@ class ContrastiveDataModule(L.LightningDataModule):
         self.setup()
         loaders = [self._loader(EvalDataset(self.splits[split], self.eval_transform), train=False)]
         if self.knn_bank:
-            loaders.append(self._loader(EvalDataset(self.splits["train"], self.eval_transform), train=False))
+            bank = self.splits.get("bank", self.splits["train"])
+            loaders.append(self._loader(EvalDataset(bank, self.eval_transform), train=False))
         return loaders
 
     def val_dataloader(self) -> list[DataLoader]:

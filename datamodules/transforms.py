@@ -4,9 +4,11 @@ A view in a config is `{preset: <name>, **parameters}`, e.g. `{preset: mocov2, b
 DataModule fills in `size`, `mean` and `std` for its dataset unless the view sets them, and `count: N`
 draws N independent augmentations of the same image (stacked along a new dimension after the batch).
 
-The contrastive presets are parameter sets of one augmentation family, which runs either per image in
-the DataLoader workers (`augment`, PIL) or per batch on the training device (`BatchedAugment`, the
-same parameters, every random draw per sample): `data.pipeline: workers | device`.
+The contrastive presets (`crop_flip`, `mocov2`, `npid`, `simclr`, `simaugment`, `paco_sim`, `byol1`,
+`byol2`) are parameter sets of one augmentation family, which runs either per image in the DataLoader
+workers (`augment`, PIL) or per batch on the training device (`BatchedAugment`, the same parameters,
+every random draw per sample): `data.pipeline: workers | device`. The policy presets (`autoaugment`,
+`randaugment`) and the evaluation presets (`crop_pad_flip`, `center`) run per image only.
 """
 
 import inspect
@@ -15,7 +17,8 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-from PIL import Image, ImageFilter
+from PIL import Image, ImageDraw, ImageFilter
+from timm.data.auto_augment import rand_augment_transform
 from torchvision.transforms import v2 as T
 
 from datamodules.batched import BatchedAugment
@@ -110,19 +113,106 @@ def simclr(strength: float = 0.5, **overrides) -> dict:
     return dict(scale=(0.08, 1.0), jitter=jitter) | overrides
 
 
+def simaugment(**overrides) -> dict:
+    """SimAugment, TCL's self-supervised pipeline (TCL seed 2.3: SimCLR's augmentation with Gaussian
+    blur, "in the same manner as" solo-learn, whose SimCLR views are): crop (0.08-1), jitter of strength
+    1 (0.8, 0.8, 0.8, 0.2) p=0.8, grayscale 0.2, blur p=0.5, flip (spec_supervised 4.3)."""
+    return simclr(strength=1.0, blur_prob=0.5) | overrides
+
+
+def paco_sim(**overrides) -> dict:
+    """PaCo's `sim` view (`augmentation_sim` of PaCo/LT/paco_lt.py; the key view of `randcls_sim` and
+    both views of `sim_sim`): crop (0.08-1), jitter (0.4, 0.4, 0.4, 0) always, grayscale 0.2, blur p=0.5,
+    flip (spec_supervised 3.5). PaCo's CIFAR key view is MoCo v2 aug+ (`mocov2`)."""
+    return dict(scale=(0.08, 1.0), jitter=(0.4, 0.4, 0.4, 0.0), jitter_prob=1.0, blur_prob=0.5) | overrides
+
+
+def byol1(**overrides) -> dict:
+    """First view of the asymmetric BYOL pair that SCE uses on ImageNet (eztorch
+    `imagenet_two_crops_mocov3`, spec_selfsup 5.3): crop (0.2-1), jitter (0.4, 0.4, 0.2, 0.1) p=0.8,
+    grayscale 0.2, blur always, no solarisation, flip. BYOL's own crops are 0.08-1 (`scale: [0.08, 1.0]`)."""
+    return dict(jitter=(0.4, 0.4, 0.2, 0.1), blur_prob=1.0) | overrides
+
+
+def byol2(**overrides) -> dict:
+    """Second view of the pair: as `byol1` but blur p=0.1 and solarisation (threshold 0.5) p=0.2."""
+    return byol1(blur_prob=0.1, solarize_prob=0.2) | overrides
+
+
 CONTRASTIVE_PRESETS: dict[str, Callable[..., dict]] = {
     "augment": lambda **overrides: overrides,  # the family with its own defaults
+    "byol1": byol1,
+    "byol2": byol2,
     "crop_flip": crop_flip,
     "mocov2": mocov2,
     "npid": npid,
+    "paco_sim": paco_sim,
+    "simaugment": simaugment,
     "simclr": simclr,
 }
 
 
+# ---- policy presets (per image only)
+class Cutout:
+    """One black square of side `length` at a uniformly drawn centre, clipped at the border (DeVries &
+    Taylor's Cutout, zeroing pixels before normalisation as PaCo's CIFAR pipeline does)."""
+
+    def __init__(self, length: int):
+        self.length = length
+
+    def __call__(self, image: Image.Image) -> Image.Image:
+        x, y = random.randrange(image.width), random.randrange(image.height)
+        half = self.length // 2
+        image = image.copy()
+        ImageDraw.Draw(image).rectangle([x - half, y - half, x + half - 1, y + half - 1], fill=0)
+        return image
+
+    def __repr__(self) -> str:
+        return f"Cutout(length={self.length})"
+
+
+AUTOAUGMENT_POLICIES = {policy.value.lower(): policy for policy in T.AutoAugmentPolicy}
+
+
+def autoaugment(size: int, mean, std, padding: int = 4, policy: str = "imagenet", cutout: int = 0) -> T.Compose:
+    """TCL's supervised pipeline (`--augment autoaug` of its train.py; spec_supervised 4.4): resize to
+    size x size, RandomCrop(size, padding) + flip + AutoAugment (torchvision's policies: imagenet,
+    cifar10, svhn). TCL's `AutoAugment()` class is not in its snapshot: which policy it is is UNVERIFIED
+    (imagenet by default). `policy: cifar10, cutout: 16` is PaCo's CIFAR-LT query view (spec_supervised 3.5)."""
+    if policy not in AUTOAUGMENT_POLICIES:
+        raise ValueError(f"autoaugment policy must be one of {sorted(AUTOAUGMENT_POLICIES)}, got {policy!r}")
+    return T.Compose(
+        [
+            T.Resize((size, size)),
+            T.RandomCrop(size, padding=padding),
+            T.RandomHorizontalFlip(),
+            T.AutoAugment(AUTOAUGMENT_POLICIES[policy]),
+            *([Cutout(cutout)] if cutout else []),
+            ToNormalizedTensor(mean, std),
+        ]
+    )
+
+
+def randaugment(size: int, mean, std, num_ops: int = 2, magnitude: int = 10, magnitude_std: float = 0.5, **family) -> T.Compose:
+    """PaCo's `randcls` query view (ImageNet-LT, iNat, ImageNet; spec_supervised 3.5): crop (0.08-1),
+    flip, jitter (0.4, 0.4, 0.4, 0) always, then RandAugment `rand-n{num_ops}-m{magnitude}-mstd{magnitude_std}`
+    with timm's implementation (PaCo's `randaugment.py` is a copy of it), translations up to 45% of the
+    size, fill colour the dataset mean. `gray_prob: 0.2, blur_prob: 0.5` gives `randclsstack` (ResNeXt
+    runs), `num_ops: 3` the ResNeXt-101 one. Other `augment` parameters are accepted as overrides."""
+    family = dict(scale=(0.08, 1.0), jitter=(0.4, 0.4, 0.4, 0.0), jitter_prob=1.0, gray_prob=0.0) | family
+    base = augment(size, mean, std, **family)
+    policy = rand_augment_transform(
+        f"rand-n{num_ops}-m{magnitude}-mstd{magnitude_std}",
+        {"translate_const": int(size * 0.45), "img_mean": tuple(min(255, round(255 * value)) for value in mean)},
+    )
+    return T.Compose([*base.transforms[:-1], policy, base.transforms[-1]])
+
+
 # ---- evaluation presets (per image only)
-def crop_pad_flip(size: int, mean, std, padding: int = 4) -> T.Compose:
-    """Linear-evaluation training view for small datasets: RandomCrop(size, padding) + flip (SCE seed D)."""
-    return T.Compose([T.RandomCrop(size, padding=padding), T.RandomHorizontalFlip(), ToNormalizedTensor(mean, std)])
+def crop_pad_flip(size: int, mean, std, padding: int = 4, resize: int | None = None) -> T.Compose:
+    """Linear-evaluation training view for small datasets: RandomCrop(size, padding) + flip (SCE seed D);
+    `resize` first resizes the short side (e.g. STL-10's 96 px images to a 64 px protocol)."""
+    return T.Compose([*([T.Resize(resize)] if resize else []), T.RandomCrop(size, padding=padding), T.RandomHorizontalFlip(), ToNormalizedTensor(mean, std)])
 
 
 def center(size: int, mean, std, resize: int | None = None) -> T.Compose:
@@ -131,8 +221,22 @@ def center(size: int, mean, std, resize: int | None = None) -> T.Compose:
     return T.Compose([T.Resize(resize or size), T.CenterCrop(size), ToNormalizedTensor(mean, std)])
 
 
-EVALUATION_PRESETS: dict[str, Callable[..., T.Compose]] = {"crop_pad_flip": crop_pad_flip, "center": center}
-PRESET_NAMES = sorted(CONTRASTIVE_PRESETS) + sorted(EVALUATION_PRESETS)
+PER_IMAGE_PRESETS: dict[str, Callable[..., T.Compose]] = {
+    "autoaugment": autoaugment,
+    "randaugment": randaugment,
+    "crop_pad_flip": crop_pad_flip,
+    "center": center,
+}
+PRESET_NAMES = sorted(CONTRASTIVE_PRESETS) + sorted(PER_IMAGE_PRESETS)
+FAMILY_PARAMETERS = set(inspect.signature(augment).parameters)
+
+
+def accepted_parameters(factory: Callable) -> set[str]:
+    """The keys a view of this preset may set; `**family` / `**overrides` stand for `augment`'s."""
+    parameters = inspect.signature(factory).parameters
+    named = {name for name, parameter in parameters.items() if parameter.kind is not inspect.Parameter.VAR_KEYWORD}
+    open_ended = any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters.values())
+    return named | (FAMILY_PARAMETERS if open_ended else set())
 
 
 class MultipleViews:
@@ -162,16 +266,17 @@ def build_view(view_name: str, spec: dict[str, Any], defaults: dict[str, Any], p
     count = params.pop("count", 1)
     if not isinstance(count, int) or count < 1:
         raise ValueError(f"view {view_name!r}: count must be an integer >= 1, got {count!r}")
-    if preset in EVALUATION_PRESETS:
+    if preset in PER_IMAGE_PRESETS:
         if pipeline != "workers":
             raise ValueError(f"view {view_name!r}: preset {preset!r} runs per image only; use data.pipeline: workers")
-        factory = EVALUATION_PRESETS[preset]
-        _check_keys(view_name, preset, params, set(inspect.signature(factory).parameters))
-        transform = factory(**(defaults | params))
+        factory = PER_IMAGE_PRESETS[preset]
+        _check_keys(view_name, preset, params, accepted_parameters(factory))
+        try:
+            transform = factory(**(defaults | params))
+        except ValueError as error:
+            raise ValueError(f"view {view_name!r}: {error}") from None
     elif preset in CONTRASTIVE_PRESETS:
-        family = set(inspect.signature(augment).parameters)
-        own = {name for name in inspect.signature(CONTRASTIVE_PRESETS[preset]).parameters if name != "overrides"}
-        _check_keys(view_name, preset, params, family | own)
+        _check_keys(view_name, preset, params, accepted_parameters(CONTRASTIVE_PRESETS[preset]))
         arguments = defaults | CONTRASTIVE_PRESETS[preset](**params)
         transform = augment(**arguments) if pipeline == "workers" else BatchedAugment(**arguments)
     else:

@@ -1,0 +1,288 @@
+"""Image files on disk: labelled class folders, unlabelled folders, and split files.
+
+Every folder-based dataset reads its images through `ImageFiles`, which survives broken files: an
+image that cannot be decoded is logged with its path, counted, and replaced by the next readable
+sample, so one bad JPEG does not end a multi-day run; more than `max_corrupt_fraction` of the dataset
+(default 1%) unreadable is a ValueError, since the dataset itself is then broken. What can be checked
+without decoding (the class folders, the files a split file names, the labels it gives) is checked
+when the DataModule is built, so a missing folder or file is reported with its path before training.
+"""
+
+import logging
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image
+from torch.utils.data import Dataset
+
+from datamodules.base import ContrastiveDataModule
+
+log = logging.getLogger(__name__)
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+SHOWN_PATHS = 5  # how many offending paths an error message lists
+
+
+def listing(paths: list) -> str:
+    """The first few paths of a list, and how many more there are."""
+    shown = ", ".join(str(path) for path in paths[:SHOWN_PATHS])
+    more = len(paths) - SHOWN_PATHS
+    return shown + (f" and {more} more" if more > 0 else "")
+
+
+class ImageFiles(Dataset):
+    """`(RGB PIL image, label)` pairs read from a list of `(path, label)`; see the module docstring for
+    what happens to unreadable files. The count of unreadable files lives in shared memory, so every
+    DataLoader worker adds to the same count (`corrupt_count`)."""
+
+    def __init__(self, samples: list[tuple[str, int]], max_corrupt_fraction: float, description: str):
+        if not samples:
+            raise ValueError(f"{description} holds no images (extensions {', '.join(IMAGE_EXTENSIONS)})")
+        self.paths = [path for path, _ in samples]
+        self.labels = [label for _, label in samples]
+        self.max_corrupt_fraction = max_corrupt_fraction
+        self.max_corrupt = math.floor(max_corrupt_fraction * len(samples))
+        self.description = description
+        self.corrupt = torch.zeros(len(samples), dtype=torch.bool).share_memory_()
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    @property
+    def corrupt_count(self) -> int:
+        return int(self.corrupt.sum())
+
+    def __getitem__(self, index: int) -> tuple[Image.Image, int]:
+        candidate = index
+        while True:  # ends: more unreadable files than the limit (< len(self)) raise in _record_corrupt
+            if not self.corrupt[candidate]:
+                try:
+                    with Image.open(self.paths[candidate]) as image:
+                        return image.convert("RGB"), self.labels[candidate]
+                except (OSError, ValueError, SyntaxError) as error:  # what PIL raises for truncated or foreign files
+                    self._record_corrupt(candidate, error)
+            candidate = (candidate + 1) % len(self)
+
+    def _record_corrupt(self, index: int, error: Exception) -> None:
+        self.corrupt[index] = True
+        count = self.corrupt_count
+        if count > self.max_corrupt:
+            raise ValueError(
+                f"{count} of {len(self)} images of {self.description} are unreadable, more than "
+                f"data.max_corrupt_fraction={self.max_corrupt_fraction} allows ({self.max_corrupt}); "
+                f"the latest: {self.paths[index]} ({error})"
+            )
+        log.warning("unreadable image %s (%s): replaced by the next readable one (%d unreadable so far)", self.paths[index], error, count)
+
+
+def image_paths(folder: Path) -> list[str]:
+    """Every image file under `folder` (recursively, following links), in sorted order."""
+    found = []
+    for directory, _, names in os.walk(folder, followlinks=True):
+        found.extend(os.path.join(directory, name) for name in names if name.lower().endswith(IMAGE_EXTENSIONS))
+    return sorted(found)
+
+
+def missing_class_folders(split_dir: Path, classes: list[str]) -> list[Path]:
+    return [split_dir / name for name in classes if not (split_dir / name).is_dir()]
+
+
+def class_folder_samples(split_dir: Path, classes: list[str]) -> list[tuple[str, int]]:
+    """`(path, class index)` for every image under `split_dir/<class>/`, classes in the given order."""
+    return [(path, label) for label, name in enumerate(classes) for path in image_paths(split_dir / name)]
+
+
+def folder_classes(train_dir: Path) -> list[str]:
+    """The class names of a labelled folder: its sub-folders in sorted order (torchvision's ImageFolder)."""
+    if not train_dir.is_dir():
+        raise ValueError(f"the labelled training folder {train_dir} does not exist (expected <class>/<images> in it)")
+    classes = sorted(entry.name for entry in os.scandir(train_dir) if entry.is_dir())
+    if len(classes) < 2:
+        raise ValueError(f"{train_dir} must hold one folder per class (at least two), found {classes}")
+    return classes
+
+
+class FolderDataModule(ContrastiveDataModule):
+    """Base of the DataModules that read image files (any size; resized by the views)."""
+
+    uniform_image_size = False
+    classes: list[str]  # class names, in label order
+
+    def __init__(self, max_corrupt_fraction: float = 0.01, **kwargs):
+        """
+        Args:
+            max_corrupt_fraction: the share of a split's images that may be unreadable (each one is
+                logged and replaced by another sample); beyond it, reading fails with a ValueError.
+            **kwargs: the ContrastiveDataModule arguments (root, batch_size, num_workers, views, ...).
+        """
+        if not 0 <= max_corrupt_fraction < 1:
+            raise ValueError(f"data.max_corrupt_fraction must be in [0, 1), got {max_corrupt_fraction}")
+        self.max_corrupt_fraction = max_corrupt_fraction
+        super().__init__(**kwargs)
+
+    def default_eval_view(self) -> dict[str, Any]:
+        """Large-image protocol (SCE seed D): resize the short side to size / 0.875 (256 for 224), center crop."""
+        return {"preset": "center", "resize": round(self.image_size * 256 / 224)}
+
+    def image_files(self, samples: list[tuple[str, int]], description: str) -> ImageFiles:
+        return ImageFiles(samples, self.max_corrupt_fraction, description)
+
+    def check_class_folders(self, split_dirs: list[Path]) -> None:
+        """Every class of `self.classes` must have its folder in each split (an existence check, fast)."""
+        missing = [path for split_dir in split_dirs for path in missing_class_folders(split_dir, self.classes)]
+        if missing:
+            raise ValueError(f"{len(missing)} class folders of {type(self).__name__} are missing: {listing(missing)}")
+
+    def labelled_images(self, split_dir: Path) -> ImageFiles:
+        """The images of `split_dir/<class>/` for the classes of `self.classes`."""
+        return self.image_files(class_folder_samples(split_dir, self.classes), str(split_dir))
+
+
+class ImageFolderDataModule(FolderDataModule):
+    """A labelled image folder: `<root>/<train_dir>/<class>/*.jpg`, `<root>/<val_dir>/<class>/*.jpg` (and
+    optionally a test folder; validation is reused for test otherwise). The classes are the sub-folders
+    of the training folder in sorted order (torchvision's ImageFolder convention); each must also exist
+    in the evaluation folders."""
+
+    expected_layout = "train/<class>/<images> and val/<class>/<images>"
+
+    def __init__(
+        self,
+        train_dir: str = "train",
+        val_dir: str = "val",
+        test_dir: str | None = None,
+        image_size: int = 224,
+        mean: tuple[float, float, float] = IMAGENET_MEAN,
+        std: tuple[float, float, float] = IMAGENET_STD,
+        **kwargs,
+    ):
+        """
+        Args:
+            train_dir, val_dir, test_dir: the split folders under `root` (test: `val_dir` if not given).
+            image_size: the side of the training and evaluation crops.
+            mean, std: per-channel normalisation.
+            **kwargs: the FolderDataModule arguments (root, max_corrupt_fraction, batch_size, views, ...).
+        """
+        self.image_size, self.mean, self.std = image_size, tuple(mean), tuple(std)
+        super().__init__(**kwargs)
+        self.split_dirs = {"train": self.root / train_dir, "val": self.root / val_dir, "test": self.root / (test_dir or val_dir)}
+        self.classes = self.find_classes()
+        self.num_classes = len(self.classes)
+        self.check_class_folders(list(dict.fromkeys(self.split_dirs.values())))  # test may be val
+
+    def find_classes(self) -> list[str]:
+        return folder_classes(self.split_dirs["train"])
+
+    def build_splits(self) -> dict[str, Dataset]:
+        train, val = self.labelled_images(self.split_dirs["train"]), self.labelled_images(self.split_dirs["val"])
+        test = val if self.split_dirs["test"] == self.split_dirs["val"] else self.labelled_images(self.split_dirs["test"])
+        return {"train": train, "val": val, "test": test}
+
+
+class UnlabeledFolderDataModule(FolderDataModule):
+    """Pretraining on every image under `root` (any sub-folder structure; label -1). The kNN monitor and
+    the online probe need labels: give `eval_root`, a labelled folder with `train/<class>/` (the kNN
+    bank and the probe's training images) and `val/<class>/`; without it there is nothing to
+    validate (no validation batches) and `num_classes` is 2, the smallest the probe accepts."""
+
+    expected_layout = "image files (any sub-folders)"
+
+    def __init__(
+        self,
+        eval_root: str | None = None,
+        image_size: int = 224,
+        mean: tuple[float, float, float] = IMAGENET_MEAN,
+        std: tuple[float, float, float] = IMAGENET_STD,
+        **kwargs,
+    ):
+        """
+        Args:
+            eval_root: a labelled folder (`train/<class>/`, `val/<class>/`) for the kNN monitor and probe.
+            image_size, mean, std: crop side and normalisation.
+            **kwargs: the FolderDataModule arguments (root, max_corrupt_fraction, batch_size, views, ...).
+        """
+        self.image_size, self.mean, self.std = image_size, tuple(mean), tuple(std)
+        super().__init__(**kwargs)
+        self.eval_root = Path(eval_root).expanduser() if eval_root is not None else None
+        self.classes = folder_classes(self.eval_root / "train") if self.eval_root else []
+        if self.eval_root:
+            self.check_class_folders([self.eval_root / "val"])
+        self.num_classes = max(len(self.classes), 2)
+
+    def build_splits(self) -> dict[str, Dataset]:
+        train = self.image_files([(path, -1) for path in image_paths(self.root)], f"data.root {str(self.root)!r}")
+        if not self.eval_root:
+            return {"train": train}
+        val = self.labelled_images(self.eval_root / "val")
+        return {"train": train, "bank": self.labelled_images(self.eval_root / "train"), "val": val, "test": val}
+
+    def _eval_loaders(self, split: str) -> list:
+        return super()._eval_loaders(split) if self.eval_root else []
+
+
+class SplitFileDataModule(FolderDataModule):
+    """Images listed in split files, one `<path relative to root> <integer label>` per line (the format of
+    the ImageNet-LT, iNaturalist 2018 and Places-LT lists, spec_supervised 3.7). Every line is checked
+    when the DataModule is built: a label outside [0, num_classes) or a malformed line is a ValueError
+    naming the file and line, and images that do not exist are listed with their paths."""
+
+    expected_layout = "the images named in the split files, at their relative paths"
+
+    def __init__(
+        self,
+        train_file: str,
+        val_file: str,
+        test_file: str | None = None,
+        num_classes: int | None = None,
+        image_size: int = 224,
+        mean: tuple[float, float, float] = IMAGENET_MEAN,
+        std: tuple[float, float, float] = IMAGENET_STD,
+        **kwargs,
+    ):
+        """
+        Args:
+            train_file, val_file, test_file: the split files (test: `val_file` if not given).
+            num_classes: the number of classes; by default the largest training label + 1.
+            image_size, mean, std: crop side and normalisation.
+            **kwargs: the FolderDataModule arguments (root, max_corrupt_fraction, batch_size, views, ...).
+        """
+        self.image_size, self.mean, self.std = image_size, tuple(mean), tuple(std)
+        super().__init__(**kwargs)
+        files = {"train": train_file, "val": val_file, "test": test_file or val_file}
+        self.split_files = {split: Path(path).expanduser() for split, path in files.items()}
+        lines = {split: self.read_split_file(split, path) for split, path in self.split_files.items()}
+        self.num_classes = num_classes or max(label for _, label, _ in lines["train"]) + 1
+        for split, entries in lines.items():
+            for _, label, where in entries:
+                if not 0 <= label < self.num_classes:
+                    raise ValueError(f"{where}: label {label} is outside [0, {self.num_classes}) (data.num_classes {self.num_classes})")
+        self.samples = {split: [(str(self.root / relative), label) for relative, label, _ in entries] for split, entries in lines.items()}
+        missing = [path for samples in self.samples.values() for path, _ in samples if not os.path.isfile(path)]
+        if missing:
+            raise ValueError(f"{len(missing)} images named in the split files do not exist under data.root {str(self.root)!r}: {listing(missing)}")
+
+    @staticmethod
+    def read_split_file(split: str, path: Path) -> list[tuple[str, int, str]]:
+        """`(relative path, label, "file:line")` for every non-empty line."""
+        if not path.is_file():
+            raise ValueError(f"data.{split}_file {str(path)!r} is not an existing file")
+        entries = []
+        for number, line in enumerate(path.read_text().splitlines(), start=1):
+            if not line.strip():
+                continue
+            fields = line.rsplit(maxsplit=1)
+            where = f"{path}:{number}"
+            if len(fields) != 2 or not fields[1].lstrip("-").isdigit():
+                raise ValueError(f"{where}: expected '<relative path> <integer label>', got {line!r}")
+            entries.append((fields[0], int(fields[1]), where))
+        if not entries:
+            raise ValueError(f"data.{split}_file {str(path)!r} lists no images")
+        return entries
+
+    def build_splits(self) -> dict[str, Dataset]:
+        return {split: self.image_files(samples, str(self.split_files[split])) for split, samples in self.samples.items()}

@@ -1,0 +1,454 @@
+"""Every dataset read from tiny fake files in its real on-disk format, through its DataModule, and the
+errors a broken or missing dataset produces."""
+
+import hashlib
+import logging
+import pickle
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import scipy.io
+import torch
+import torchvision
+import yaml
+from PIL import Image
+from torch.utils.data import DataLoader
+
+import datamodules
+import main_linear
+import main_pretrain
+from datamodules import (
+    CIFAR10DataModule,
+    CIFAR100DataModule,
+    FashionMNISTDataModule,
+    ImageFolderDataModule,
+    ImageNet100DataModule,
+    ImageNetDataModule,
+    SplitFileDataModule,
+    STL10DataModule,
+    SVHNDataModule,
+    TinyImageNetDataModule,
+    UnlabeledFolderDataModule,
+)
+from datamodules.imagenet import IMAGENET100_WNIDS
+
+ROOT = Path(__file__).parents[1]
+SCE_SEED = Path("/work/shared/seeds/sce_supplementary.txt")
+VIEWS = {"query": {"preset": "mocov2"}, "key": {"preset": "crop_flip", "count": 2}}
+RNG = np.random.default_rng(0)
+
+
+def pixels(*shape: int) -> np.ndarray:
+    return RNG.integers(0, 256, shape, dtype=np.uint8)
+
+
+def save_image(path: Path, size: tuple[int, int] = (12, 10)) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(pixels(size[1], size[0], 3)).save(path)
+    return str(path)
+
+
+def md5(path: Path) -> str:
+    return hashlib.md5(path.read_bytes()).hexdigest()
+
+
+def stand_in_checksums(monkeypatch, dataset_class, folder: Path) -> None:
+    """The fake files replace the official ones, so their checksums replace the official checksums."""
+    for attribute in ("train_list", "test_list"):
+        entries = [[name, md5(folder / name)] for name, _ in getattr(dataset_class, attribute)]
+        monkeypatch.setattr(dataset_class, attribute, entries)
+    if hasattr(dataset_class, "meta"):
+        monkeypatch.setattr(dataset_class, "meta", dataset_class.meta | {"md5": md5(folder / dataset_class.meta["filename"])})
+
+
+def check_batches(datamodule, size: int, num_classes: int, batch_size: int = 4, unlabelled: bool = False) -> None:
+    """One training batch (named views, count dimension, labels in range) and one evaluation batch."""
+    batch = next(iter(datamodule.train_dataloader()))
+    assert set(batch["views"]) == {"query", "key"}
+    assert batch["views"]["query"].shape == (batch_size, 3, size, size)
+    assert batch["views"]["key"].shape == (batch_size, 2, 3, size, size)
+    low = -1 if unlabelled else 0
+    assert batch["label"].shape == (batch_size,) and low <= batch["label"].min() and batch["label"].max() < num_classes
+    evaluation = next(iter(datamodule.val_dataloader()[0]))
+    assert evaluation["image"].shape[1:] == (3, size, size)
+    assert 0 <= evaluation["label"].min() and evaluation["label"].max() < num_classes
+
+
+# ---------------------------------------------------------------- torchvision formats
+def write_cifar(root: Path, dataset_class, monkeypatch) -> Path:
+    folder = root / dataset_class.base_folder
+    folder.mkdir(parents=True)
+    label_key = "labels" if dataset_class is torchvision.datasets.CIFAR10 else "fine_labels"
+    classes = 10 if dataset_class is torchvision.datasets.CIFAR10 else 100
+    for name, _ in dataset_class.train_list + dataset_class.test_list:
+        batch = {"data": pixels(6, 3 * 32 * 32), label_key: RNG.integers(0, classes, 6).tolist()}
+        (folder / name).write_bytes(pickle.dumps(batch))
+    meta = {dataset_class.meta["key"]: [f"class{index}" for index in range(classes)]}
+    (folder / dataset_class.meta["filename"]).write_bytes(pickle.dumps(meta))
+    stand_in_checksums(monkeypatch, dataset_class, folder)
+    return root
+
+
+@pytest.mark.parametrize("datamodule_class", [CIFAR10DataModule, CIFAR100DataModule])
+def test_cifar_loads_from_python_pickle_batches(datamodule_class, tmp_path, monkeypatch):
+    write_cifar(tmp_path, datamodule_class.dataset_class, monkeypatch)
+    datamodule = datamodule_class(root=str(tmp_path), batch_size=4, num_workers=0, views=VIEWS)
+    check_batches(datamodule, 32, datamodule.num_classes)
+    assert len(datamodule.splits["train"]) == 6 * len(datamodule.dataset_class.train_list)
+
+
+def write_svhn(root: Path, monkeypatch) -> Path:
+    split_list = {}
+    for split, (url, filename, _) in torchvision.datasets.SVHN.split_list.items():
+        labels = np.array([[10], [1], [5], [10], [9], [2]], dtype=np.uint8)
+        scipy.io.savemat(root / filename, {"X": pixels(32, 32, 3, 6), "y": labels})
+        split_list[split] = [url, filename, md5(root / filename)]
+    monkeypatch.setattr(torchvision.datasets.SVHN, "split_list", split_list)
+    return root
+
+
+def test_svhn_loads_from_mat_files_with_label_10_meaning_digit_0(tmp_path, monkeypatch):
+    datamodule = SVHNDataModule(root=str(write_svhn(tmp_path, monkeypatch)), batch_size=4, num_workers=0, views=VIEWS)
+    check_batches(datamodule, 32, 10)
+    assert [datamodule.splits["test"][index][1] for index in range(6)] == [0, 1, 5, 0, 9, 2]
+
+
+def write_idx(path: Path, array: np.ndarray) -> None:
+    """IDX: magic (0, 0, type 0x08 = uint8, number of dimensions), the sizes as big-endian int32, the data."""
+    header = bytes([0, 0, 8, array.ndim]) + np.array(array.shape, dtype=">i4").tobytes()
+    path.write_bytes(header + array.astype(np.uint8).tobytes())
+
+
+def write_fashion_mnist(root: Path, monkeypatch=None) -> Path:
+    raw = root / "FashionMNIST" / "raw"
+    raw.mkdir(parents=True)
+    for prefix, count in (("train", 8), ("t10k", 4)):
+        write_idx(raw / f"{prefix}-images-idx3-ubyte", pixels(count, 28, 28))
+        write_idx(raw / f"{prefix}-labels-idx1-ubyte", RNG.integers(0, 10, count))
+    return root
+
+
+def test_fashion_mnist_loads_from_idx_files_as_three_channel_images(tmp_path):
+    write_fashion_mnist(tmp_path)
+    datamodule = FashionMNISTDataModule(root=str(tmp_path), batch_size=4, num_workers=0, views=VIEWS)
+    check_batches(datamodule, 28, 10)
+    image, _ = datamodule.splits["train"][0]
+    channels = np.asarray(image)
+    assert channels.shape == (28, 28, 3) and (channels[..., 0] == channels[..., 2]).all()  # gray, replicated
+
+
+def write_stl10(root: Path, monkeypatch) -> Path:
+    folder = root / torchvision.datasets.STL10.base_folder
+    folder.mkdir(parents=True)
+    for split, count in (("train", 6), ("test", 4), ("unlabeled", 10)):
+        pixels(count, 3, 96, 96).tofile(folder / f"{split}_X.bin")
+        if split != "unlabeled":
+            RNG.integers(1, 11, count).astype(np.uint8).tofile(folder / f"{split}_y.bin")  # STL labels are 1..10
+    stand_in_checksums(monkeypatch, torchvision.datasets.STL10, folder)
+    return root
+
+
+def test_stl10_pretrains_on_train_and_unlabeled_and_banks_only_the_labelled_images(tmp_path, monkeypatch):
+    write_stl10(tmp_path, monkeypatch)
+    datamodule = STL10DataModule(root=str(tmp_path), batch_size=4, num_workers=0, views=VIEWS)
+    check_batches(datamodule, 96, 10, unlabelled=True)
+    train_labels = [datamodule.splits["train"][index][1] for index in range(16)]
+    assert train_labels.count(-1) == 10 and all(0 <= label < 10 for label in train_labels[:6])
+    val, bank = datamodule.val_dataloader()
+    assert len(val.dataset) == 4 and len(bank.dataset) == 6
+    linear = STL10DataModule(root=str(tmp_path), batch_size=4, num_workers=0, views=VIEWS, train_split="train")
+    linear.setup()
+    assert len(linear.splits["train"]) == 6
+
+
+def test_a_missing_torchvision_dataset_says_where_the_files_go_and_how_to_fetch_them(tmp_path):
+    with pytest.raises(ValueError, match=r"data.root '/no/such/cifar' is not an existing directory: CIFAR10DataModule expects cifar-10-batches-py/"):
+        CIFAR10DataModule(root="/no/such/cifar", views=VIEWS)  # download is off by default
+    (tmp_path / "stl10_binary").mkdir()
+    (tmp_path / "stl10_binary" / "train_X.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"4 files of STL10DataModule are missing under data.root: .*stl10_binary/train_y.bin, .*\(set data.download: true"):
+        STL10DataModule(root=str(tmp_path), views=VIEWS)
+    assert CIFAR10DataModule(root="/no/such/cifar", download=True, views=VIEWS).root == Path("/no/such/cifar")  # fetched there at setup
+
+
+def test_a_corrupt_torchvision_file_is_reported_with_the_expected_layout(tmp_path, monkeypatch):
+    write_cifar(tmp_path, torchvision.datasets.CIFAR10, monkeypatch)
+    (tmp_path / "cifar-10-batches-py" / "data_batch_3").write_bytes(b"truncated")
+    datamodule = CIFAR10DataModule(root=str(tmp_path), num_workers=0, views=VIEWS)
+    with pytest.raises(ValueError, match=r"CIFAR10 files not found or corrupt under data.root .*: expected cifar-10-batches-py/\{data_batch_1..5"):
+        datamodule.setup()
+
+
+# ---------------------------------------------------------------- folder formats
+def write_imagenet_tree(root: Path, monkeypatch=None) -> Path:
+    """An ImageNet tree with one tiny image per ImageNet-100 class and split, plus a class outside ImageNet-100."""
+    for wnid in (*IMAGENET100_WNIDS, "n99999999"):
+        for split in ("train", "val"):
+            save_image(root / split / wnid / f"{wnid}_{split}.JPEG")
+    return root
+
+
+@pytest.fixture(scope="session")
+def imagenet_tree(tmp_path_factory) -> Path:
+    return write_imagenet_tree(tmp_path_factory.mktemp("imagenet"))
+
+
+def test_imagenet100_class_list_is_table_1_of_the_sce_supplement():
+    text = SCE_SEED.read_text()
+    table = text[text.index("C. Classes to construct ImageNet100") : text.index("Table 1:")]
+    seed_wnids = re.findall(r"n\d{8}", table)
+    assert len(IMAGENET100_WNIDS) == len(set(IMAGENET100_WNIDS)) == 100
+    assert set(IMAGENET100_WNIDS) == set(seed_wnids)
+
+
+def test_imagenet100_reads_its_classes_from_an_imagenet_tree_and_ignores_the_others(imagenet_tree):
+    datamodule = ImageNet100DataModule(root=str(imagenet_tree), batch_size=4, num_workers=0, views=VIEWS, image_size=32)
+    assert datamodule.num_classes == 100
+    check_batches(datamodule, 32, 100)
+    assert len(datamodule.splits["train"]) == len(datamodule.splits["val"]) == 100
+    assert not any("n99999999" in path for path in datamodule.splits["train"].paths)
+    first_path, first_label = datamodule.splits["train"].paths[0], datamodule.splits["train"].labels[0]
+    assert sorted(IMAGENET100_WNIDS)[first_label] in first_path
+
+
+def test_imagenet_evaluates_at_224_after_resizing_to_256(imagenet_tree):
+    datamodule = ImageNetDataModule(root=str(imagenet_tree), batch_size=2, num_workers=0, views=VIEWS, knn_bank=False)
+    assert datamodule.num_classes == 101  # every class folder of the tree
+    assert datamodule.eval_transform.transforms[0].size == [256]
+    assert next(iter(datamodule.val_dataloader()[0]))["image"].shape == (2, 3, 224, 224)
+
+
+def test_a_missing_imagenet_root_says_what_belongs_there_and_where_it_comes_from():
+    with pytest.raises(ValueError, match=r"data.root '/no/such/imagenet' is not an existing directory: ImageNet100DataModule expects train/<wnid>/\*.JPEG .*image-net.org"):
+        ImageNet100DataModule(root="/no/such/imagenet", views=VIEWS)
+    with pytest.raises(ValueError, match=r"data.root is required for TinyImageNetDataModule: the folder that holds wnids.txt"):
+        TinyImageNetDataModule(views=VIEWS)
+
+
+def test_a_missing_imagenet100_class_folder_is_reported_with_its_path(tmp_path):
+    for wnid in IMAGENET100_WNIDS[1:]:
+        (tmp_path / "train" / wnid).mkdir(parents=True)
+        (tmp_path / "val" / wnid).mkdir(parents=True)
+    (tmp_path / "val" / IMAGENET100_WNIDS[5]).rmdir()
+    missing = ([tmp_path / "train" / IMAGENET100_WNIDS[0], tmp_path / "val" / IMAGENET100_WNIDS[0], tmp_path / "val" / IMAGENET100_WNIDS[5]])
+    with pytest.raises(ValueError, match="3 class folders of ImageNet100DataModule are missing") as error:
+        ImageNet100DataModule(root=str(tmp_path), views=VIEWS)
+    assert all(str(path) in str(error.value) for path in missing)
+
+
+def write_tiny_imagenet(root: Path, monkeypatch=None) -> Path:
+    wnids = [f"n{index:08d}" for index in range(200)]
+    (root / "val" / "images").mkdir(parents=True)
+    (root / "wnids.txt").write_text("\n".join(wnids) + "\n")
+    for wnid in wnids:
+        save_image(root / "train" / wnid / "images" / f"{wnid}_0.JPEG", (64, 64))
+        (root / "train" / wnid / f"{wnid}_boxes.txt").write_text(f"{wnid}_0.JPEG\t0\t0\t63\t63\n")
+    lines = []
+    for index, wnid in enumerate(wnids[:8]):
+        save_image(root / "val" / "images" / f"val_{index}.JPEG", (64, 64))
+        lines.append(f"val_{index}.JPEG\t{wnid}\t0\t0\t63\t63")
+    (root / "val" / "val_annotations.txt").write_text("\n".join(lines) + "\n")
+    return root
+
+
+def test_tiny_imagenet_reads_the_original_layout_as_is(tmp_path):
+    write_tiny_imagenet(tmp_path)
+    datamodule = TinyImageNetDataModule(root=str(tmp_path), batch_size=4, num_workers=0, views=VIEWS)
+    check_batches(datamodule, 64, 200)
+    assert len(datamodule.splits["train"]) == 200 and len(datamodule.splits["val"]) == 8
+    assert datamodule.splits["val"].labels == list(range(8))
+    device = TinyImageNetDataModule(root=str(tmp_path), batch_size=4, num_workers=0, views=VIEWS, pipeline="device")
+    assert next(iter(device.train_dataloader()))["image"].shape == (4, 3, 64, 64)  # one size: raw batches work
+
+
+def test_a_missing_tiny_imagenet_validation_image_is_reported_with_its_path(tmp_path):
+    write_tiny_imagenet(tmp_path)
+    (tmp_path / "val" / "images" / "val_3.JPEG").unlink()
+    with pytest.raises(ValueError, match=r"1 validation images listed in .*val_annotations.txt do not exist: .*val_3.JPEG"):
+        TinyImageNetDataModule(root=str(tmp_path), views=VIEWS)
+
+
+def test_image_folder_and_unlabeled_folder_serve_users_own_images(tmp_path):
+    for split in ("train", "val"):
+        for name in ("cat", "dog", "owl"):
+            for index in range(2):
+                save_image(tmp_path / "labelled" / split / name / f"{index}.png")
+    for index in range(4):
+        save_image(tmp_path / "raw" / f"batch{index % 2}" / f"{index}.jpg")
+    labelled = ImageFolderDataModule(root=str(tmp_path / "labelled"), batch_size=4, num_workers=0, views=VIEWS, image_size=24)
+    assert labelled.classes == ["cat", "dog", "owl"] and labelled.num_classes == 3
+    check_batches(labelled, 24, 3)
+    unlabelled = UnlabeledFolderDataModule(root=str(tmp_path / "raw"), batch_size=4, num_workers=0, views=VIEWS, image_size=24)
+    assert next(iter(unlabelled.train_dataloader()))["label"].tolist() == [-1] * 4
+    assert unlabelled.val_dataloader() == []
+    monitored = UnlabeledFolderDataModule(
+        root=str(tmp_path / "raw"), eval_root=str(tmp_path / "labelled"), batch_size=4, num_workers=0, views=VIEWS, image_size=24
+    )
+    check_batches(monitored, 24, 3, unlabelled=True)
+    assert len(monitored.val_dataloader()[1].dataset) == 6  # the labelled training images are the kNN bank
+
+
+def test_image_folders_of_varying_sizes_refuse_the_device_pipeline(tmp_path):
+    with pytest.raises(ValueError, match="data.pipeline: device needs images of one size, and ImageFolderDataModule's vary"):
+        ImageFolderDataModule(root=str(tmp_path), views=VIEWS, pipeline="device")
+
+
+def write_split_files(root: Path, train_labels: list[int], val_labels: list[int]) -> tuple[Path, Path]:
+    files = []
+    for split, labels in (("train", train_labels), ("val", val_labels)):
+        lines = [f"{split}/{label}/{split}_{index}.jpg {label}" for index, label in enumerate(labels)]
+        for line in lines:
+            save_image(root / line.split()[0])
+        files.append(root / f"{split}.txt")
+        files[-1].write_text("\n".join(lines) + "\n")
+    return files[0], files[1]
+
+
+def test_split_files_list_images_relative_to_the_root(tmp_path):
+    train_file, val_file = write_split_files(tmp_path, [0, 0, 0, 1, 2, 2], [0, 1, 2])
+    datamodule = SplitFileDataModule(root=str(tmp_path), train_file=str(train_file), val_file=str(val_file), batch_size=4, num_workers=0, views=VIEWS, image_size=24)
+    assert datamodule.num_classes == 3  # the largest training label + 1
+    check_batches(datamodule, 24, 3)
+    assert datamodule.splits["train"].labels == [0, 0, 0, 1, 2, 2] and len(datamodule.splits["test"]) == 3
+
+
+def test_a_split_file_label_out_of_range_names_the_file_and_line(tmp_path):
+    train_file, val_file = write_split_files(tmp_path, [0, 1, 2], [0, 7, 1])
+    with pytest.raises(ValueError, match=rf"{re.escape(str(val_file))}:2: label 7 is outside \[0, 3\)"):
+        SplitFileDataModule(root=str(tmp_path), train_file=str(train_file), val_file=str(val_file), views=VIEWS)
+    with pytest.raises(ValueError, match=rf"{re.escape(str(train_file))}:3: label 2 is outside \[0, 2\)"):
+        SplitFileDataModule(root=str(tmp_path), train_file=str(train_file), val_file=str(val_file), num_classes=2, views=VIEWS)
+
+
+def test_a_malformed_split_file_line_is_named(tmp_path):
+    train_file, val_file = write_split_files(tmp_path, [0, 1], [0, 1])
+    train_file.write_text(train_file.read_text() + "train/0/extra.jpg dog\n")
+    with pytest.raises(ValueError, match=rf"{re.escape(str(train_file))}:3: expected '<relative path> <integer label>'"):
+        SplitFileDataModule(root=str(tmp_path), train_file=str(train_file), val_file=str(val_file), views=VIEWS)
+
+
+def test_split_file_images_that_do_not_exist_are_listed_before_training(tmp_path):
+    train_file, val_file = write_split_files(tmp_path, [0, 1, 1], [0, 1])
+    (tmp_path / "train/1/train_2.jpg").unlink()
+    with pytest.raises(ValueError, match=r"1 images named in the split files do not exist .*train/1/train_2.jpg"):
+        SplitFileDataModule(root=str(tmp_path), train_file=str(train_file), val_file=str(val_file), views=VIEWS)
+
+
+# ---------------------------------------------------------------- unreadable images
+def folder_with_corrupt_images(root: Path, corrupt: int) -> ImageFolderDataModule:
+    for name in ("a", "b"):
+        for index in range(5):
+            save_image(root / "train" / name / f"{index}.jpg")
+            save_image(root / "val" / name / f"{index}.jpg")
+    for index in range(corrupt):
+        (root / "train" / "a" / f"{index}.jpg").write_bytes(b"not a jpeg")
+    return root
+
+
+def test_an_unreadable_image_is_logged_counted_and_replaced_by_the_next_one(tmp_path, caplog):
+    folder_with_corrupt_images(tmp_path, corrupt=2)
+    datamodule = ImageFolderDataModule(root=str(tmp_path), batch_size=2, num_workers=0, views=VIEWS, max_corrupt_fraction=0.2)
+    datamodule.setup()
+    train = datamodule.splits["train"]
+    with caplog.at_level(logging.WARNING, logger="datamodules.folders"):
+        replacement, label = train[0]
+    assert train.corrupt_count == 2 and str(tmp_path / "train/a/0.jpg") in caplog.text
+    assert np.array_equal(np.asarray(replacement), np.asarray(train[2][0])) and label == train.labels[2]
+    loader = DataLoader(train, batch_size=5, num_workers=2, collate_fn=list)
+    assert sum(len(batch) for batch in loader) == 10  # the workers skip the known-bad files too
+
+
+def test_unreadable_images_beyond_the_limit_stop_with_a_clear_error(tmp_path):
+    folder_with_corrupt_images(tmp_path, corrupt=1)
+    datamodule = ImageFolderDataModule(root=str(tmp_path), batch_size=10, num_workers=0, views=VIEWS)
+    with pytest.raises(ValueError, match=r"1 of 10 images of .*train are unreadable, more than data.max_corrupt_fraction=0.01 allows \(0\); the latest: .*a/0.jpg"):
+        next(iter(datamodule.train_dataloader()))
+
+
+def test_the_unreadable_count_is_shared_by_the_dataloader_workers(tmp_path):
+    folder_with_corrupt_images(tmp_path, corrupt=3)
+    datamodule = ImageFolderDataModule(root=str(tmp_path), num_workers=0, views=VIEWS, max_corrupt_fraction=0.5)
+    datamodule.setup()
+    train = datamodule.splits["train"]
+    for _ in DataLoader(train, batch_size=1, num_workers=2, collate_fn=list, sampler=[0, 1, 2, 3]):
+        pass
+    assert train.corrupt_count == 3
+
+
+# ---------------------------------------------------------------- the shipped configs on fake copies of their datasets
+FAKE_DATASETS = {
+    CIFAR10DataModule: lambda root, monkeypatch: write_cifar(root, torchvision.datasets.CIFAR10, monkeypatch),
+    CIFAR100DataModule: lambda root, monkeypatch: write_cifar(root, torchvision.datasets.CIFAR100, monkeypatch),
+    SVHNDataModule: write_svhn,
+    FashionMNISTDataModule: write_fashion_mnist,
+    STL10DataModule: write_stl10,
+    TinyImageNetDataModule: write_tiny_imagenet,
+    ImageNetDataModule: write_imagenet_tree,
+    ImageNet100DataModule: write_imagenet_tree,
+}
+
+
+def config_data(config: Path) -> tuple[type, dict]:
+    data = yaml.safe_load(config.read_text())["data"]
+    return getattr(datamodules, data["class_path"].rsplit(".", 1)[-1]), data.get("init_args", {})
+
+
+FILE_CONFIGS = [config for config in sorted(ROOT.glob("configs/*.yaml")) if config_data(config)[0] in FAKE_DATASETS]
+
+
+@pytest.mark.parametrize("config", FILE_CONFIGS, ids=[config.name for config in FILE_CONFIGS])
+def test_every_shipped_config_builds_its_views_on_a_fake_copy_of_its_dataset(config, tmp_path, monkeypatch):
+    datamodule_class, init_args = config_data(config)
+    root = FAKE_DATASETS[datamodule_class](tmp_path, monkeypatch)
+    datamodule = datamodule_class(**(init_args | {"root": str(root), "batch_size": 2, "num_workers": 0}))
+    batch = datamodule.augment_on_device(next(iter(datamodule.train_dataloader())))
+    assert set(batch["views"]) == set(init_args["views"])
+    assert all(images.shape[0] == 2 and images.shape[-3] == 3 for images in batch["views"].values())
+    evaluation = next(iter(datamodule.val_dataloader()[0]))
+    assert evaluation["image"].shape[1] == 3 and evaluation["label"].max() < datamodule.num_classes
+
+
+IMAGENET100_CONFIGS = sorted(ROOT.glob("configs/*_imagenet100.yaml"))
+
+
+def stand_in_config(tmp_path: Path) -> Path:
+    """A pretraining config on ImageNet-100 made from the MoCo CIFAR-10 one, for while no
+    `configs/*_imagenet100.yaml` is shipped."""
+    config = yaml.safe_load((ROOT / "configs/moco_cifar10.yaml").read_text())
+    config["data"]["class_path"] = "datamodules.ImageNet100DataModule"
+    config["model"]["init_args"]["backbone"] = {"name": "resnet18"}
+    path = tmp_path / "moco_imagenet100.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.mark.parametrize("config", IMAGENET100_CONFIGS or [None], ids=[path.name for path in IMAGENET100_CONFIGS] or ["stand-in"])
+def test_every_imagenet100_config_runs_a_step_on_a_fake_tree(config, imagenet_tree, tmp_path):
+    config = config or stand_in_config(tmp_path)
+    linear = config.name.startswith("linear_")
+    model_args = yaml.safe_load(config.read_text())["model"]["init_args"]
+    small_model = [f"--model.init_args.{key}=16" for key in ("queue_size",) if key in model_args]
+    small_model += ["--model.init_args.projector.hidden_dim=32"] if "projector" in model_args else []
+    small_model += ["--model.init_args.random_init=true"] if linear else ["--model.init_args.channels_last=false"]
+    cli = (main_linear if linear else main_pretrain).cli_main(
+        [
+            "fit", "--config", str(config),
+            f"--data.init_args.root={imagenet_tree}",
+            "--data.init_args.batch_size=8",  # split BatchNorm configs need 8 groups
+            "--data.init_args.num_workers=0",
+            "--data.init_args.image_size=32",
+            "--model.init_args.backbone.name=timm:test_resnet",
+            *small_model,
+            "--trainer.fast_dev_run=1",
+            "--trainer.accelerator=cpu",
+            "--trainer.devices=1",
+            "--trainer.strategy=auto",
+            "--trainer.sync_batchnorm=false",
+            "--trainer.precision=32-true",  # bf16 autocast is slow on a CPU
+            f"--trainer.default_root_dir={tmp_path / 'run'}",
+        ]
+    )
+    assert cli.trainer.global_step == 1 and cli.datamodule.num_classes == 100
+    assert all(torch.isfinite(value) for name, value in cli.trainer.callback_metrics.items() if name.startswith("train/"))

@@ -1,0 +1,94 @@
+"""The named augmentation presets: the papers' parameters, both pipelines, the per-image policies."""
+
+import inspect
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from timm.data.auto_augment import RandAugment
+from torchvision.transforms import v2 as T
+
+from datamodules.batched import BatchedAugment
+from datamodules.transforms import CONTRASTIVE_PRESETS, Cutout, augment, build_view
+
+DEFAULTS = {"size": 16, "mean": (0.5, 0.4, 0.3), "std": (0.2, 0.25, 0.3)}
+IMAGE = Image.fromarray(np.random.default_rng(0).integers(0, 256, (20, 24, 3), dtype=np.uint8))
+
+
+def test_the_per_image_and_the_batched_family_take_the_same_parameters_with_the_same_defaults():
+    per_image = inspect.signature(augment).parameters
+    batched = {name: parameter for name, parameter in inspect.signature(BatchedAugment).parameters.items()}
+    assert [(name, p.default) for name, p in per_image.items()] == [(name, p.default) for name, p in batched.items()]
+
+
+@pytest.mark.parametrize("preset", sorted(CONTRASTIVE_PRESETS))
+def test_every_contrastive_preset_runs_per_image_and_on_a_batch(preset):
+    assert build_view("v", {"preset": preset}, DEFAULTS)(IMAGE).shape == (3, 16, 16)
+    batch = torch.from_numpy(np.asarray(IMAGE)).permute(2, 0, 1).expand(4, 3, 20, 24)
+    assert build_view("v", {"preset": preset}, DEFAULTS, pipeline="device")(batch).shape == (4, 3, 16, 16)
+
+
+def test_byol_pair_is_sces_asymmetric_imagenet_views():
+    first, second = (build_view(name, {"preset": name}, DEFAULTS) for name in ("byol1", "byol2"))
+    for view in (first, second):
+        crop, jitter, gray = view.transforms[:3]
+        assert crop.scale == (0.2, 1.0) and jitter.p == 0.8 and gray.p == 0.2
+        assert jitter.transforms[0].saturation == (0.8, 1.2) and jitter.transforms[0].hue == (-0.1, 0.1)
+    assert (first.transforms[3].p, first.transforms[4].p) == (1.0, 0.0)  # blur, solarisation
+    assert (second.transforms[3].p, second.transforms[4].p) == (0.1, 0.2)
+    assert second.transforms[4].threshold == 128
+
+
+def test_simaugment_is_simclr_at_strength_one_with_blur_and_paco_sim_is_pacos_key_view():
+    simaugment = build_view("v", {"preset": "simaugment"}, DEFAULTS).transforms
+    assert simaugment[0].scale == (0.08, 1.0) and simaugment[1].p == 0.8 and simaugment[3].p == 0.5
+    assert simaugment[1].transforms[0].brightness == pytest.approx((0.2, 1.8)) and simaugment[1].transforms[0].hue == (-0.2, 0.2)
+    paco = build_view("v", {"preset": "paco_sim"}, DEFAULTS).transforms
+    assert paco[0].scale == (0.08, 1.0) and paco[1].p == 1.0 and paco[1].transforms[0].hue is None
+    assert paco[2].p == 0.2 and paco[3].p == 0.5
+
+
+def test_autoaugment_is_tcls_crop_flip_policy_and_pacos_cifar_view_with_cutout():
+    tcl = build_view("v", {"preset": "autoaugment"}, DEFAULTS)
+    resize, crop, flip, policy, _ = tcl.transforms
+    assert resize.size == [16, 16] and crop.padding == [4, 4, 4, 4] and isinstance(flip, T.RandomHorizontalFlip)
+    assert policy.policy == T.AutoAugmentPolicy.IMAGENET and tcl(IMAGE).shape == (3, 16, 16)
+    paco = build_view("v", {"preset": "autoaugment", "policy": "cifar10", "cutout": 8}, DEFAULTS)
+    assert paco.transforms[3].policy == T.AutoAugmentPolicy.CIFAR10 and paco.transforms[4].length == 8
+    with pytest.raises(ValueError, match="view 'v': autoaugment policy must be one of \\['cifar10', 'imagenet', 'svhn'\\], got 'cifar'"):
+        build_view("v", {"preset": "autoaugment", "policy": "cifar"}, DEFAULTS)
+
+
+def test_cutout_blacks_out_one_square_clipped_at_the_border():
+    white = Image.new("RGB", (32, 32), (255, 255, 255))
+    for _ in range(20):
+        black = np.asarray(Cutout(16)(white)).sum(axis=2) == 0
+        rows, cols = np.nonzero(black.any(axis=1))[0], np.nonzero(black.any(axis=0))[0]
+        assert 8 <= len(rows) <= 16 and 8 <= len(cols) <= 16 and black.sum() == len(rows) * len(cols)
+    assert np.asarray(white).min() == 255  # the input is left untouched
+
+
+def test_randaugment_is_pacos_randcls_view_with_timms_policy():
+    view = build_view("v", {"preset": "randaugment"}, DEFAULTS)
+    crop, jitter, gray = view.transforms[:3]
+    assert crop.scale == (0.08, 1.0) and jitter.p == 1.0 and jitter.transforms[0].hue is None and gray.p == 0.0
+    policy = view.transforms[-2]
+    assert isinstance(policy, RandAugment) and policy.num_layers == 2
+    assert {(op.magnitude, op.magnitude_std) for op in policy.ops} == {(10, 0.5)}
+    assert view(IMAGE).shape == (3, 16, 16)
+    stack = build_view("v", {"preset": "randaugment", "num_ops": 3, "gray_prob": 0.2, "blur_prob": 0.5}, DEFAULTS)
+    assert stack.transforms[-2].num_layers == 3 and stack.transforms[2].p == 0.2 and stack.transforms[3].p == 0.5
+    with pytest.raises(ValueError, match="view 'v': preset 'randaugment' does not accept \\['strength'\\]"):
+        build_view("v", {"preset": "randaugment", "strength": 1.0}, DEFAULTS)
+
+
+@pytest.mark.parametrize("preset", ["autoaugment", "randaugment"])
+def test_policy_presets_refuse_the_device_pipeline(preset):
+    with pytest.raises(ValueError, match=f"view 'v': preset '{preset}' runs per image only; use data.pipeline: workers"):
+        build_view("v", {"preset": preset}, DEFAULTS, pipeline="device")
+
+
+def test_linear_training_view_can_resize_before_its_padded_crop():
+    stl_like = Image.fromarray(np.zeros((96, 96, 3), dtype=np.uint8))
+    assert build_view("image", {"preset": "crop_pad_flip", "resize": 64}, DEFAULTS | {"size": 64})(stl_like).shape == (3, 64, 64)
