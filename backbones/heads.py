@@ -3,7 +3,8 @@
 Examples (input dim comes from the trunk or the previous head):
 - MoCo v2: `MLPSpec(hidden_dim=2048, output_dim=128, batch_norm=False)` -> Linear-ReLU-Linear, biases.
 - SCE small datasets: `MLPSpec(512, 256)` -> Linear(no bias)-BN-ReLU-Linear(bias).
-- SCE ImageNet: `MLPSpec(4096, 256, num_layers=3, last_batch_norm=True, last_batch_norm_affine=False)`.
+- SCE ImageNet: `MLPSpec(4096, 256, num_layers=3, last_batch_norm=True, last_batch_norm_affine=False)`,
+  predictor `MLPSpec(4096, 256, last_bias=False)`.
 - NPID / Wang & Liu: `MLPSpec(output_dim=128, num_layers=1)` -> one Linear.
 """
 
@@ -20,6 +21,7 @@ class MLPSpec:
     batch_norm: bool = True  # BN after every hidden Linear
     last_batch_norm: bool = False  # BN after the output Linear (SCE/BYOL-style ImageNet projectors)
     last_batch_norm_affine: bool = True
+    last_bias: bool | None = None  # None: a bias exactly when no BN follows (eztorch's predictor has none)
 
     def build(self, input_dim: int) -> nn.Sequential:
         return build_mlp(input_dim, self)
@@ -41,7 +43,8 @@ def build_mlp(input_dim: int, spec: MLPSpec) -> nn.Sequential:
             layers.append(nn.BatchNorm1d(spec.hidden_dim))
         layers.append(nn.ReLU(inplace=True))
         in_dim = spec.hidden_dim
-    layers.append(nn.Linear(in_dim, spec.output_dim, bias=not spec.last_batch_norm))
+    last_bias = not spec.last_batch_norm if spec.last_bias is None else spec.last_bias
+    layers.append(nn.Linear(in_dim, spec.output_dim, bias=last_bias))
     if spec.last_batch_norm:
         layers.append(nn.BatchNorm1d(spec.output_dim, affine=spec.last_batch_norm_affine))
     return nn.Sequential(*layers)

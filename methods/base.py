@@ -6,6 +6,8 @@ named views it consumes) and implements `contrastive_step(batch) -> (loss, onlin
 view goes through which branch, which loss, what is enqueued. Everything else lives here.
 """
 
+from typing import Sequence
+
 import lightning as L
 import torch
 import torch.distributed as dist
@@ -56,6 +58,7 @@ class PretrainMethod(EvaluationMixin, L.LightningModule):
         self.backbone, self.feature_dim = as_spec(BackboneSpec, backbone).build()
         self.projector = projector.build(self.feature_dim)
         self.projection_dim = projector.output_dim
+        self.predictor: nn.Module = nn.Identity()  # a method with a predictor head replaces it
         self.probe = nn.Linear(self.feature_dim, num_classes)
         self.optimizer_spec = as_spec(OptimizerSpec, optimizer)
         self.schedule_spec = as_spec(ScheduleSpec, schedule)
@@ -104,9 +107,25 @@ class PretrainMethod(EvaluationMixin, L.LightningModule):
 
     # ----------------------------------------------------------------- shared helpers
     def embed(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Online branch: trunk features and the L2-normalised projection."""
+        """Online branch: trunk features and the L2-normalised projection (after the predictor, if any)."""
         features = self.backbone(images)
-        return features, F.normalize(self.projector(features), dim=1)
+        return features, F.normalize(self.predictor(self.projector(features)), dim=1)
+
+    def embed_crops(self, views: dict[str, torch.Tensor], names: Sequence[str]) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Online projections of every crop of the named views, in order (a view with `count: N`,
+        shaped (B, N, C, H, W), gives N crops, e.g. multi-crop's small crops); each crop is its own
+        forward, so BatchNorm sees one crop per batch as in the two-crop case. Also returns the trunk
+        features of the first crop, for the online probe."""
+        crops = [crop for name in names for crop in (views[name].unbind(1) if views[name].ndim == 5 else [views[name]])]
+        embedded = [self.embed(crop) for crop in crops]
+        return [projection for _, projection in embedded], embedded[0][0]
+
+    @property
+    def epochs_done(self) -> float:
+        """Training progress in epochs, counted in optimizer steps (what per-step ramps of loss
+        hyper-parameters read)."""
+        steps_per_epoch = max(1, self.trainer.num_training_batches // self.trainer.accumulate_grad_batches)
+        return self.trainer.global_step / steps_per_epoch
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Concatenate a tensor from all processes in rank order (no gradient), e.g. keys to enqueue."""
@@ -121,7 +140,10 @@ class PretrainMethod(EvaluationMixin, L.LightningModule):
         single-process loss on the concatenated batch."""
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return tensor
-        return self.all_gather(tensor, sync_grads=True).flatten(0, 1)
+        gathered = self.all_gather(tensor, sync_grads=True)
+        if gathered.requires_grad:  # gloo's backward scatters a strided gradient in the wrong order
+            gathered.register_hook(lambda grad: grad.contiguous())
+        return gathered.flatten(0, 1)
 
     # ----------------------------------------------------------------- training
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:

@@ -6,7 +6,9 @@
   because they need parameter groups and per-step schedules;
 - the resolved config is written with overwrite enabled (a second run in the same directory or a
   Slurm requeue must not crash) and, with a `WandbLogger`, sent to the W&B run;
-- a `checkpoint` group (ModelCheckpoint) is always present, with `save_last: true`;
+- a `checkpoint` group (ModelCheckpoint) is always present, with `save_last: true`, writing to
+  `<default_root_dir>/checkpoints/` whatever the logger (`last.ckpt` is where the linear stage and a
+  resumed run look);
 - configuration mistakes end with one `error:` line naming the offending key or value, before any
   directory, config or checkpoint is written (set CONTRASTLAB_TRACEBACK=1 for the full traceback);
 - at the end of `fit` / `validate` / `test`, the final metrics are printed and written to
@@ -117,7 +119,13 @@ class ContrastlabCLI(LightningCLI):
                 raise
             fail(str(error))
 
-    before_fit = before_validate = before_test = _check_data
+    def before_fit(self) -> None:
+        self._check_data()
+        for callback in self.trainer.checkpoint_callbacks:
+            if callback.dirpath is None:  # not under the logger's version folder: one known place per run
+                callback.dirpath = str(Path(self.trainer.default_root_dir) / "checkpoints")
+
+    before_validate = before_test = _check_data
 
     def _print_summary(self, stage: str) -> None:
         if not self.trainer.is_global_zero:

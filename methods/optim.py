@@ -45,6 +45,24 @@ class ScheduleSpec:
     unit: Literal["step", "epoch"] = "step"  # `epoch` holds the lr constant within an epoch (MoCo --cos)
 
 
+@dataclass
+class RampSpec:
+    """Moves a loss hyper-parameter from `start` to its configured value over the first `epochs`
+    epochs, then holds it (SCE's optional warm-ups of tau_m and lambda; JCL's linear lambda ramp)."""
+
+    start: float
+    epochs: float
+    shape: Literal["linear", "cosine"] = "linear"
+    unit: Literal["step", "epoch"] = "step"  # `epoch` changes the value only at epoch boundaries
+
+    def value_at(self, final: float, epochs_done: float) -> float:
+        if self.epochs <= 0:
+            raise ValueError(f"a ramp needs epochs > 0, got {self.epochs}")
+        progress = min((math.floor(epochs_done) if self.unit == "epoch" else epochs_done) / self.epochs, 1.0)
+        remaining = 1.0 - progress if self.shape == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+        return final + (self.start - final) * remaining
+
+
 def parameter_groups(named_params: Iterable[tuple[str, torch.nn.Parameter]], spec: OptimizerSpec) -> list[dict]:
     """Split trainable parameters into a decayed group and, with `exclude_bias_and_norm`, a group of
     biases and norm parameters (ndim <= 1) without weight decay or LARS adaptation (SCE, ReSSL)."""

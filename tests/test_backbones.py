@@ -73,6 +73,8 @@ def test_mlp_heads_follow_each_papers_layout():
     sce_imagenet = build_mlp(2048, MLPSpec(4096, 256, num_layers=3, last_batch_norm=True, last_batch_norm_affine=False))
     assert [type(layer) for layer in sce_imagenet] == [nn.Linear, nn.BatchNorm1d, nn.ReLU] * 2 + [nn.Linear, nn.BatchNorm1d]
     assert sce_imagenet[-2].bias is None and sce_imagenet[-1].weight is None
+    sce_predictor = build_mlp(256, MLPSpec(4096, 256, last_bias=False))
+    assert sce_predictor[0].bias is None and sce_predictor[-1].bias is None  # eztorch's predictor has no bias
 
     npid = build_mlp(512, MLPSpec(output_dim=128, num_layers=1))
     assert len(npid) == 1 and npid[0].in_features == 512 and npid[0].out_features == 128

@@ -66,15 +66,17 @@ def test_bad_input_ends_with_one_error_line_naming_the_value_and_writes_nothing(
     assert not run_dir.exists()
 
 
-def test_pretrain_then_linear_probe_pipeline_with_a_rerun_in_the_same_directory(tmp_path, capsys):
+def test_pretrain_then_linear_probe_pipeline_with_reruns_in_the_same_directory(tmp_path, capsys):
     run_dir = tmp_path / "pretrain"
-    args = ["fit", "--config", PRETRAIN_DIGITS, *TINY_RUN, f"--trainer.default_root_dir={run_dir}", "--trainer.logger=false"]
-    cli = main_pretrain.cli_main(args)
+    args = ["fit", "--config", PRETRAIN_DIGITS, *TINY_RUN, f"--trainer.default_root_dir={run_dir}"]
+    cli = main_pretrain.cli_main(args)  # the default logger: its files go to a version folder
     assert cli.model.probe.out_features == cli.datamodule.num_classes == 10  # linked from the data
     assert "val results: probe_top1" in capsys.readouterr().out
-    main_pretrain.cli_main(args)  # same directory again: the saved config is overwritten, no crash
-    checkpoint = run_dir / "checkpoints" / "last.ckpt"
-    assert checkpoint.is_file() and (run_dir / "config.yaml").is_file()
+    checkpoint = run_dir / "checkpoints" / "last.ckpt"  # not under the logger's version folder
+    assert checkpoint.is_file() and (Path(cli.trainer.log_dir) / "config.yaml").is_file()
+    for _ in range(2):  # without a logger the config lands in the run folder; a rerun overwrites it
+        main_pretrain.cli_main([*args, "--trainer.logger=false"])
+    assert (run_dir / "config.yaml").is_file()
     results = json.loads((run_dir / "results_val.json").read_text())
     assert results["global_step"] == 2 and 0.0 <= results["metrics"]["val/knn_top1"] <= 1.0
 

@@ -1,0 +1,56 @@
+"""ReSSL: Relational Self-Supervised Learning (Zheng et al., NeurIPS 2021; spec_selfsup 4).
+
+No positive pair: the online branch matches, over the queue only, the relation distribution of the
+weak view under the momentum (teacher) encoder, sharpened by a lower temperature:
+    L = -sum_j softmax(k.queue / tau_t)_j  log softmax(q.queue / tau_s)_j,   tau_s 0.1, tau_t 0.04.
+The teacher sees the weak view (crop + flip), the student the strong MoCo v2 view (official
+`aug=[moco_aug, target_aug]`), plus optional small crops (ImageNet multi-crop); teacher keys are
+enqueued after the loss. ReSSL is SCE with coeff = 0 without the positive slot and the ceiling term.
+"""
+
+from typing import Sequence
+
+import torch
+
+from methods.base import PretrainMethod
+from methods.config import check_positive
+from methods.losses import ressl_loss
+from methods.momentum import KeyQueue, MomentumMixin, MomentumSpec
+
+
+class ReSSL(MomentumMixin, PretrainMethod):
+    def __init__(
+        self,
+        temperature: float = 0.1,
+        temperature_momentum: float = 0.04,
+        queue_size: int = 131072,
+        small_crops: Sequence[str] = (),
+        momentum: MomentumSpec = MomentumSpec(base=0.999),
+        **kwargs,
+    ):
+        """
+        Args:
+            temperature: tau_s of the student distribution (0.1).
+            temperature_momentum: tau_t of the teacher distribution (0.04; SCE's Table 2 tunes it).
+            queue_size: K (131,072 on ImageNet, 4,096 CIFAR, 16,384 STL/Tiny).
+            small_crops: names of further views fed to the student only (multi-crop: the 192/160/128/96
+                px crops of the ImageNet 5-crop run; a view with `count: N` gives N crops).
+            momentum: teacher EMA momentum (0.999 ImageNet, 0.99 / 0.996 small datasets) and shuffle-BN.
+            **kwargs: the PretrainMethod arguments (backbone, projector, optimizer, schedule, ...).
+        """
+        super().__init__(**kwargs)
+        check_positive("temperature", temperature)
+        check_positive("temperature_momentum", temperature_momentum)
+        self.temperature, self.temperature_momentum = temperature, temperature_momentum
+        self.online_views = ("strong", *small_crops)
+        self.views = ("weak", *self.online_views)
+        self.init_momentum(momentum)
+        self.queue = KeyQueue(queue_size, self.projection_dim)
+
+    def contrastive_step(self, batch):
+        key = self.target_embed(batch["views"]["weak"])
+        online, features = self.embed_crops(batch["views"], self.online_views)
+        queue = self.queue.read()
+        loss = torch.stack([ressl_loss(query, key, queue, self.temperature, self.temperature_momentum) for query in online]).mean()
+        self.queue.push(self.gather(key))
+        return loss, features

@@ -1,0 +1,106 @@
+"""SCE: Similarity Contrastive Estimation (Denize et al., WACV 2023; spec_selfsup 5).
+
+The online branch predicts, for each strong view, a distribution over {its positive key} + the queue
+whose target mixes the one-hot of InfoNCE with the relations of the weak view to the queue under the
+momentum encoder:  w = coeff * onehot(0) + (1 - coeff) * softmax([0, k.queue] / tau_m)  (seed eq. 3-5).
+coeff = 1 is MoCo v2's InfoNCE, coeff = 0 ReSSL's relational target plus the "ceiling" term (seed
+Prop. 1). The weak view goes to the momentum branch, the strong one to the online branch (official
+code and configs; the comments of the seed's Algorithm 1 have them swapped, spec 5.2).
+
+- asymmetric (small datasets): weak -> target, strong (+ optional multi-crop small crops) -> online;
+- symmetric (ImageNet): two strong global views, each a target for every other crop; the keys of
+  both global views are enqueued (2 keys per image and step).
+"""
+
+from typing import Sequence
+
+import torch
+import torch.nn as nn
+
+from backbones import MLPSpec
+from methods.base import PretrainMethod
+from methods.config import as_spec, check_positive
+from methods.losses import sce_loss
+from methods.momentum import KeyQueue, MomentumMixin, MomentumSpec
+from methods.optim import RampSpec
+
+
+class SCE(MomentumMixin, PretrainMethod):
+    def __init__(
+        self,
+        temperature: float = 0.1,
+        temperature_momentum: float = 0.05,
+        coeff: float = 0.5,
+        queue_size: int = 65536,
+        symmetric: bool = False,
+        small_crops: Sequence[str] = (),
+        mask_positive_target: bool = False,
+        predictor: MLPSpec | None = None,
+        temperature_momentum_warmup: RampSpec | None = None,
+        coeff_warmup: RampSpec | None = None,
+        momentum: MomentumSpec = MomentumSpec(base=0.999),
+        **kwargs,
+    ):
+        """
+        Args:
+            temperature: tau of the online distribution (seed Table 2: 0.1 or 0.2).
+            temperature_momentum: tau_m of the target relations (seed Table 2: 0.03-0.10).
+            coeff: lambda, the weight of the one-hot (InfoNCE) target; 0.5 in every paper setting.
+            queue_size: K, keys kept from previous steps (4,096 CIFAR, 16,384 STL/Tiny, 65,536 ImageNet).
+            symmetric: the ImageNet loss (views global1/global2) instead of the small-dataset one
+                (views weak/strong).
+            small_crops: names of further views fed to the online branch only (multi-crop, e.g. the
+                192/160/128/96 px crops of the ImageNet 5-crop run; a view with `count: N` gives N
+                crops); each is predicted from every target view.
+            mask_positive_target: give the positive slot of the target a logit of -inf (the seed's
+                Prop. 1) instead of 0 (official code, Algorithm 1); negligible in practice.
+            predictor: an MLP after the online projector (ImageNet recipe); the target has none.
+            temperature_momentum_warmup, coeff_warmup: optional ramps from `start` to the configured
+                value over the first epochs (eztorch options, off in every paper config).
+            momentum: EMA momentum (0.99 CIFAR, 0.996 STL/Tiny, 0.99 cosine to 1 ImageNet), shuffle-BN.
+            **kwargs: the PretrainMethod arguments (backbone, projector, optimizer, schedule, ...).
+        """
+        super().__init__(**kwargs)
+        check_positive("temperature", temperature)
+        check_positive("temperature_momentum", temperature_momentum)
+        if not 0.0 <= coeff <= 1.0:
+            raise ValueError(f"coeff must lie in [0, 1], got {coeff}")
+        self.temperature, self.temperature_momentum, self.coeff = temperature, temperature_momentum, coeff
+        self.symmetric, self.mask_positive_target = symmetric, mask_positive_target
+        self.temperature_momentum_warmup = temperature_momentum_warmup and as_spec(RampSpec, temperature_momentum_warmup)
+        self.coeff_warmup = coeff_warmup and as_spec(RampSpec, coeff_warmup)
+        if predictor is not None:
+            self.predictor: nn.Module = as_spec(MLPSpec, predictor).build(self.projection_dim)
+        self.target_views = ("global1", "global2") if symmetric else ("weak",)
+        self.online_views = (("global1", "global2") if symmetric else ("strong",)) + tuple(small_crops)
+        self.views = tuple(dict.fromkeys(self.target_views + self.online_views))
+        self.keys_per_sample = len(self.target_views)
+        self.init_momentum(momentum)
+        self.queue = KeyQueue(queue_size, self.projection_dim)
+
+    def scheduled(self) -> tuple[float, float]:
+        """(tau_m, coeff) at the current step, after their optional warm-ups."""
+        tau_m, coeff = self.temperature_momentum, self.coeff
+        if self.temperature_momentum_warmup:
+            tau_m = self.temperature_momentum_warmup.value_at(tau_m, self.epochs_done)
+        if self.coeff_warmup:
+            coeff = self.coeff_warmup.value_at(coeff, self.epochs_done)
+        return tau_m, coeff
+
+    def contrastive_step(self, batch):
+        views = batch["views"]
+        targets = [self.target_embed(views[name]) for name in self.target_views]
+        online, features = self.embed_crops(views, self.online_views)
+        # Every online crop is predicted from every target view but its own (a symmetric global view is
+        # both a target and an online crop, at the same index); the loss is the mean over these pairs.
+        pairs = [(t, q) for t in range(len(targets)) for q in range(len(online)) if not (self.symmetric and q == t)]
+        tau_m, coeff = self.scheduled()
+        queue = self.queue.read()
+        losses = [
+            sce_loss(online[q], targets[t], queue, self.temperature, tau_m, coeff, self.mask_positive_target)
+            for t, q in pairs
+        ]
+        self.queue.push(self.gather(torch.cat(targets)))
+        if self.temperature_momentum_warmup or self.coeff_warmup:
+            self.log_dict({"train/temperature_momentum": tau_m, "train/coeff": coeff}, on_step=True, on_epoch=False)
+        return torch.stack(losses).mean(), features
