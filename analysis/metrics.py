@@ -1,7 +1,9 @@
 """Embedding-space metrics of Wang & Isola (ICML 2020) and Wang & Liu (CVPR 2021).
 
-Both take the embeddings as given (pass L2-normalised rows, as the papers do), compute in float32
-(float64 kept) and cost O(N^2): subsample large sets.
+All take the embeddings as given (pass L2-normalised rows, as the papers do), compute in float32
+(float64 kept) and cost O(N^2): subsample large sets. `local_separation` and `negative_entropy` take
+anchors and targets in pairs: target i is anchor i's positive, every other target is a negative of it
+(an NPID anchor against the memory bank, or one augmented view against another).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["tolerance", "uniformity"]
+__all__ = ["local_separation", "negative_entropy", "tolerance", "uniformity"]
 
 
 def _as_float(z: Tensor) -> Tensor:
@@ -47,3 +49,33 @@ def tolerance(z: Tensor, labels: Tensor) -> Tensor:
     if not same_class.any():
         raise ValueError("labels must contain at least one class with two samples")
     return (z @ z.T)[same_class].mean()
+
+
+def _pair_similarities(anchors: Tensor, targets: Tensor) -> Tensor:
+    anchors = _as_float(anchors)
+    if targets.shape != anchors.shape:
+        raise ValueError(f"targets must have the anchors' shape {tuple(anchors.shape)}, got {tuple(targets.shape)}")
+    return anchors @ targets.to(anchors.dtype).T
+
+
+def local_separation(anchors: Tensor, targets: Tensor, k: int = 10) -> tuple[Tensor, Tensor]:
+    """Wang & Liu's local separation (their Figs. 1-7): per anchor i, the similarity s_ii to its positive
+    and the k largest similarities s_ij to negatives (j != i), sorted from n1 (the nearest) down to nk.
+
+    Returns ``(positive (N,), nearest_negatives (N, k))``.
+    """
+    similarity = _pair_similarities(anchors, targets)
+    if not 1 <= k < len(similarity):
+        raise ValueError(f"k must lie in [1, {len(similarity) - 1}] (negatives per anchor), got {k}")
+    negatives = similarity.masked_fill(torch.eye(len(similarity), dtype=torch.bool, device=similarity.device), -math.inf)
+    return similarity.diagonal(), negatives.topk(k, dim=1).values
+
+
+def negative_entropy(anchors: Tensor, targets: Tensor, temperature: float) -> Tensor:
+    """Entropy H(r_i) of each anchor's relative penalty over its negatives, the Boltzmann distribution
+    r_i(j) = exp(s_ij / T) / sum_{k != i} exp(s_ik / T) (Wang & Liu 3.2; it grows with T). Returns (N,)."""
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {float(temperature)}")
+    logits = _pair_similarities(anchors, targets) / temperature
+    logits = logits.masked_fill(torch.eye(len(logits), dtype=torch.bool, device=logits.device), -math.inf)
+    return torch.special.entr(logits.softmax(dim=1)).sum(dim=1)

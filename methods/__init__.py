@@ -6,7 +6,9 @@ Configs refer to a method by its short name, e.g. `class_path: methods.MoCoV2`.
 from methods.base import PretrainMethod
 from methods.linear import LinearProbe
 from methods.moco import MoCoV2
+from methods.npid import NPID
 from methods.ressl import ReSSL
 from methods.sce import SCE
+from methods.simclr import SimCLR
 
-__all__ = ["LinearProbe", "MoCoV2", "PretrainMethod", "ReSSL", "SCE"]
+__all__ = ["LinearProbe", "MoCoV2", "NPID", "PretrainMethod", "ReSSL", "SCE", "SimCLR"]

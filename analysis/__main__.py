@@ -1,0 +1,74 @@
+"""Analyse a pretraining checkpoint: uniformity, tolerance, entropy over negatives, local separation.
+
+    uv run python -m analysis runs/npid_digits/checkpoints/last.ckpt --config configs/npid_digits.yaml
+    uv run python -m analysis CKPT --config configs/npid_cifar10.yaml --split test --out runs/analysis/npid \\
+        -- --data.init_args.root /datasets/cifar10
+
+The method (class and hyperparameters, hence its temperature) comes from the checkpoint, which
+`main_pretrain.py` wrote; the data (split, views, evaluation view) from the pretraining config, with
+the CLI overrides given after `--`. Writes OUT/metrics.json, OUT/local_separation.png and
+OUT/negative_entropy.png, OUT being `<run>/analysis` unless `--out` says otherwise.
+"""
+
+import argparse
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from analysis.representation import analyse
+from methods import PretrainMethod
+from methods.cli import ContrastlabCLI
+
+
+def load_method(checkpoint_path: Path) -> PretrainMethod:
+    """The pretraining method saved in a checkpoint, as the class the CLI instantiated."""
+    hyperparameters = torch.load(checkpoint_path, map_location="cpu", weights_only=True).get("hyper_parameters", {})
+    class_path = hyperparameters.get("_class_path")
+    if class_path is None:
+        raise ValueError(f"{checkpoint_path} does not name its method class; analyse checkpoints written by main_pretrain.py")
+    module_name, class_name = class_path.rsplit(".", 1)
+    method_class = getattr(importlib.import_module(module_name), class_name)
+    if not issubclass(method_class, PretrainMethod):
+        raise ValueError(f"{checkpoint_path} holds a {class_path}, not a pretraining method")
+    return method_class.load_from_checkpoint(checkpoint_path, map_location="cpu")
+
+
+def main(argv: list[str]) -> int:
+    overrides = argv[argv.index("--") + 1 :] if "--" in argv else []
+    own = argv[: argv.index("--")] if "--" in argv else argv
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint", type=Path, help="a main_pretrain.py checkpoint")
+    parser.add_argument("--config", required=True, help="the pretraining config (for the data)")
+    parser.add_argument("--split", default="val", help="the DataModule split to analyse")
+    parser.add_argument("--max-samples", type=int, default=2048, help="images analysed (a fixed random subset)")
+    parser.add_argument("--view", help="the training view of the anchors (default: the method's first)")
+    parser.add_argument("--temperature", type=float, help="of the entropy over negatives (default: the method's)")
+    parser.add_argument("--out", type=Path, help="output folder (default: <run>/analysis)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args(own)
+    if not args.checkpoint.is_file():
+        raise SystemExit(f"error: checkpoint {str(args.checkpoint)!r} is not an existing file")
+    try:
+        model = load_method(args.checkpoint).to(args.device)
+        datamodule = ContrastlabCLI(
+            PretrainMethod, args=["--config", args.config, "--trainer.logger=false", *overrides], run=False
+        ).datamodule
+        report = analyse(model, datamodule, args.split, args.view, args.temperature, args.max_samples)
+    except ValueError as error:
+        raise SystemExit(f"error: {error}") from None
+
+    out = args.out or args.checkpoint.resolve().parent.parent / "analysis"
+    title = f"{type(model).__name__}, {Path(args.config).stem}, {args.split}"
+    figures = report.write_figures(out, title=title)
+    record = {"checkpoint": str(args.checkpoint), "split": args.split, "samples": len(report.positive), **report.scalars()}
+    (out / "metrics.json").write_text(json.dumps(record, indent=1))
+    print(json.dumps(record, indent=1))
+    print("figures: " + ", ".join(str(path) for path in figures.values()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

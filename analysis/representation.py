@@ -1,0 +1,139 @@
+"""Wang & Liu's analysis of a pretrained encoder on one split of a DataModule (spec_selfsup 7.3).
+
+Every image of a fixed random subset is embedded twice by the online branch (trunk, projector, L2
+normalisation; the 128-d output in the paper): under the evaluation view (the *targets*, the
+"validation embeddings") and under one of the method's training views (the *anchors*). Target i is
+anchor i's positive and the other targets are its negatives; in the paper's NPID runs the positive is
+the memory-bank entry, the running average of the image's embeddings, which the deterministic
+evaluation view stands in for here, so that the same analysis applies to every method.
+
+- uniformity: -L_uniformity (t = 2) of the targets, the quantity the paper plots (higher = more uniform);
+- tolerance: mean similarity of same-class targets;
+- negative entropy: mean over anchors of H(r_i) at the method's temperature;
+- local separation: mean over anchors of s(pos) - s(n1), and the histograms of pos, n1 ... n10.
+"""
+
+from __future__ import annotations
+
+import random
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset, Subset
+
+from analysis.figures import plot_local_separation, plot_negative_entropy
+from analysis.metrics import local_separation, negative_entropy, tolerance, uniformity
+from datamodules.base import ContrastiveDataModule, EvalDataset, RawImageDataset, ViewsDataset
+
+__all__ = ["RepresentationReport", "analyse"]
+
+
+@dataclass
+class RepresentationReport:
+    positive: Tensor  # (N,) similarity of each anchor to its positive
+    nearest_negatives: Tensor  # (N, 10) its similarities to the 10 nearest negatives, n1 first
+    entropy: Tensor  # (N,) entropy of its softmax over the negatives
+    uniformity: float  # -L_uniformity of the targets
+    tolerance: float
+
+    def scalars(self) -> dict[str, float]:
+        return {
+            "uniformity": self.uniformity,
+            "tolerance": self.tolerance,
+            "negative_entropy": self.entropy.mean().item(),
+            "local_separation": (self.positive - self.nearest_negatives[:, 0]).mean().item(),
+        }
+
+    def write_figures(self, directory: str | Path, prefix: str = "", title: str = "") -> dict[str, Path]:
+        """Write `<prefix>local_separation.png` and `<prefix>negative_entropy.png`; return them by name."""
+        directory = Path(directory)
+        return {
+            "local_separation": plot_local_separation(
+                self.positive, self.nearest_negatives, directory / f"{prefix}local_separation.png", title
+            ),
+            "negative_entropy": plot_negative_entropy(self.entropy, directory / f"{prefix}negative_entropy.png", title),
+        }
+
+
+@contextmanager
+def isolated_randomness(seed: int, device: torch.device) -> Iterator[None]:
+    """Draw the analysis augmentations from their own seed and leave the training random streams
+    (torch and Python's `random`, which the PIL blur uses) as they were."""
+    python_state = random.getstate()
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        random.seed(seed)
+        try:
+            yield
+        finally:
+            random.setstate(python_state)
+
+
+def _embed(model, images: Tensor) -> Tensor:
+    return model.embed(images.to(model.device))[1].float()
+
+
+def _loader(datamodule: ContrastiveDataModule, dataset: Dataset) -> DataLoader:
+    return DataLoader(dataset, batch_size=datamodule.batch_size, num_workers=datamodule.num_workers)
+
+
+def _augmented_images(datamodule: ContrastiveDataModule, subset: Dataset, view: str, device) -> Iterator[Tensor]:
+    """The images under training view `view`, drawn where the DataModule's pipeline draws them."""
+    if datamodule.pipeline == "device":
+        for batch in _loader(datamodule, RawImageDataset(subset)):
+            yield datamodule.views[view](batch["image"].to(device))
+    else:
+        for batch in _loader(datamodule, ViewsDataset(subset, {view: datamodule.views[view]})):
+            yield batch["views"][view]
+
+
+@torch.no_grad()
+def analyse(
+    model,
+    datamodule: ContrastiveDataModule,
+    split: str = "val",
+    view: str | None = None,
+    temperature: float | None = None,
+    max_samples: int = 2048,
+    seed: int = 0,
+) -> RepresentationReport:
+    """Analyse `model` (a `PretrainMethod`) on up to `max_samples` images of `split`, in eval mode.
+
+    `view` defaults to the method's first view; `temperature` (of the negative entropy) to the method's.
+    """
+    view = view or model.views[0]
+    if view not in datamodule.views:
+        raise ValueError(f"view {view!r} is not among the DataModule's views {list(datamodule.views)}")
+    temperature = temperature if temperature is not None else getattr(model, "temperature", None)
+    if temperature is None:
+        raise ValueError(f"{type(model).__name__} has no temperature; give the analysis one")
+    datamodule.setup()
+    if split not in datamodule.splits:
+        raise ValueError(f"split {split!r} is not one of the DataModule's splits {list(datamodule.splits)}")
+    dataset = datamodule.splits[split]
+    chosen = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed))[:max_samples]
+    subset = Subset(dataset, chosen.sort().values.tolist())
+
+    was_training = model.training
+    model.eval()
+    targets, labels = [], []
+    with isolated_randomness(seed, model.device):
+        for batch in _loader(datamodule, EvalDataset(subset, datamodule.eval_transform)):
+            targets.append(_embed(model, batch["image"]))
+            labels.append(batch["label"])
+        anchors = torch.cat([_embed(model, images) for images in _augmented_images(datamodule, subset, view, model.device)])
+    model.train(was_training)
+    targets, labels = torch.cat(targets), torch.cat(labels).to(model.device)
+
+    positive, nearest_negatives = local_separation(anchors, targets, k=min(10, len(targets) - 1))
+    return RepresentationReport(
+        positive=positive,
+        nearest_negatives=nearest_negatives,
+        entropy=negative_entropy(anchors, targets, temperature),
+        uniformity=-uniformity(targets).item(),
+        tolerance=tolerance(targets, labels).item(),
+    )

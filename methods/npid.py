@@ -1,0 +1,75 @@
+"""Instance discrimination with a memory bank (NPID, Wu et al., CVPR 2018), the model behind Wang &
+Liu's study of the contrastive loss (CVPR 2021; spec_selfsup 7, author code WangFeng18/
+UnsupervisedLearningCodes).
+
+One augmented view of each image goes through the online encoder. Its positive is the image's own
+memory-bank entry and its negatives are all other entries, so the denominator of the ordinary loss
+covers the whole bank (7.1). With `loss: hard`, only the `num_hard` most similar negatives stay in the
+denominator (their hard contrastive loss). After the loss, the bank entries of the batch move towards
+the new embeddings with momentum 0.5 (7.2). The bank holds one entry per training image; its size is
+read from the DataModule at setup, or from the checkpoint when a trained model is loaded.
+"""
+
+from typing import Literal
+
+from methods.base import PretrainMethod
+from methods.config import check_positive
+from methods.losses import contrastive_loss
+from methods.momentum import MemoryBank
+
+
+class NPID(PretrainMethod):
+    views = ("image",)
+
+    def __init__(
+        self,
+        temperature: float = 0.07,
+        loss: Literal["ordinary", "hard"] = "ordinary",
+        num_hard: int = 4095,
+        bank_momentum: float = 0.5,
+        **kwargs,
+    ):
+        """
+        Args:
+            temperature: tau of the contrastive loss (Wang & Liu sweep 0.05 ... 1.0).
+            loss: `ordinary` (every negative in the denominator) or `hard` (the hardest `num_hard`).
+            num_hard: negatives the hard loss keeps per anchor. The author code keeps the top 4,096 of
+                the whole 50,000-entry CIFAR bank, the anchor's own entry included, i.e. 4,095 negatives.
+            bank_momentum: m in v_i <- normalize(m v_i + (1 - m) f(x_i)) (0.5 in NPID and Wang & Liu).
+            **kwargs: the PretrainMethod arguments (backbone, projector, optimizer, schedule, ...).
+        """
+        super().__init__(**kwargs)
+        check_positive("temperature", temperature)
+        if loss not in ("ordinary", "hard"):
+            raise ValueError(f"loss must be 'ordinary' or 'hard', got {loss!r}")
+        if num_hard < 1:
+            raise ValueError(f"num_hard must be >= 1, got {num_hard}")
+        if not 0.0 <= bank_momentum < 1.0:
+            raise ValueError(f"bank_momentum must lie in [0, 1), got {bank_momentum}")
+        self.temperature = temperature
+        self.num_hard = num_hard if loss == "hard" else None
+        self.bank_momentum = bank_momentum
+        self.bank: MemoryBank | None = None
+
+    def build_bank(self, size: int) -> None:
+        self.bank = MemoryBank(size, self.projection_dim).to(self.device)
+
+    def setup(self, stage: str) -> None:
+        if self.bank is None:
+            if self.trainer.datamodule is None:
+                raise ValueError("NPID sizes its memory bank from the DataModule's training split; pass a datamodule")
+            self.build_bank(len(self.trainer.datamodule.splits["train"]))
+        super().setup(stage)
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        super().on_load_checkpoint(checkpoint)
+        if self.bank is None:  # loaded outside a Trainer: the checkpoint knows the bank's size
+            self.build_bank(len(checkpoint["state_dict"]["bank.entries"]))
+
+    def contrastive_step(self, batch):
+        features, embedding = self.embed(batch["views"]["image"])
+        index = batch["index"]
+        bank = self.bank.read()  # the entries before this step's update
+        loss = contrastive_loss(embedding, bank[index], bank, self.temperature, num_hard=self.num_hard, exclude=index)
+        self.bank.update(self.gather(index), self.gather(embedding), self.bank_momentum)
+        return loss, features

@@ -1,0 +1,135 @@
+"""Tests of the analysis package: local separation and entropy against direct computations, the
+figures, `analyse` on a tiny model, the callback (files, logged metrics, W&B images) and the command."""
+
+import json
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.loggers import WandbLogger
+
+import main_pretrain
+from analysis import RepresentationAnalysis, analyse
+from analysis.__main__ import main as analyse_checkpoint
+from analysis.figures import plot_against_temperature, plot_local_separation, plot_negative_entropy
+from analysis.metrics import local_separation, negative_entropy
+from methods import NPID
+from helpers import TINY_BACKBONE, TINY_PROJECTOR, digits
+
+ROOT = Path(__file__).parents[1]
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def unit(seed, *shape):
+    return F.normalize(torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64), dim=-1)
+
+
+def assert_png(path: Path) -> None:
+    assert path.is_file() and path.stat().st_size > 1000, path
+    assert path.read_bytes()[:8] == PNG_SIGNATURE
+
+
+def test_local_separation_is_the_positive_and_the_sorted_nearest_negatives():
+    anchors, targets = unit(0, 6, 4), unit(1, 6, 4)
+    positive, nearest = local_separation(anchors, targets, k=3)
+    for i in range(6):
+        assert positive[i].item() == pytest.approx((anchors[i] @ targets[i]).item(), abs=1e-12)
+        others = sorted(((anchors[i] @ targets[j]).item() for j in range(6) if j != i), reverse=True)
+        assert nearest[i].tolist() == pytest.approx(others[:3], abs=1e-12)
+
+
+def test_negative_entropy_is_the_entropy_of_the_softmax_over_the_other_targets():
+    anchors, targets, tau = unit(2, 5, 3), unit(3, 5, 3), 0.3
+    entropy = negative_entropy(anchors, targets, tau)
+    for i in range(5):
+        weights = [math.exp((anchors[i] @ targets[j]).item() / tau) for j in range(5) if j != i]
+        probabilities = [w / sum(weights) for w in weights]
+        assert entropy[i].item() == pytest.approx(-sum(p * math.log(p) for p in probabilities), abs=1e-10)
+
+
+def test_negative_entropy_grows_with_temperature_and_is_maximal_for_equal_similarities():
+    anchors, targets = unit(4, 8, 5), unit(5, 8, 5)
+    entropies = torch.stack([negative_entropy(anchors, targets, tau) for tau in (0.05, 0.1, 0.2, 0.5, 1.0)])
+    assert (entropies.diff(dim=0) > 0).all()  # the seed's section 2
+    same = unit(6, 1, 5).expand(8, 5)
+    torch.testing.assert_close(negative_entropy(same, same, 0.1), torch.full((8,), math.log(7), dtype=torch.float64))
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: local_separation(unit(0, 4, 3), unit(1, 4, 3), k=4), r"k must lie in \[1, 3\]"),
+        (lambda: local_separation(unit(0, 4, 3), unit(1, 5, 3)), r"targets must have the anchors' shape \(4, 3\)"),
+        (lambda: negative_entropy(unit(0, 4, 3), unit(1, 4, 3), 0.0), "temperature must be > 0"),
+    ],
+)
+def test_bad_input_raises_value_error(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def test_every_figure_is_written_as_a_non_empty_png(tmp_path):
+    positive, nearest = local_separation(unit(7, 20, 4), unit(8, 20, 4))
+    assert_png(plot_local_separation(positive, nearest, tmp_path / "a" / "separation.png", "title"))
+    assert_png(plot_negative_entropy(negative_entropy(unit(7, 20, 4), unit(8, 20, 4), 0.1), tmp_path / "entropy.png"))
+    curves = {"ordinary": {0.1: {"acc": 0.5, "unif": 3.0}, 0.5: {"acc": 0.6, "unif": 2.0}}, "hard": {0.1: {"acc": 0.4, "unif": None}}}
+    assert_png(plot_against_temperature(curves, {"acc": "accuracy", "unif": "-L_uniformity"}, tmp_path / "sweep.png"))
+
+
+def tiny_npid() -> NPID:
+    return NPID(backbone=TINY_BACKBONE, projector=TINY_PROJECTOR, temperature=0.2, knn_k=0).train()
+
+
+def test_analyse_reports_a_fixed_subset_in_eval_mode_and_leaves_the_random_streams_alone():
+    model, datamodule = tiny_npid(), digits({"image": {"preset": "npid"}}, batch_size=16)
+    state = torch.random.get_rng_state()
+    report = analyse(model, datamodule, max_samples=40)
+    assert torch.equal(torch.random.get_rng_state(), state) and model.training
+    assert report.positive.shape == (40,) and report.nearest_negatives.shape == (40, 10)
+    assert (report.nearest_negatives.diff(dim=1) <= 0).all()
+    again = analyse(model, datamodule, max_samples=40)  # the same images and augmentations
+    assert report.scalars() == again.scalars()
+    assert 0 < report.uniformity <= 4 and -1 <= report.tolerance <= 1
+    assert 0 < report.scalars()["negative_entropy"] <= math.log(39)
+
+
+class RecordingWandbLogger(WandbLogger):
+    """A WandbLogger that records images instead of starting a W&B run."""
+
+    def __init__(self):
+        self.images = []
+
+    def log_image(self, key, images, step=None, **kwargs):
+        self.images.append((key, images, step))
+
+
+def test_callback_writes_the_figures_and_sends_them_to_wandb(tmp_path):
+    model, datamodule = tiny_npid(), digits({"image": {"preset": "npid"}}, batch_size=16)
+    wandb = RecordingWandbLogger()
+    trainer = SimpleNamespace(sanity_checking=False, is_global_zero=True, datamodule=datamodule, default_root_dir=str(tmp_path),
+                              current_epoch=4, global_step=50, loggers=[wandb])
+    RepresentationAnalysis(max_samples=32).on_validation_epoch_end(trainer, model)
+    for name in ("local_separation", "negative_entropy"):
+        assert_png(tmp_path / "analysis" / f"epoch004_{name}.png")
+    assert [(key, step) for key, _, step in wandb.images] == [("val/local_separation", 50), ("val/negative_entropy", 50)]
+
+
+def test_pretraining_logs_the_analysis_and_the_command_analyses_its_checkpoint(tmp_path, capsys):
+    run_dir, config = tmp_path / "run", str(ROOT / "configs/npid_digits.yaml")
+    data = ["--data.init_args.batch_size=16", "--data.init_args.train_variants=1", "--data.init_args.eval_variants=1"]
+    main_pretrain.cli_main(["fit", "--config", config, "--trainer.max_epochs=1", "--trainer.limit_train_batches=2",
+                            "--trainer.check_val_every_n_epoch=1", "--trainer.limit_val_batches=2", "--trainer.logger=false",
+                            "--trainer.enable_progress_bar=false", f"--trainer.default_root_dir={run_dir}", *data])
+    logged = json.loads((run_dir / "results_val.json").read_text())["metrics"]
+    assert {"val/uniformity", "val/tolerance", "val/negative_entropy", "val/local_separation"} <= set(logged)
+    assert_png(run_dir / "analysis" / "epoch000_local_separation.png")
+
+    out = tmp_path / "analysis"
+    analyse_checkpoint([str(run_dir / "checkpoints" / "last.ckpt"), "--config", config, "--max-samples", "50", "--out", str(out), "--", *data])
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["samples"] == 50 and set(metrics) >= {"uniformity", "tolerance", "negative_entropy", "local_separation"}
+    for name in ("local_separation", "negative_entropy"):
+        assert_png(out / f"{name}.png")

@@ -1,0 +1,103 @@
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+
+from methods import NPID
+from methods.losses import contrastive_loss
+from helpers import TINY_BACKBONE, TINY_PROJECTOR, cpu_trainer, digits
+
+NPID_VIEWS = {"image": {"preset": "npid"}}
+BANK_SIZE = 100
+
+
+def tiny_npid(**kwargs) -> NPID:
+    options = dict(backbone=TINY_BACKBONE, projector=TINY_PROJECTOR, temperature=0.1, knn_k=0)
+    model = NPID(**(options | kwargs))
+    model.build_bank(BANK_SIZE)
+    return model
+
+
+def first_batch(batch_size: int = 16) -> dict:
+    """A training batch whose sample indices lie inside the tiny bank."""
+    datamodule = digits(NPID_VIEWS, batch_size=batch_size)
+    datamodule.setup()
+    batch = next(iter(datamodule.train_dataloader()))
+    batch["index"] = torch.randperm(BANK_SIZE)[:batch_size]
+    return batch
+
+
+def embedding_of(model: NPID, batch: dict) -> torch.Tensor:
+    with torch.no_grad():
+        return model.embed(batch["views"]["image"])[1]
+
+
+def test_bank_update_follows_the_momentum_rule_by_sample_index():
+    model = tiny_npid(bank_momentum=0.5)
+    batch = first_batch()
+    before = model.bank.read()
+    embedding = embedding_of(model, batch)
+    model.contrastive_step(batch)
+    index = batch["index"]
+    expected = F.normalize(0.5 * before[index] + 0.5 * embedding, dim=1)
+    torch.testing.assert_close(model.bank.entries[index], expected, rtol=1e-5, atol=1e-6)
+    untouched = torch.ones(BANK_SIZE, dtype=torch.bool)
+    untouched[index] = False
+    assert torch.equal(model.bank.entries[untouched], before[untouched])
+
+
+def test_loss_contrasts_the_own_bank_entry_with_every_other_entry_before_the_update():
+    model = tiny_npid()
+    batch = first_batch()
+    bank = model.bank.read()
+    loss, features = model.contrastive_step(batch)
+    index = batch["index"]
+    expected = contrastive_loss(embedding_of(model, batch), bank[index], bank, 0.1, exclude=index)
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    assert features.shape == (16, model.feature_dim)
+
+
+def test_hard_loss_with_num_hard_at_least_the_bank_size_equals_the_ordinary_loss_in_a_training_step():
+    batch = first_batch()
+    results = {}
+    for name, options in {"ordinary": {}, "hard": {"loss": "hard", "num_hard": BANK_SIZE}, "hardest5": {"loss": "hard", "num_hard": 5}}.items():
+        L.seed_everything(0, verbose=False)
+        model = tiny_npid(**options)
+        loss, _ = model.contrastive_step(batch)
+        loss.backward()
+        results[name] = (loss.detach(), model.backbone.conv1.weight.grad.clone(), model.bank.read())
+    for ordinary, hard in zip(results["ordinary"], results["hard"]):
+        torch.testing.assert_close(hard, ordinary, rtol=1e-5, atol=1e-7)
+    assert results["hardest5"][0] < results["ordinary"][0] - 0.1  # fewer negatives: a smaller denominator
+
+
+def test_bank_is_sized_from_the_training_split_and_survives_a_checkpoint(tmp_path):
+    model = NPID(backbone=TINY_BACKBONE, projector=TINY_PROJECTOR, knn_k=0)
+    datamodule = digits(NPID_VIEWS, batch_size=32)
+    trainer = cpu_trainer(tmp_path, max_steps=2, limit_val_batches=0)
+    trainer.fit(model, datamodule)
+    assert model.bank.entries.shape == (len(datamodule.splits["train"]), model.projection_dim)
+    trainer.save_checkpoint(tmp_path / "npid.ckpt")
+    restored = NPID.load_from_checkpoint(tmp_path / "npid.ckpt")  # outside a Trainer: sized by the checkpoint
+    assert torch.equal(restored.bank.entries, model.bank.entries)
+
+
+def test_setup_without_a_datamodule_is_refused(tmp_path):
+    model = NPID(backbone=TINY_BACKBONE, projector=TINY_PROJECTOR, knn_k=0)
+    loader = digits(NPID_VIEWS).train_dataloader()
+    with pytest.raises(ValueError, match="sizes its memory bank from the DataModule's training split"):
+        cpu_trainer(tmp_path, max_steps=1).fit(model, loader)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"loss": "soft"}, "loss must be 'ordinary' or 'hard', got 'soft'"),
+        ({"loss": "hard", "num_hard": 0}, "num_hard must be >= 1, got 0"),
+        ({"bank_momentum": 1.0}, r"bank_momentum must lie in \[0, 1\), got 1.0"),
+        ({"temperature": 0.0}, "temperature must be > 0, got 0.0"),
+    ],
+)
+def test_bad_settings_are_refused(options, message):
+    with pytest.raises(ValueError, match=message):
+        NPID(backbone=TINY_BACKBONE, projector=TINY_PROJECTOR, **options)

@@ -1,0 +1,63 @@
+import copy
+
+import pytest
+import torch
+
+from methods import SimCLR
+from methods.losses import nt_xent
+from methods.optim import OptimizerSpec
+from helpers import TINY_BACKBONE, TINY_PROJECTOR, cpu_trainer, digits
+
+SIMCLR_VIEWS = {"first": {"preset": "simclr"}, "second": {"preset": "simclr"}}
+
+
+def tiny_simclr(**kwargs) -> SimCLR:
+    return SimCLR(**(dict(backbone=TINY_BACKBONE, projector=TINY_PROJECTOR, temperature=0.5, knn_k=0) | kwargs))
+
+
+def first_batch(datamodule) -> dict:
+    datamodule.setup()
+    return next(iter(datamodule.train_dataloader()))
+
+
+def fixed_batch_loss(model: SimCLR, batch: dict) -> float:
+    """NT-Xent of both views encoded in one batch (BatchNorm over all 2B images), on a copy."""
+    frozen = copy.deepcopy(model).train()
+    views = batch["views"]
+    with torch.no_grad():
+        _, embeddings = frozen.embed(torch.cat([views["first"], views["second"]]))
+    return nt_xent(*embeddings.chunk(2), frozen.temperature).item()
+
+
+def test_loss_is_nt_xent_of_the_two_views_encoded_in_one_batch():
+    model = tiny_simclr()
+    batch = first_batch(digits(SIMCLR_VIEWS, batch_size=16))
+    expected = fixed_batch_loss(model, batch)
+    loss, features = model.contrastive_step(batch)
+    assert loss.item() == pytest.approx(expected, rel=1e-5)
+    with torch.no_grad():
+        first_view_features = copy.deepcopy(model).backbone(torch.cat([batch["views"]["first"], batch["views"]["second"]]))[:16]
+    torch.testing.assert_close(features.detach(), first_view_features)  # the probe sees the first view's features
+
+
+def test_gradient_reaches_the_encoder_from_both_views():
+    model = tiny_simclr()
+    batch = first_batch(digits(SIMCLR_VIEWS, batch_size=8))
+    loss, _ = model.contrastive_step(batch)
+    loss.backward()
+    assert model.backbone.conv1.weight.grad.abs().sum() > 0
+    assert all(p.grad is not None for p in model.projector.parameters())
+
+
+def test_simclr_training_steps_lower_the_loss_on_the_embedded_data(tmp_path):
+    model = tiny_simclr(optimizer=OptimizerSpec(lr=0.1))
+    datamodule = digits({name: {"preset": "crop_flip", "scale": (0.5, 1.0)} for name in SIMCLR_VIEWS}, batch_size=16)
+    batch = first_batch(datamodule)
+    before = fixed_batch_loss(model, batch)
+    cpu_trainer(tmp_path, max_steps=8, limit_val_batches=0).fit(model, datamodule)
+    assert fixed_batch_loss(model, batch) < 0.85 * before
+
+
+def test_negative_temperature_is_refused():
+    with pytest.raises(ValueError, match="temperature must be > 0, got -0.5"):
+        tiny_simclr(temperature=-0.5)
