@@ -10,5 +10,6 @@ from methods.npid import NPID
 from methods.ressl import ReSSL
 from methods.sce import SCE
 from methods.simclr import SimCLR
+from methods.supcon import SupCon
 
-__all__ = ["LinearProbe", "MoCoV2", "NPID", "PretrainMethod", "ReSSL", "SCE", "SimCLR"]
+__all__ = ["LinearProbe", "MoCoV2", "NPID", "PretrainMethod", "ReSSL", "SCE", "SimCLR", "SupCon"]
