@@ -113,6 +113,7 @@ class ContrastlabCLI(LightningCLI):
 
     def _check_data(self) -> None:
         try:
+            self.datamodule.setup("fit")  # opens the dataset files: a corrupt one is one error line too
             self.model.check_data(self.datamodule, self.trainer.world_size)
         except ValueError as error:
             if os.environ.get("CONTRASTLAB_TRACEBACK"):

@@ -181,6 +181,18 @@ def test_a_corrupt_torchvision_file_is_reported_with_the_expected_layout(tmp_pat
         datamodule.setup()
 
 
+def test_the_cli_reports_a_corrupt_torchvision_file_in_one_line_before_training(tmp_path, monkeypatch, capsys):
+    write_cifar(tmp_path, torchvision.datasets.CIFAR10, monkeypatch)
+    (tmp_path / "cifar-10-batches-py" / "data_batch_3").write_bytes(b"truncated")
+    with pytest.raises(SystemExit) as exit_info:
+        main_pretrain.cli_main(["fit", "--config", str(ROOT / "configs/moco_cifar10.yaml"), f"--data.init_args.root={tmp_path}",
+                                "--trainer.accelerator=cpu", f"--trainer.default_root_dir={tmp_path / 'run'}"])
+    assert exit_info.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("error: CIFAR10 files not found or corrupt under data.root")
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
 # ---------------------------------------------------------------- folder formats
 def write_imagenet_tree(root: Path, monkeypatch=None) -> Path:
     """An ImageNet tree with one tiny image per ImageNet-100 class and split, plus a class outside ImageNet-100."""
