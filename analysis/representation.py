@@ -91,6 +91,20 @@ def _augmented_images(datamodule: ContrastiveDataModule, subset: Dataset, view: 
             yield batch["views"][view]
 
 
+def fixed_subset(model, datamodule: ContrastiveDataModule, split: str, view: str | None, max_samples: int, seed: int) -> tuple[str, Subset]:
+    """The training view to analyse (default: the method's first) and a fixed random subset of up to
+    `max_samples` images of `split` (the same images at every call with the same seed)."""
+    view = view or model.views[0]
+    if view not in datamodule.views:
+        raise ValueError(f"view {view!r} is not among the DataModule's views {list(datamodule.views)}")
+    datamodule.setup()
+    if split not in datamodule.splits:
+        raise ValueError(f"split {split!r} is not one of the DataModule's splits {list(datamodule.splits)}")
+    dataset = datamodule.splits[split]
+    chosen = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed))[:max_samples]
+    return view, Subset(dataset, chosen.sort().values.tolist())
+
+
 @torch.no_grad()
 def analyse(
     model,
@@ -105,18 +119,10 @@ def analyse(
 
     `view` defaults to the method's first view; `temperature` (of the negative entropy) to the method's.
     """
-    view = view or model.views[0]
-    if view not in datamodule.views:
-        raise ValueError(f"view {view!r} is not among the DataModule's views {list(datamodule.views)}")
     temperature = temperature if temperature is not None else getattr(model, "temperature", None)
     if temperature is None:
         raise ValueError(f"{type(model).__name__} has no temperature; give the analysis one")
-    datamodule.setup()
-    if split not in datamodule.splits:
-        raise ValueError(f"split {split!r} is not one of the DataModule's splits {list(datamodule.splits)}")
-    dataset = datamodule.splits[split]
-    chosen = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed))[:max_samples]
-    subset = Subset(dataset, chosen.sort().values.tolist())
+    view, subset = fixed_subset(model, datamodule, split, view, max_samples, seed)
 
     was_training = model.training
     model.eval()

@@ -4,6 +4,7 @@ Configs refer to a method by its short name, e.g. `class_path: methods.MoCoV2`.
 """
 
 from methods.base import PretrainMethod
+from methods.jcl import JCL
 from methods.linear import LinearProbe
 from methods.moco import MoCoV2
 from methods.npid import NPID
@@ -12,4 +13,4 @@ from methods.sce import SCE
 from methods.simclr import SimCLR
 from methods.supcon import SupCon
 
-__all__ = ["LinearProbe", "MoCoV2", "NPID", "PretrainMethod", "ReSSL", "SCE", "SimCLR", "SupCon"]
+__all__ = ["JCL", "LinearProbe", "MoCoV2", "NPID", "PretrainMethod", "ReSSL", "SCE", "SimCLR", "SupCon"]

@@ -1,6 +1,9 @@
 """Tiny, deterministic configurations of the real components, shared by the tests."""
 
+import copy
+
 import lightning as L
+import torch
 
 from backbones import BackboneSpec, MLPSpec
 from datamodules import DigitsDataModule
@@ -25,3 +28,11 @@ def cpu_trainer(tmp_path, **kwargs) -> L.Trainer:
         default_root_dir=tmp_path,
     )
     return L.Trainer(**(options | kwargs))
+
+
+def fixed_batch_loss(model, batch: dict, queue: torch.Tensor) -> float:
+    """A queue method's loss on fixed views against a fixed queue, on a copy (nothing is updated)."""
+    frozen = copy.deepcopy(model).train()
+    frozen.queue.keys.copy_(queue)
+    with torch.no_grad():
+        return frozen.contrastive_step(batch)[0].item()

@@ -1,7 +1,5 @@
 """SCE and ReSSL: the views each branch sees, the losses they call, what is enqueued, and training."""
 
-import copy
-
 import pytest
 import torch
 
@@ -10,7 +8,7 @@ from methods import SCE, MoCoV2, ReSSL
 from methods.losses import info_nce, ressl_loss, sce_loss
 from methods.momentum import MomentumSpec
 from methods.optim import RampSpec
-from helpers import TINY_BACKBONE, TINY_PROJECTOR, cpu_trainer, digits
+from helpers import TINY_BACKBONE, TINY_PROJECTOR, cpu_trainer, digits, fixed_batch_loss
 
 WEAK_STRONG = {"weak": {"preset": "crop_flip"}, "strong": {"preset": "mocov2"}}
 COMMON = dict(backbone=TINY_BACKBONE, projector=TINY_PROJECTOR, queue_size=256, knn_k=0,
@@ -130,14 +128,6 @@ def test_bad_sce_settings_are_refused_with_their_values():
         tiny(SCE, coeff=1.5)
     with pytest.raises(ValueError, match=r"consumes the views \['global1', 'global2'\] but data.views provides \['weak', 'strong'\]"):
         tiny(SCE, symmetric=True).check_data(digits(WEAK_STRONG), world_size=1)
-
-
-def fixed_batch_loss(model, batch, queue) -> float:
-    """The method's loss on fixed views against a fixed queue, on a copy (nothing is updated)."""
-    frozen = copy.deepcopy(model).train()
-    frozen.queue.keys.copy_(queue)
-    with torch.no_grad():
-        return frozen.contrastive_step(batch)[0].item()
 
 
 @pytest.mark.parametrize("method", [SCE, ReSSL])
