@@ -357,7 +357,8 @@ def contrastive_loss(
 
     The hard loss keeps the positive and only the n most similar negatives of each anchor in the
     denominator (the paper's formula; the author code's top-n over the whole bank can drop the positive).
-    ``exclude`` (B,) names, per anchor, one row of ``negatives`` to drop, e.g. its own memory-bank entry.
+    ``exclude`` (B,) or (B, E) names, per anchor, rows of ``negatives`` to drop, e.g. its own memory-bank
+    entry (NPID), or itself and its other view when the negatives are the batch (SimCLR).
     """
     _check_query_key_bank(query, positive, negatives, key_name="positive", bank_name="negatives")
     _check_temperature("temperature", temperature)
@@ -365,8 +366,10 @@ def contrastive_loss(
         raise ValueError(f"num_hard must be >= 1, got {num_hard}")
     negative_logits = query @ negatives.T / temperature
     if exclude is not None:
-        _check_labels("exclude", exclude, len(query), len(negatives))
-        negative_logits = negative_logits.scatter(1, exclude.long()[:, None], -math.inf)
+        columns = exclude.long().view(len(exclude), -1)
+        for column in columns.T:
+            _check_labels("exclude", column, len(query), len(negatives))
+        negative_logits = negative_logits.scatter(1, columns, -math.inf)
     if num_hard is not None and num_hard < negative_logits.shape[1]:
         negative_logits = negative_logits.topk(num_hard, dim=1).values
     positive_logit = (query * positive).sum(dim=1) / temperature

@@ -5,31 +5,45 @@ concatenates them, so BatchNorm sees all 2B images). Each embedding's positive i
 its image and its negatives are the other 2B_g - 2 embeddings of the global batch, gathered from every
 process with their gradients. `nt_xent` averages over the 2B_g anchors; the official loss sums the two
 directions, i.e. is twice this value (LARS, SimCLR's optimizer, is insensitive to that scale).
+With `num_hard`, Wang & Liu's hard contrastive loss replaces NT-Xent (their SimCLR experiments).
 """
 
 import torch
 
 from methods.base import PretrainMethod
 from methods.config import check_positive
-from methods.losses import nt_xent
+from methods.losses import contrastive_loss, nt_xent
 
 
 class SimCLR(PretrainMethod):
     views = ("first", "second")
 
-    def __init__(self, temperature: float = 0.5, **kwargs):
+    def __init__(self, temperature: float = 0.5, num_hard: int | None = None, **kwargs):
         """
         Args:
             temperature: tau of NT-Xent (0.5 in SimCLR's CIFAR-10 recipe, 0.1 on ImageNet).
+            num_hard: None for NT-Xent; n for Wang & Liu's hard contrastive loss, which keeps only each
+                anchor's n most similar negatives of the 2B_g - 2 in the denominator (spec_selfsup 7.1).
             **kwargs: the PretrainMethod arguments (backbone, projector, optimizer, schedule, ...).
         """
         super().__init__(**kwargs)
         check_positive("temperature", temperature)
-        self.temperature = temperature
+        if num_hard is not None and num_hard < 1:
+            raise ValueError(f"num_hard must be >= 1 (or None for NT-Xent), got {num_hard}")
+        self.temperature, self.num_hard = temperature, num_hard
 
     def contrastive_step(self, batch):
         first, second = batch["views"]["first"], batch["views"]["second"]
         features, embeddings = self.embed(torch.cat([first, second]))
         z1, z2 = embeddings.chunk(2)
-        loss = nt_xent(self.gather_with_grad(z1), self.gather_with_grad(z2), self.temperature)
+        z1, z2 = self.gather_with_grad(z1), self.gather_with_grad(z2)
+        if self.num_hard is None:
+            return nt_xent(z1, z2, self.temperature), features[: len(first)]
+        # The hard loss over the same 2B_g anchors: the negatives of an anchor are the batch without itself
+        # and its other view (its positive), as in NT-Xent's denominator.
+        z = torch.cat([z1, z2])
+        anchors = torch.arange(len(z), device=z.device)
+        partners = anchors.roll(len(z1))
+        excluded = torch.stack([anchors, partners], dim=1)
+        loss = contrastive_loss(z, z[partners], z, self.temperature, num_hard=self.num_hard, exclude=excluded)
         return loss, features[: len(first)]

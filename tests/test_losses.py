@@ -370,19 +370,21 @@ def test_jcl_closed_form_agrees_with_monte_carlo_over_gaussian_keys():
 
 
 @pytest.mark.parametrize("num_hard", [None, 1, 4])
-@pytest.mark.parametrize("use_exclude", [False, True])
-def test_contrastive_loss_keeps_positive_and_n_hardest_negatives(num_hard, use_exclude):
+@pytest.mark.parametrize("excluded_per_anchor", [0, 1, 2])
+def test_contrastive_loss_keeps_positive_and_n_hardest_negatives(num_hard, excluded_per_anchor):
     g = gen(19)
     q, pos, bank = unit(g, 5, 6), unit(g, 5, 6), unit(g, 9, 6)
-    exclude = torch.randint(0, 9, (5,), generator=g) if use_exclude else None
+    exclude = torch.randint(0, 9, (5, excluded_per_anchor), generator=g) if excluded_per_anchor else None
     expected = []
     for i in range(5):
         keep = torch.ones(9, dtype=torch.bool)
-        if use_exclude:
+        if exclude is not None:
             keep[exclude[i]] = False
         negatives = (bank[keep] @ q[i] / 0.3).sort(descending=True).values[:num_hard]
         positive = pos[i] @ q[i] / 0.3
         expected.append(torch.cat([positive[None], negatives]).logsumexp(0) - positive)
+    if excluded_per_anchor == 1:
+        exclude = exclude[:, 0]  # one row per anchor may also be given as a (B,) vector
     assert_close(contrastive_loss(q, pos, bank, 0.3, num_hard, exclude), torch.stack(expected).mean(), tol=1e-12)
 
 

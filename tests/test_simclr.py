@@ -61,3 +61,21 @@ def test_simclr_training_steps_lower_the_loss_on_the_embedded_data(tmp_path):
 def test_negative_temperature_is_refused():
     with pytest.raises(ValueError, match="temperature must be > 0, got -0.5"):
         tiny_simclr(temperature=-0.5)
+
+
+def test_hard_loss_keeping_every_negative_is_nt_xent_and_fewer_negatives_lower_it():
+    batch = first_batch(digits(SIMCLR_VIEWS, batch_size=8))
+    ordinary = tiny_simclr()
+    hard_all = tiny_simclr(num_hard=14)  # 2B - 2 negatives per anchor: all of them
+    hard_all.load_state_dict(ordinary.state_dict())
+    hard_few = tiny_simclr(num_hard=3)
+    hard_few.load_state_dict(ordinary.state_dict())
+    with torch.no_grad():
+        losses = [model.contrastive_step(batch)[0].item() for model in (ordinary, hard_all, hard_few)]
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+    assert losses[2] < losses[0] - 1e-3
+
+
+def test_hard_loss_needs_at_least_one_negative():
+    with pytest.raises(ValueError, match="num_hard must be >= 1 .*got 0"):
+        tiny_simclr(num_hard=0)
