@@ -5,12 +5,12 @@
     python main_pretrain.py fit --config configs/moco_cifar10.yaml --print_config
 """
 
-from methods import PretrainMethod
+from methods import MethodBase
 from methods.cli import ContrastlabCLI
 
 
 def cli_main(args=None) -> ContrastlabCLI:
-    return ContrastlabCLI(PretrainMethod, args=args)
+    return ContrastlabCLI(MethodBase, args=args)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,12 @@
 """One factory for every trunk and head used in contrastlab.
 
-`build_backbone(name, small_input=False, **kwargs) -> (module, feature_dim)` returns a trunk whose
-forward gives the pooled feature vector (classifier removed), and `build_mlp` builds every paper's
+`build_backbone(name, small_input=False, weights=None, **kwargs) -> (module, feature_dim)` returns a
+trunk whose forward gives the pooled feature vector (classifier removed): torchvision ResNets and
+ResNeXts, the CIFAR ResNets of LDAM-DRW/PaCo (`cifar_resnet32`, 64-d) and any `timm:` model, randomly initialised or from torchvision's weights or a local state dict. `build_mlp` builds every paper's
 projector / predictor from a handful of numbers, so a head is a config entry rather than code.
 """
 
-from backbones.factory import BACKBONE_NAMES, BackboneSpec, build_backbone
+from backbones.factory import BACKBONE_NAMES, BackboneSpec, build_backbone, load_state_strictly
 from backbones.heads import MLPSpec, build_mlp
 
-__all__ = ["BACKBONE_NAMES", "BackboneSpec", "MLPSpec", "build_backbone", "build_mlp"]
+__all__ = ["BACKBONE_NAMES", "BackboneSpec", "MLPSpec", "build_backbone", "build_mlp", "load_state_strictly"]

@@ -1,49 +1,104 @@
-"""Trunks: torchvision ResNet/ResNeXt (optionally with the small-input stem) and any timm model."""
+"""Trunks: torchvision ResNet/ResNeXt (optionally with the small-input stem), the CIFAR ResNets, any
+timm model, each optionally initialised from torchvision's published weights or a local state dict."""
 
+import pickle
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.nn as nn
 import torchvision
+from torchvision.models.resnet import Bottleneck, ResNet
 
-TORCHVISION_NAMES = (
-    "resnet18",
-    "resnet34",
-    "resnet50",
-    "resnet101",
-    "resnet152",
-    "resnext50_32x4d",
-    "resnext101_32x8d",
-    "resnext101_64x4d",
-)
-BACKBONE_NAMES = TORCHVISION_NAMES + ("timm:<model_name>",)
+from backbones.cifar_resnet import CifarResNet
+
+
+def resnext101_32x4d(weights: None = None, **kwargs: Any) -> ResNet:
+    """ResNeXt-101 32x4d, PaCo's ImageNet-LT X101 (torchvision ships only 32x8d and 64x4d):
+    44,177,704 parameters with the 1000-class fc, as timm's `resnext101_32x4d`. `weights` completes
+    the signature of torchvision's builders; torchvision publishes none for it."""
+    return ResNet(Bottleneck, [3, 4, 23, 3], groups=32, width_per_group=4, **kwargs)
+
+
+TORCHVISION_BUILDERS = {
+    name: getattr(torchvision.models, name)
+    for name in (
+        "resnet18",
+        "resnet34",
+        "resnet50",
+        "resnet101",
+        "resnet152",
+        "resnext50_32x4d",
+        "resnext101_32x8d",
+        "resnext101_64x4d",
+    )
+} | {"resnext101_32x4d": resnext101_32x4d}
+CIFAR_DEPTHS = {f"cifar_resnet{depth}": depth for depth in (20, 32, 44, 56, 110)}
+BACKBONE_NAMES = tuple(TORCHVISION_BUILDERS) + tuple(CIFAR_DEPTHS) + ("timm:<model_name>",)
+WEIGHTS_KEY = "model.init_args.backbone.weights"
 
 
 @dataclass
 class BackboneSpec:
     """What a config says about the trunk: `name` as in `build_backbone`, the small-input stem for
-    32-64 px images, and extra constructor keyword arguments (e.g. `zero_init_residual: true`)."""
+    32-64 px images, the initial `weights` (see `build_backbone`) and extra constructor keyword
+    arguments (e.g. `zero_init_residual: true`, or `base_width: 32` for a CIFAR ResNet)."""
 
     name: str = "resnet18"
     small_input: bool = False
+    weights: str | None = None
     kwargs: dict[str, Any] = field(default_factory=dict)
 
     def build(self) -> tuple[nn.Module, int]:
-        return build_backbone(self.name, self.small_input, **self.kwargs)
+        return build_backbone(self.name, self.small_input, self.weights, **self.kwargs)
 
 
-def build_backbone(name: str, small_input: bool = False, **kwargs: Any) -> tuple[nn.Module, int]:
+def build_backbone(
+    name: str, small_input: bool = False, weights: str | None = None, **kwargs: Any
+) -> tuple[nn.Module, int]:
     """Return `(trunk, feature_dim)`; the trunk maps images to pooled features of size `feature_dim`.
+
+    Names: the torchvision ResNets/ResNeXts (incl. `resnext101_32x4d`), `cifar_resnet{20,32,44,56,110}`
+    (LDAM-DRW's CIFAR ResNets, 64-d, see `backbones.cifar_resnet`) and `timm:<model_name>`.
 
     `small_input=True` replaces the 7x7/2 stem and max-pool by a 3x3 stride-1 convolution (no bias,
     no pooling): the ResNet variant SCE, ReSSL and SimCLR use for 32-64 px images (spec_selfsup 1.5).
+
+    `weights=None` keeps the random initialisation. A value ending in `.pth`/`.pt` or containing a
+    `/` is a local state dict of the trunk as built here, loaded strictly; the `fc.*` keys of the
+    removed classifier are ignored, so torchvision's checkpoint files (e.g. `resnet152-394f9c45.pth`)
+    load as they are. Any other value is a torchvision weights name of the backbone (`IMAGENET1K_V1`,
+    `DEFAULT`, ...), downloaded by torchvision on first use: PaCo's Places-LT run starts ResNet-152
+    from `IMAGENET1K_V1` (spec_supervised 3.5). timm and CIFAR backbones take local files only.
     """
+    weights_file = weights if weights is not None and _names_a_file(weights) else None
+    weights_name = weights if weights_file is None else None
     if name.startswith("timm:"):
-        return _build_timm(name.removeprefix("timm:"), small_input, **kwargs)
-    if name not in TORCHVISION_NAMES:
+        trunk, feature_dim = _build_timm(name.removeprefix("timm:"), small_input, weights_name, **kwargs)
+    elif name in CIFAR_DEPTHS:
+        trunk, feature_dim = _build_cifar(name, small_input, weights_name, **kwargs)
+    elif name in TORCHVISION_BUILDERS:
+        trunk, feature_dim = _build_torchvision(name, small_input, weights_name, **kwargs)
+    else:
         raise ValueError(f"unknown backbone name {name!r}; choose one of {', '.join(BACKBONE_NAMES)}")
+    if weights_file is not None:
+        load_weights_file(trunk, weights_file, name)
+    return trunk, feature_dim
+
+
+def _names_a_file(weights: str) -> bool:
+    return weights.endswith((".pth", ".pt")) or "/" in weights
+
+
+def _build_torchvision(name: str, small_input: bool, weights_name: str | None, **kwargs: Any) -> tuple[nn.Module, int]:
+    if weights_name is not None and small_input:
+        raise ValueError(
+            f"{WEIGHTS_KEY}={weights_name!r} cannot be combined with small_input=True: the small-input stem "
+            f"replaces the pretrained 7x7 stem of {name!r}"
+        )
+    weights = _torchvision_weights(name, weights_name) if weights_name is not None else None
     try:
-        trunk = getattr(torchvision.models, name)(weights=None, **kwargs)
+        trunk = TORCHVISION_BUILDERS[name](weights=weights, **kwargs)
     except TypeError as error:
         raise ValueError(f"backbone {name!r} rejected its keyword arguments {kwargs}: {error}") from None
     feature_dim = trunk.fc.in_features
@@ -55,15 +110,78 @@ def build_backbone(name: str, small_input: bool = False, **kwargs: Any) -> tuple
     return trunk, feature_dim
 
 
-def _build_timm(model_name: str, small_input: bool, **kwargs: Any) -> tuple[nn.Module, int]:
-    import timm  # imported lazily: timm is only needed for `timm:` backbones
+def _torchvision_weights(name: str, weights_name: str) -> torchvision.models.WeightsEnum:
+    if name not in torchvision.models.list_models():
+        raise _no_published_weights(name, weights_name)
+    choices = torchvision.models.get_model_weights(name)
+    if weights_name not in choices.__members__:
+        raise ValueError(
+            f"{WEIGHTS_KEY}={weights_name!r} is not a torchvision weights name of {name!r}; choose one of "
+            f"{', '.join(choices.__members__)}, or give the path of a local .pth state dict"
+        )
+    return choices[weights_name]
 
+
+def _no_published_weights(name: str, weights_name: str) -> ValueError:
+    return ValueError(
+        f"{WEIGHTS_KEY}={weights_name!r}: torchvision publishes no weights for backbone {name!r}; "
+        "give the path of a local .pth state dict instead"
+    )
+
+
+def _build_cifar(name: str, small_input: bool, weights_name: str | None, **kwargs: Any) -> tuple[nn.Module, int]:
+    if small_input:
+        raise ValueError(f"small_input=True is meaningless for {name!r}: its 3x3 stride-1 stem is made for 32 px images")
+    if weights_name is not None:
+        raise _no_published_weights(name, weights_name)
+    try:
+        trunk = CifarResNet(CIFAR_DEPTHS[name], **kwargs)
+    except TypeError as error:
+        raise ValueError(f"backbone {name!r} rejected its keyword arguments {kwargs}: {error}") from None
+    return trunk, trunk.feature_dim
+
+
+def _build_timm(model_name: str, small_input: bool, weights_name: str | None, **kwargs: Any) -> tuple[nn.Module, int]:
     if small_input:
         raise ValueError(
             f"small_input=True is only defined for the torchvision ResNets, not for 'timm:{model_name}'; "
             "pick a timm model made for small images instead"
         )
+    if weights_name is not None:
+        raise _no_published_weights(f"timm:{model_name}", weights_name)
+    import timm  # imported lazily: timm is only needed for `timm:` backbones
+
     if not timm.is_model(model_name):
         raise ValueError(f"unknown timm model {model_name!r} (backbone 'timm:{model_name}'); see timm.list_models()")
     trunk = timm.create_model(model_name, pretrained=False, num_classes=0, **kwargs)
     return trunk, trunk.num_features
+
+
+def load_weights_file(trunk: nn.Module, path: str, name: str) -> None:
+    """Load a local state dict into `trunk` strictly, except for the `fc.*` keys of a classifier the
+    trunk does not have (torchvision's checkpoint files carry one)."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise ValueError(f"{WEIGHTS_KEY}: file {path!r} does not exist") from None
+    except (RuntimeError, pickle.UnpicklingError) as error:
+        raise ValueError(f"{WEIGHTS_KEY}: file {path!r} cannot be read as a state dict: {error}") from None
+    if not isinstance(state, dict) or not all(isinstance(value, torch.Tensor) for value in state.values()):
+        raise ValueError(f"{WEIGHTS_KEY}: file {path!r} is not a state dict (a mapping of names to tensors)")
+    own_keys = trunk.state_dict().keys()
+    state = {key: value for key, value in state.items() if key in own_keys or not key.startswith("fc.")}
+    load_state_strictly(trunk, state, f"{WEIGHTS_KEY}: file {path!r}", f"backbone {name!r}")
+
+
+def load_state_strictly(trunk: nn.Module, state: dict, source: str, target: str) -> None:
+    """`trunk.load_state_dict(state)` with one ValueError `"<source> does not match|fit <target>: ..."`
+    that lists the first missing and unexpected keys or the shape mismatch."""
+    try:
+        incompatible = trunk.load_state_dict(state, strict=False)
+    except RuntimeError as error:  # same keys, different shapes
+        raise ValueError(f"{source} does not fit {target}: {error}") from None
+    if incompatible.missing_keys or incompatible.unexpected_keys:
+        raise ValueError(
+            f"{source} does not match {target}: missing keys {incompatible.missing_keys[:5]}, "
+            f"unexpected keys {incompatible.unexpected_keys[:5]}"
+        )

@@ -13,19 +13,37 @@ image with PIL in the DataLoader workers.
 `val_dataloader()` returns the validation split and, when `knn_bank` is on, the labelled bank of the kNN
 monitor under the evaluation view: the `bank` split where a dataset has one (STL-10 pretrains on
 unlabelled images too, label -1, but its bank is the labelled training set), else the training split.
+`data.sampler` picks how training images are drawn (ordinary shuffling, or one of Kang et al.'s
+class-priority samplers for long-tailed data, `datamodules.samplers.ClassPrioritySampler`);
+`train_class_counts()` gives the training images per class, read from the labels without decoding images.
 A subclass only says where its splits come from (`build_splits`), its class count, image size,
 normalisation, default evaluation view and the layout it expects under `data.root`.
 """
 
+import os
 from pathlib import Path
 from typing import Any, Callable, Literal
 
 import lightning as L
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
 
+from datamodules.samplers import ClassPrioritySampler
 from datamodules.transforms import build_view
+
+
+def dataset_labels(dataset: Dataset) -> np.ndarray:
+    """The labels of a dataset of `(image, label)` pairs, read without decoding an image: its `labels` or
+    `targets`, through `Subset`-like (`dataset` + `indices`) and wrapping (`base`) datasets."""
+    if hasattr(dataset, "indices") and hasattr(dataset, "dataset"):
+        return dataset_labels(dataset.dataset)[np.asarray(dataset.indices, dtype=np.int64)]
+    for attribute in ("labels", "targets"):
+        if hasattr(dataset, attribute):
+            return np.asarray(getattr(dataset, attribute), dtype=np.int64)
+    if hasattr(dataset, "base"):
+        return dataset_labels(dataset.base)
+    raise ValueError(f"cannot read the labels of a {type(dataset).__name__} without decoding its images: it needs a `labels` or `targets` attribute")
 
 
 class ViewsDataset(Dataset):
@@ -91,6 +109,7 @@ class ContrastiveDataModule(L.LightningDataModule):
         knn_bank: bool = True,
         pin_memory: bool = True,
         pipeline: Literal["workers", "device"] = "workers",
+        sampler: Literal["instance", "class_balanced", "square_root", "progressive"] = "instance",
     ):
         """
         Args:
@@ -106,6 +125,10 @@ class ContrastiveDataModule(L.LightningDataModule):
             pipeline: where the training views are drawn: `workers` (per image, PIL, in the DataLoader
                 workers) or `device` (per batch on the training device, same parameters, per-sample
                 randomness; needs images of one size).
+            sampler: how the training images of an epoch are drawn (Kang et al. 2020): `instance`, each
+                image once in random order; `class_balanced` and `square_root`, a class with probability
+                proportional to n^0 or n^(1/2) (n its training images), then one of its images; `progressive`,
+                from instance- to class-balanced linearly over `trainer.max_epochs`.
         """
         super().__init__()
         if batch_size < 1:
@@ -120,6 +143,7 @@ class ContrastiveDataModule(L.LightningDataModule):
         self.knn_bank = knn_bank
         self.pin_memory = pin_memory
         self.pipeline = pipeline
+        self.sampler = sampler
         defaults = {"size": self.image_size, "mean": self.mean, "std": self.std}
         self.views = {name: build_view(name, spec, defaults, pipeline) for name, spec in (views or {}).items()}
         self.eval_transform = build_view("eval_view", eval_view or self.default_eval_view(), defaults)
@@ -155,11 +179,35 @@ class ContrastiveDataModule(L.LightningDataModule):
         if self.splits is None:
             self.splits = self.build_splits()
 
-    def _loader(self, dataset: Dataset, train: bool) -> DataLoader:
+    def train_class_counts(self) -> list[int]:
+        """Training images per class of the actual training split (long-tailed where the DataModule
+        makes it so), `num_classes` long; unlabelled images (label -1) are not counted."""
+        self.setup()
+        labels = dataset_labels(self.splits["train"])
+        return np.bincount(labels[labels >= 0], minlength=self.num_classes).tolist()
+
+    def train_sampler(self) -> Sampler | None:
+        """The sampler of `data.sampler`; None for `instance`, the DataLoader's own shuffling (which
+        Lightning replaces by a DistributedSampler under DDP)."""
+        if self.sampler == "instance":
+            return None
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        return ClassPrioritySampler(
+            dataset_labels(self.splits["train"]),
+            self.num_classes,
+            self.sampler,
+            total_epochs=self.trainer.max_epochs if self.trainer is not None else None,
+            seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),  # the seed Lightning gives its own DistributedSampler
+            num_replicas=torch.distributed.get_world_size() if distributed else 1,
+            rank=torch.distributed.get_rank() if distributed else 0,
+        )
+
+    def _loader(self, dataset: Dataset, train: bool, sampler: Sampler | None = None) -> DataLoader:
         return DataLoader(
             dataset,
             batch_size=self.batch_size,
-            shuffle=train,
+            shuffle=train and sampler is None,
+            sampler=sampler,
             drop_last=train,  # equal batches: split-BN groups and queue updates assume it
             num_workers=self.num_workers,
             pin_memory=self.pin_memory and torch.cuda.is_available(),
@@ -171,7 +219,8 @@ class ContrastiveDataModule(L.LightningDataModule):
             raise ValueError("data.views is empty: the training split needs at least one named view")
         self.setup()
         train = self.splits["train"]
-        return self._loader(RawImageDataset(train) if self.pipeline == "device" else ViewsDataset(train, self.views), train=True)
+        dataset = RawImageDataset(train) if self.pipeline == "device" else ViewsDataset(train, self.views)
+        return self._loader(dataset, train=True, sampler=self.train_sampler())
 
     def augment_on_device(self, batch: dict) -> dict:
         """Draw the training views from a transferred batch of raw images (`pipeline: device`)."""

@@ -3,14 +3,32 @@
 Configs refer to a method by its short name, e.g. `class_path: methods.MoCoV2`.
 """
 
-from methods.base import PretrainMethod
+from methods.base import MethodBase, PretrainMethod
 from methods.jcl import JCL
 from methods.linear import LinearProbe
+from methods.longtail import CrossEntropy, LongTailClassifier
 from methods.moco import MoCoV2
+from methods.multitask import MultiTaskContrast
 from methods.npid import NPID
+from methods.paco import PaCo
 from methods.ressl import ReSSL
 from methods.sce import SCE
 from methods.simclr import SimCLR
 from methods.supcon import SupCon
 
-__all__ = ["JCL", "LinearProbe", "MoCoV2", "NPID", "PretrainMethod", "ReSSL", "SCE", "SimCLR", "SupCon"]
+__all__ = [
+    "JCL",
+    "CrossEntropy",
+    "LinearProbe",
+    "LongTailClassifier",
+    "MethodBase",
+    "MoCoV2",
+    "MultiTaskContrast",
+    "NPID",
+    "PaCo",
+    "PretrainMethod",
+    "ReSSL",
+    "SCE",
+    "SimCLR",
+    "SupCon",
+]

@@ -1,9 +1,14 @@
-"""`PretrainMethod`: the LightningModule every pretraining method builds on.
+"""The LightningModules every method builds on.
 
-It owns the trunk (`self.backbone`), the projector, the online linear probe and the kNN monitor, the
-optimizer with its parameter groups and the per-step schedule. A method subclass sets `views` (the
-named views it consumes) and implements `contrastive_step(batch) -> (loss, online_features)`: which
-view goes through which branch, which loss, what is enqueued. Everything else lives here.
+- `MethodBase`: what every trainable method shares with the data: the named views it consumes and the
+  checks that the DataModule provides them (and fills its queues), views drawn on the device
+  (`data.pipeline: device`), channels-last images, all-gathers across processes, progress in epochs.
+- `PretrainMethod`: a self-supervised or contrastive pretraining method. It owns the trunk
+  (`self.backbone`), the projector, the online linear probe and the kNN monitor, the optimizer with its
+  parameter groups and the per-step schedule. A method subclass sets `views` and implements
+  `contrastive_step(batch) -> (loss, online_features)`: which view goes through which branch, which
+  loss, what is enqueued. Everything else lives here.
+- The long-tail classifiers (PaCo and its baselines) build on `MethodBase` in `methods/longtail.py`.
 """
 
 from typing import Sequence
@@ -21,9 +26,77 @@ from methods.momentum import KeyQueue
 from methods.optim import OptimizerSpec, ScheduleSpec, configure_optimization, parameter_groups
 
 
-class PretrainMethod(EvaluationMixin, L.LightningModule):
+class MethodBase(L.LightningModule):
+    """Base of every method trained by `main_pretrain.py`; subclasses set `views` and `channels_last`."""
+
     views: tuple[str, ...] = ()  # names of the data views the method consumes
     keys_per_sample: int = 1  # keys a queue receives per training image and step
+    channels_last: bool = False
+
+    def check_data(self, datamodule, world_size: int) -> None:
+        """Fail before training when the data cannot feed this method (the CLI calls this before
+        anything is written; `setup` calls it again for runs started from Python)."""
+        provided = tuple(getattr(datamodule, "view_names", ()))
+        if sorted(provided) != sorted(self.views):
+            raise ValueError(
+                f"{type(self).__name__} consumes the views {list(self.views)} but data.views provides "
+                f"{list(provided)}; rename or remove views so that they match (no view is computed unused)"
+            )
+        keys_per_step = self.keys_per_sample * datamodule.batch_size * world_size
+        for name, module in self.named_modules():
+            if isinstance(module, KeyQueue) and module.size < keys_per_step:
+                raise ValueError(
+                    f"{name} size {module.size} is smaller than the {keys_per_step} keys enqueued per step "
+                    f"(data.batch_size {datamodule.batch_size} x {world_size} processes x {self.keys_per_sample})"
+                )
+
+    def setup(self, stage: str) -> None:
+        if stage == "fit" and self.trainer.datamodule is not None:
+            self.check_data(self.trainer.datamodule, self.trainer.world_size)
+        if self.channels_last:
+            self.to(memory_format=torch.channels_last)
+
+    def on_after_batch_transfer(self, batch: dict, dataloader_idx: int) -> dict:
+        if self._trainer is not None and self.trainer.training and self.trainer.datamodule is not None:
+            batch = self.trainer.datamodule.augment_on_device(batch)
+        if self.channels_last:
+            to_channels_last = lambda x: x.contiguous(memory_format=torch.channels_last) if x.ndim == 4 else x  # noqa: E731
+            if "views" in batch:
+                batch["views"] = {name: to_channels_last(images) for name, images in batch["views"].items()}
+            if "image" in batch:
+                batch["image"] = to_channels_last(batch["image"])
+        return batch
+
+    @property
+    def epochs_done(self) -> float:
+        """Training progress in epochs, counted in optimizer steps (what per-step ramps of loss
+        hyper-parameters read)."""
+        steps_per_epoch = max(1, self.trainer.num_training_batches // self.trainer.accumulate_grad_batches)
+        return self.trainer.global_step / steps_per_epoch
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Concatenate a tensor from all processes in rank order (no gradient), e.g. keys to enqueue."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return tensor
+        return self.all_gather(tensor).flatten(0, 1)
+
+    def gather_with_grad(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Concatenate a tensor from all processes in rank order, keeping the gradient to every
+        process's rows (its backward all-reduces), so that in-batch negatives span the global batch
+        (SimCLR, SupCon): with DDP's gradient averaging, W processes then compute the gradient of the
+        single-process loss on the concatenated batch."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return tensor
+        gathered = self.all_gather(tensor, sync_grads=True)
+        if gathered.requires_grad:  # gloo's backward scatters a strided gradient in the wrong order
+            gathered.register_hook(lambda grad: grad.contiguous())
+        return gathered.flatten(0, 1)
+
+    def on_train_batch_start(self, batch, batch_idx) -> None:
+        self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], on_step=True, on_epoch=False)
+
+
+class PretrainMethod(EvaluationMixin, MethodBase):
 
     def __init__(
         self,
@@ -71,40 +144,6 @@ class PretrainMethod(EvaluationMixin, L.LightningModule):
         """Return the pretraining loss and the online trunk features (for the probe)."""
         raise NotImplementedError
 
-    def check_data(self, datamodule, world_size: int) -> None:
-        """Fail before training when the data cannot feed this method (the CLI calls this before
-        anything is written; `setup` calls it again for runs started from Python)."""
-        provided = tuple(getattr(datamodule, "view_names", ()))
-        if sorted(provided) != sorted(self.views):
-            raise ValueError(
-                f"{type(self).__name__} consumes the views {list(self.views)} but data.views provides "
-                f"{list(provided)}; rename or remove views so that they match (no view is computed unused)"
-            )
-        keys_per_step = self.keys_per_sample * datamodule.batch_size * world_size
-        for name, module in self.named_modules():
-            if isinstance(module, KeyQueue) and module.size < keys_per_step:
-                raise ValueError(
-                    f"{name} size {module.size} is smaller than the {keys_per_step} keys enqueued per step "
-                    f"(data.batch_size {datamodule.batch_size} x {world_size} processes x {self.keys_per_sample})"
-                )
-
-    def setup(self, stage: str) -> None:
-        if stage == "fit" and self.trainer.datamodule is not None:
-            self.check_data(self.trainer.datamodule, self.trainer.world_size)
-        if self.channels_last:
-            self.to(memory_format=torch.channels_last)
-
-    def on_after_batch_transfer(self, batch: dict, dataloader_idx: int) -> dict:
-        if self._trainer is not None and self.trainer.training and self.trainer.datamodule is not None:
-            batch = self.trainer.datamodule.augment_on_device(batch)
-        if self.channels_last:
-            to_channels_last = lambda x: x.contiguous(memory_format=torch.channels_last) if x.ndim == 4 else x  # noqa: E731
-            if "views" in batch:
-                batch["views"] = {name: to_channels_last(images) for name, images in batch["views"].items()}
-            if "image" in batch:
-                batch["image"] = to_channels_last(batch["image"])
-        return batch
-
     # ----------------------------------------------------------------- shared helpers
     def embed(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Online branch: trunk features and the L2-normalised projection (after the predictor, if any)."""
@@ -119,31 +158,6 @@ class PretrainMethod(EvaluationMixin, L.LightningModule):
         crops = [crop for name in names for crop in (views[name].unbind(1) if views[name].ndim == 5 else [views[name]])]
         embedded = [self.embed(crop) for crop in crops]
         return [projection for _, projection in embedded], embedded[0][0]
-
-    @property
-    def epochs_done(self) -> float:
-        """Training progress in epochs, counted in optimizer steps (what per-step ramps of loss
-        hyper-parameters read)."""
-        steps_per_epoch = max(1, self.trainer.num_training_batches // self.trainer.accumulate_grad_batches)
-        return self.trainer.global_step / steps_per_epoch
-
-    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Concatenate a tensor from all processes in rank order (no gradient), e.g. keys to enqueue."""
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return tensor
-        return self.all_gather(tensor).flatten(0, 1)
-
-    def gather_with_grad(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Concatenate a tensor from all processes in rank order, keeping the gradient to every
-        process's rows (its backward all-reduces), so that in-batch negatives span the global batch
-        (SimCLR, SupCon): with DDP's gradient averaging, W processes then compute the gradient of the
-        single-process loss on the concatenated batch."""
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return tensor
-        gathered = self.all_gather(tensor, sync_grads=True)
-        if gathered.requires_grad:  # gloo's backward scatters a strided gradient in the wrong order
-            gathered.register_hook(lambda grad: grad.contiguous())
-        return gathered.flatten(0, 1)
 
     # ----------------------------------------------------------------- training
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
@@ -164,6 +178,3 @@ class PretrainMethod(EvaluationMixin, L.LightningModule):
         groups = parameter_groups(method_params, self.optimizer_spec)
         probe_group = {"params": list(self.probe.parameters()), "lr": self.probe_lr, "weight_decay": 0.0, "lars_exclude": True}
         return configure_optimization(self.trainer, groups + [probe_group], self.optimizer_spec, self.schedule_spec)
-
-    def on_train_batch_start(self, batch, batch_idx) -> None:
-        self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], on_step=True, on_epoch=False)

@@ -27,7 +27,7 @@ from lightning.pytorch.loggers import WandbLogger
 
 from datamodules.base import ContrastiveDataModule
 
-SUMMARY_KEYS = ("probe_top1", "probe_top5", "knn_top1", "knn_top5")
+SUMMARY_KEYS = ("probe_top1", "probe_top5", "knn_top1", "knn_top5", "top1", "many_top1", "medium_top1", "few_top1")
 
 
 def fail(message: str) -> None:

@@ -33,6 +33,27 @@ def knn_predict(
     return torch.cat(scores)
 
 
+def shot_accuracies(
+    predictions: torch.Tensor, labels: torch.Tensor, train_counts: torch.Tensor, many_above: int = 100, few_below: int = 20
+) -> dict[str, float]:
+    """Top-1 accuracy over all samples, and the long-tail groups of Liu et al. (OLTR) as PaCo's
+    `shot_acc` computes them: a class is many-shot with more than `many_above` training images, few-shot
+    with fewer than `few_below`, medium otherwise; a group's accuracy is the mean of its classes'
+    accuracies. Classes without evaluation samples and empty groups are left out (spec_supervised 3.7)."""
+    num_classes = len(train_counts)
+    correct = torch.zeros(num_classes, dtype=torch.float64, device=labels.device).index_add_(0, labels, (predictions == labels).double())
+    seen = torch.zeros(num_classes, dtype=torch.float64, device=labels.device).index_add_(0, labels, torch.ones_like(labels, dtype=torch.float64))
+    per_class = correct / seen.clamp(min=1)
+    counts = train_counts.to(labels.device)
+    groups = {"many": counts > many_above, "medium": (counts >= few_below) & (counts <= many_above), "few": counts < few_below}
+    results = {"top1": float((predictions == labels).double().mean())}
+    for name, members in groups.items():
+        members = members & (seen > 0)
+        if members.any():
+            results[f"{name}_top1"] = float(per_class[members].mean())
+    return results
+
+
 def topk_accuracy(scores: torch.Tensor, labels: torch.Tensor, k: int) -> torch.Tensor:
     top = scores.topk(min(k, scores.shape[1]), dim=1).indices
     return (top == labels[:, None]).any(dim=1).float().mean()

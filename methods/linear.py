@@ -8,6 +8,7 @@ and 80 of 100; spec_selfsup 1.6). The pretraining checkpoint is a model argument
 (which would try to restore this module from it).
 """
 
+import dataclasses
 from pathlib import Path
 
 import lightning as L
@@ -15,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from backbones import BackboneSpec
+from backbones import BackboneSpec, load_state_strictly
 from methods.config import as_spec, save_plain_hyperparameters
 from methods.evaluation import EvaluationMixin
 from methods.optim import OptimizerSpec, ScheduleSpec, configure_optimization, parameter_groups
@@ -72,9 +73,12 @@ class LinearProbe(EvaluationMixin, L.LightningModule):
         if backbone is None and stored_spec is None:
             raise ValueError("model.backbone is required when the checkpoint does not record its backbone")
         spec = as_spec(BackboneSpec, backbone if backbone is not None else stored_spec)
+        if state is not None:  # the checkpoint's weights replace any initial weights: do not fetch them
+            spec = dataclasses.replace(spec, weights=None)
         self.backbone, feature_dim = spec.build()
         if state is not None:
-            self._load_strictly(state, spec, pretrained_ckpt)
+            target = f"backbone {spec.name!r} (small_input={spec.small_input})"
+            load_state_strictly(self.backbone, state, f"model.pretrained_ckpt {pretrained_ckpt!r}", target)
         self.backbone.requires_grad_(False).eval()
         self.probe = nn.Linear(feature_dim, num_classes)
         nn.init.normal_(self.probe.weight, std=0.01)  # MoCo main_lincls: N(0, 0.01), bias 0
@@ -82,18 +86,6 @@ class LinearProbe(EvaluationMixin, L.LightningModule):
         self.optimizer_spec = as_spec(OptimizerSpec, optimizer)
         self.schedule_spec = as_spec(ScheduleSpec, schedule)
         self.init_evaluation(num_classes, knn_k, knn_temperature)
-
-    def _load_strictly(self, state: dict, spec: BackboneSpec, path: str) -> None:
-        try:
-            incompatible = self.backbone.load_state_dict(state, strict=False)
-        except RuntimeError as error:  # same keys, different shapes
-            raise ValueError(f"model.pretrained_ckpt {path!r} does not fit backbone {spec.name!r}: {error}") from None
-        if incompatible.missing_keys or incompatible.unexpected_keys:
-            raise ValueError(
-                f"model.pretrained_ckpt {path!r} does not match backbone {spec.name!r} "
-                f"(small_input={spec.small_input}): missing keys {incompatible.missing_keys[:5]}, "
-                f"unexpected keys {incompatible.unexpected_keys[:5]}"
-            )
 
     def check_data(self, datamodule, world_size: int) -> None:
         if tuple(datamodule.view_names) != self.views:

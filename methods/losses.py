@@ -278,12 +278,13 @@ def paco_loss(
     queue: Tensor,
     labels: Tensor,
     queue_labels: Tensor,
-    center_logits: Tensor,
+    center_logits: Tensor | None,
     alpha: float,
     temperature: float,
     beta: float = 1.0,
     gamma: float = 1.0,
     class_prior: Tensor | None = None,
+    anchor_weights: Tensor | None = None,
 ) -> Tensor:
     """PaCo as ``PaCoLoss`` of dvlab-research/Parametric-Contrastive-Learning (PaCo/LT/losses.py) computes it.
 
@@ -293,10 +294,19 @@ def paco_loss(
     softmax; ``class_prior`` are class frequencies summing to 1). Weight beta on the own centre, alpha on
     each positive, gamma on the contrast terms of the denominator; each anchor's loss is divided by
     ``beta + alpha |P(i)|`` (the paper's Eq. 4 omits this normalisation).
+
+    Without centres (``center_logits=None``) this is the supervised contrast of the queries against
+    ``[queries, keys, queue]``, the mean of -log p over each anchor's positives (the contrastive term of
+    the seed's multi-task baselines, Table 13); ``anchor_weights`` (B,) then weighs each anchor's loss in
+    the batch mean, e.g. by the class-balanced weight of its class (Cui et al. 2019).
     """
     _check_query_key_bank(query, key, queue)
-    batch, num_classes = len(query), center_logits.shape[-1]
-    _check_shape("center_logits", center_logits, batch, None)
+    batch = len(query)
+    num_classes = None if center_logits is None else center_logits.shape[-1]
+    if center_logits is not None:
+        _check_shape("center_logits", center_logits, batch, None)
+    elif class_prior is not None:
+        raise ValueError("class_prior adjusts centre logits: it needs center_logits")
     _check_labels("labels", labels, batch, num_classes)
     _check_labels("queue_labels", queue_labels, len(queue), num_classes)
     _check_temperature("temperature", temperature)
@@ -307,18 +317,24 @@ def paco_loss(
         if abs(class_prior.sum().item() - 1) > 1e-3:
             raise ValueError(f"class_prior must sum to 1 (class frequencies), got {class_prior.sum().item():.4g}")
         center_logits = center_logits + torch.log(class_prior + 1e-9)
+    if anchor_weights is not None:
+        _check_shape("anchor_weights", anchor_weights, batch)
 
     contrast = torch.cat([query, key, queue])
     not_self = _not_self(batch, len(contrast), query.device)
     positive = (labels[:, None] == torch.cat([labels, labels, queue_labels])[None, :]) & not_self
     contrast_logits = query @ contrast.T / temperature
-    log_denominator = torch.logaddexp(
-        center_logits.logsumexp(dim=1), _log(gamma) + _masked_logsumexp(contrast_logits, not_self)
-    )
-    log_prob = torch.cat([center_logits, contrast_logits], dim=1) - log_denominator[:, None]
-    own_center = F.one_hot(labels.long(), num_classes).to(log_prob.dtype)
-    weights = torch.cat([beta * own_center, alpha * positive.to(log_prob.dtype)], dim=1)
-    return _soft_cross_entropy(log_prob, weights).mean()
+    log_contrast_sum = _log(gamma) + _masked_logsumexp(contrast_logits, not_self)
+    if center_logits is None:
+        log_prob = contrast_logits - log_contrast_sum[:, None]
+        weights = positive.to(log_prob.dtype)
+    else:
+        log_denominator = torch.logaddexp(center_logits.logsumexp(dim=1), log_contrast_sum)
+        log_prob = torch.cat([center_logits, contrast_logits], dim=1) - log_denominator[:, None]
+        own_center = F.one_hot(labels.long(), num_classes).to(log_prob.dtype)
+        weights = torch.cat([beta * own_center, alpha * positive.to(log_prob.dtype)], dim=1)
+    per_anchor = _soft_cross_entropy(log_prob, weights)
+    return per_anchor.mean() if anchor_weights is None else (per_anchor * anchor_weights).mean()
 
 
 @_float32

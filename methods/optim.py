@@ -37,7 +37,7 @@ class OptimizerSpec:
 
 @dataclass
 class ScheduleSpec:
-    warmup_epochs: float = 0.0  # linear warm-up from lr / warmup_steps to lr
+    warmup_epochs: float = 0.0  # linear warm-up from lr / warmup_steps to lr (per epoch: lr / W to lr)
     decay: Literal["cosine", "step", "constant"] = "cosine"
     milestones: list[int] = field(default_factory=list)  # epochs at which `step` multiplies by gamma
     gamma: float = 0.1
@@ -88,7 +88,10 @@ def build_optimizer(groups: list[dict], spec: OptimizerSpec, lr: float) -> Optim
 def lr_factor(step: int, steps_per_epoch: int, total_steps: int, spec: ScheduleSpec) -> float:
     """Multiplier of the peak learning rate at optimizer step `step` (0-based)."""
     if spec.unit == "epoch":
-        step = (step // steps_per_epoch) * steps_per_epoch
+        epoch = step // steps_per_epoch
+        if epoch < spec.warmup_epochs:  # lr (e + 1) / W in epoch e, as PaCo's adjust_learning_rate
+            return (epoch + 1) / spec.warmup_epochs
+        step = epoch * steps_per_epoch
     warmup_steps = round(spec.warmup_epochs * steps_per_epoch)
     if step < warmup_steps:
         return (step + 1) / warmup_steps

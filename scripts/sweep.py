@@ -209,7 +209,9 @@ def main(argv: list[str]) -> int:
         raise SystemExit(f"error: --only {args.only} is outside the {len(runs)} runs of this sweep (0..{len(runs) - 1})")
     selected = [runs[args.only]] if args.only is not None else runs
     failed = [] if args.collect else [run for run in selected if not perform(run, args)]
-    metrics = [*DEFAULT_METRICS[: 2 if not args.linear else 3], *args.metrics]
+    defaults = DEFAULT_METRICS[: 2 if not args.linear else 3]
+    # A default metric that no run reports (e.g. no kNN monitor on a classifier) is left out of the table.
+    metrics = [*(m for m in defaults if any(read_metric(run, m) is not None for run in runs)), *args.metrics]
     print(collect(runs, metrics, args.out))
     for run in failed:
         print(f"failed: {run.point_name} seed {run.seed} (log: {run.directory / 'log.txt'})")

@@ -1,8 +1,13 @@
+import re
+
 import pytest
 import torch
 import torch.nn as nn
+import torchvision
+from torchvision.models import ResNet18_Weights
 
-from backbones import MLPSpec, build_backbone, build_mlp
+from backbones import BackboneSpec, MLPSpec, build_backbone, build_mlp
+from backbones.cifar_resnet import ZeroPadShortcut
 
 EXPECTED_FEATURE_DIMS = {
     "resnet18": 512,
@@ -11,6 +16,7 @@ EXPECTED_FEATURE_DIMS = {
     "resnet101": 2048,
     "resnet152": 2048,
     "resnext50_32x4d": 2048,
+    "resnext101_32x4d": 2048,
     "resnext101_32x8d": 2048,
     "resnext101_64x4d": 2048,
 }
@@ -35,6 +41,146 @@ def test_small_input_stem_is_a_3x3_stride_1_conv_without_max_pool():
     trunk.layer4.register_forward_hook(lambda module, inputs, output: sizes.append(output.shape[-1]) and None)
     trunk.eval()(torch.randn(1, 3, 32, 32))
     assert sizes == [4]
+
+
+def test_cifar_resnet32_gives_64d_features_with_the_ldam_parameter_count():
+    trunk, dim = build_backbone("cifar_resnet32")
+    assert dim == 64
+    assert trunk.eval()(torch.randn(2, 3, 32, 32)).shape == (2, 64)
+    # stem 3*16*9 + BN 32; stage 1: 5 blocks of 2*(16*16*9) + 2*32; stage 2: 32*16*9 + 32*32*9 + 128,
+    # then 4 blocks of 2*(32*32*9) + 128; stage 3 likewise at 64 wide. LDAM-DRW's table's 0.46 M adds
+    # the 10-class fc (650 -> 464,154); with CIFAR-100's fc (6,500) it is 470,004.
+    assert sum(p.numel() for p in trunk.parameters()) == 463_504
+
+
+@pytest.mark.parametrize("depth", [20, 32, 44, 56, 110])
+def test_cifar_resnets_have_6n_plus_2_layers_in_three_stages(depth):
+    trunk, dim = build_backbone(f"cifar_resnet{depth}")
+    blocks_per_stage = (depth - 2) // 6
+    assert [len(stage) for stage in (trunk.layer1, trunk.layer2, trunk.layer3)] == [blocks_per_stage] * 3
+    convolutions = [module for module in trunk.modules() if isinstance(module, nn.Conv2d)]
+    assert len(convolutions) + 1 == depth  # the depth counts the classifier on top
+    assert dim == 64
+
+
+def test_cifar_resnet_halves_the_resolution_at_stages_2_and_3_only():
+    trunk, _ = build_backbone("cifar_resnet32")
+    sizes = []
+    for stage in (trunk.layer1, trunk.layer2, trunk.layer3):
+        stage.register_forward_hook(lambda module, inputs, output: sizes.append(tuple(output.shape[1:])) and None)
+    trunk.eval()(torch.randn(1, 3, 32, 32))
+    assert sizes == [(16, 32, 32), (32, 16, 16), (64, 8, 8)]
+
+
+def test_option_a_shortcut_subsamples_and_zero_pads_without_parameters():
+    trunk, _ = build_backbone("cifar_resnet32")
+    has_shortcut = [block.downsample is not None for stage in (trunk.layer1, trunk.layer2, trunk.layer3) for block in stage]
+    assert has_shortcut == [False] * 5 + [True] + [False] * 4 + [True] + [False] * 4  # first block of stages 2, 3
+    for block in (trunk.layer2[0], trunk.layer3[0]):
+        assert isinstance(block.downsample, ZeroPadShortcut) and list(block.downsample.parameters()) == []
+    x = torch.randn(2, 32, 16, 16)
+    out = trunk.layer3[0].downsample(x)
+    assert out.shape == (2, 64, 8, 8)
+    assert torch.equal(out[:, 16:48], x[:, :, ::2, ::2])
+    assert not out[:, :16].any() and not out[:, 48:].any()
+
+
+def test_cifar_resnet_convolutions_use_fan_in_kaiming_init():
+    torch.manual_seed(0)
+    trunk, _ = build_backbone("cifar_resnet32")
+    # LDAM-DRW's init.kaiming_normal_ (fan-in): std sqrt(2/27) on the stem; fan-out would give sqrt(2/144).
+    assert trunk.conv1.weight.std().item() == pytest.approx((2 / 27) ** 0.5, rel=0.15)
+
+
+def test_cifar_resnet_base_width_builds_pacos_widened_variant():
+    trunk, dim = build_backbone("cifar_resnet32", base_width=32)  # PaCo commit 9afe122: factor = 2
+    assert dim == 128
+    assert trunk.eval()(torch.randn(2, 3, 32, 32)).shape == (2, 128)
+
+
+def test_small_input_is_refused_for_cifar_resnets():
+    with pytest.raises(ValueError, match="small_input=True is meaningless for 'cifar_resnet32'"):
+        build_backbone("cifar_resnet32", small_input=True)
+
+
+def test_resnext101_32x4d_has_32_groups_of_width_4_and_the_published_parameter_count():
+    trunk, dim = build_backbone("resnext101_32x4d")
+    assert dim == 2048
+    assert [len(stage) for stage in (trunk.layer1, trunk.layer2, trunk.layer3, trunk.layer4)] == [3, 4, 23, 3]
+    for stage, width in ((trunk.layer1, 128), (trunk.layer4, 1024)):  # 32 groups x 4 channels, doubling
+        assert stage[0].conv2.groups == 32 and stage[0].conv2.in_channels == stage[0].conv2.out_channels == width
+    # timm's resnext101_32x4d: 44,177,704 parameters (44.18 M) with the 1000-class fc.
+    assert sum(p.numel() for p in trunk.parameters()) + 2048 * 1000 + 1000 == 44_177_704
+
+
+@pytest.mark.parametrize("name", ["cifar_resnet20", "resnet18"])
+def test_weights_from_a_local_file_are_loaded_into_the_trunk(tmp_path, name):
+    source, _ = build_backbone(name)
+    path = tmp_path / "trunk.pth"
+    torch.save(source.state_dict(), path)
+    trunk, _ = BackboneSpec(name=name, weights=str(path)).build()
+    assert trunk.state_dict().keys() == source.state_dict().keys()
+    assert all(torch.equal(value, source.state_dict()[key]) for key, value in trunk.state_dict().items())
+
+
+def test_a_torchvision_checkpoint_with_its_classifier_loads_into_the_trunk(tmp_path):
+    full = torchvision.models.resnet18()
+    path = tmp_path / "resnet18-f37072fd.pth"
+    torch.save(full.state_dict(), path)
+    trunk, _ = build_backbone("resnet18", weights=str(path))
+    assert torch.equal(trunk.layer4[1].conv2.weight, full.layer4[1].conv2.weight)
+
+
+def test_a_torchvision_weights_name_is_resolved_and_loaded_strictly(monkeypatch):
+    published = torchvision.models.resnet18().state_dict()
+    monkeypatch.setattr(ResNet18_Weights, "get_state_dict", lambda self, *args, **kwargs: published)
+    trunk, _ = build_backbone("resnet18", weights="IMAGENET1K_V1")
+    assert torch.equal(trunk.conv1.weight, published["conv1.weight"])
+
+
+def test_no_weights_keeps_the_random_init_without_fetching_anything(monkeypatch):
+    def refuse(self, *args, **kwargs):
+        raise AssertionError("weights=None must not fetch torchvision weights")
+
+    monkeypatch.setattr(ResNet18_Weights, "get_state_dict", refuse)
+    assert BackboneSpec(name="resnet18").weights is None
+    torch.manual_seed(0)
+    first, _ = BackboneSpec(name="resnet18").build()
+    torch.manual_seed(1)
+    second, _ = BackboneSpec(name="resnet18").build()
+    assert not torch.equal(first.conv1.weight, second.conv1.weight)
+
+
+@pytest.mark.parametrize(
+    "name, small_input, weights, message",
+    [
+        ("resnet18", False, "IMAGENET1K_V9", "='IMAGENET1K_V9' is not a torchvision weights name of 'resnet18'; "
+         "choose one of IMAGENET1K_V1, DEFAULT"),
+        ("resnet18", True, "IMAGENET1K_V1", "='IMAGENET1K_V1' cannot be combined with small_input=True"),
+        ("resnext101_32x4d", False, "DEFAULT", "='DEFAULT': torchvision publishes no weights for backbone 'resnext101_32x4d'"),
+        ("cifar_resnet32", False, "DEFAULT", "='DEFAULT': torchvision publishes no weights for backbone 'cifar_resnet32'"),
+        ("timm:resnet10t", False, "DEFAULT", "='DEFAULT': torchvision publishes no weights for backbone 'timm:resnet10t'"),
+        ("resnet18", False, "missing/trunk.pth", ": file 'missing/trunk.pth' does not exist"),
+    ],
+)
+def test_unusable_weights_raise_an_error_naming_the_config_key(name, small_input, weights, message):
+    with pytest.raises(ValueError, match=re.escape(f"model.init_args.backbone.weights{message}")):
+        build_backbone(name, small_input=small_input, weights=weights)
+
+
+def test_a_weights_file_of_another_architecture_names_the_file_and_the_mismatch(tmp_path):
+    smaller, wider, not_a_state_dict = tmp_path / "r20.pth", tmp_path / "wide.pth", tmp_path / "run.pth"
+    torch.save(build_backbone("cifar_resnet20")[0].state_dict(), smaller)
+    torch.save(build_backbone("cifar_resnet32", base_width=32)[0].state_dict(), wider)
+    torch.save({"epoch": 3}, not_a_state_dict)
+    expected = {
+        smaller: "does not match backbone 'cifar_resnet32': missing keys ['layer1.3",
+        wider: "does not fit backbone 'cifar_resnet32'",
+        not_a_state_dict: "is not a state dict",
+    }
+    for path, message in expected.items():
+        with pytest.raises(ValueError, match=re.escape(f"model.init_args.backbone.weights: file '{path}' {message}")):
+            build_backbone("cifar_resnet32", weights=str(path))
 
 
 def test_timm_models_are_built_by_name_without_classifier():

@@ -228,6 +228,28 @@ def test_paco_with_alpha_and_gamma_zero_equals_balanced_softmax_cross_entropy():
     assert_close(loss, F.cross_entropy(center_logits + torch.log(prior + 1e-9), labels), tol=1e-12)
 
 
+def test_paco_without_centres_is_the_mean_log_probability_of_the_positives_against_the_contrast_set():
+    g = gen(9)
+    query, key, queue = unit(g, 5, 4), unit(g, 5, 4), unit(g, 7, 4)
+    labels, queue_labels = torch.randint(0, 3, (5,), generator=g), torch.randint(0, 3, (7,), generator=g)
+    weights = torch.rand(5, generator=g, dtype=f64)
+    loss = paco_loss(query, key, queue, labels, queue_labels, None, 1.0, 0.2, anchor_weights=weights)
+    contrast, contrast_labels = torch.cat([query, key, queue]), torch.cat([labels, labels, queue_labels])
+    expected = 0.0
+    for i in range(5):
+        others = [j for j in range(len(contrast)) if j != i]  # the anchor is never its own contrast
+        log_prob = torch.log_softmax(query[i] @ contrast[others].T / 0.2, dim=0)
+        positives = [n for n, j in enumerate(others) if contrast_labels[j] == labels[i]]
+        expected += weights[i] * -log_prob[positives].mean() / 5
+    assert_close(loss, expected, tol=1e-12)
+
+
+def test_paco_class_prior_needs_centre_logits():
+    inputs = paco_p1() | {"center_logits": None}
+    with pytest.raises(ValueError, match="class_prior adjusts centre logits"):
+        paco_loss(**inputs, alpha=0.05, temperature=0.2, class_prior=P1_PRIOR)
+
+
 def test_paco_center_gradient_is_p_minus_t_times_h():
     inputs, alpha, tau = paco_p1(), 0.05, 0.2
     h = torch.tensor([[0.5, -0.2, 1.0], [1.2, 0.3, -0.4]], dtype=f64)

@@ -63,3 +63,24 @@ def test_metrics_return_float32_for_low_precision_input():
 def test_bad_input_raises_value_error(call, message):
     with pytest.raises(ValueError, match=message):
         call()
+
+
+def test_shot_accuracies_average_per_class_accuracy_within_many_medium_and_few_groups():
+    from methods.evaluation import shot_accuracies
+
+    train_counts = torch.tensor([500, 101, 100, 20, 19, 3])  # many: >100, medium: 20..100, few: <20
+    labels = torch.tensor([0, 0, 0, 0, 1, 1, 2, 2, 3, 4, 4, 4, 5])
+    predictions = torch.tensor([0, 0, 0, 1, 1, 0, 2, 0, 3, 4, 0, 0, 1])
+    result = shot_accuracies(predictions, labels, train_counts)
+    # per class: 3/4, 1/2, 1/2, 1, 1/3, 0
+    assert result["many_top1"] == pytest.approx((3 / 4 + 1 / 2) / 2)
+    assert result["medium_top1"] == pytest.approx((1 / 2 + 1) / 2)
+    assert result["few_top1"] == pytest.approx((1 / 3 + 0) / 2)
+    assert result["top1"] == pytest.approx(7 / 13)  # over samples, not classes
+
+
+def test_shot_accuracies_leave_out_empty_groups_and_unseen_classes():
+    from methods.evaluation import shot_accuracies
+
+    result = shot_accuracies(torch.tensor([0, 1]), torch.tensor([0, 1]), torch.tensor([500, 50, 5]))
+    assert result == {"top1": 1.0, "many_top1": 1.0, "medium_top1": 1.0}  # class 2 (few) has no sample

@@ -29,6 +29,13 @@ def test_epoch_unit_holds_the_rate_within_an_epoch_like_moco_cos():
         assert lr_factor(step, 10, 100, spec) == pytest.approx(0.5 * (1 + math.cos(math.pi * 3 / 10)))
 
 
+def test_per_epoch_warmup_is_pacos_e_plus_one_over_w_then_its_step_decay():
+    # PaCo CIFAR-LT: lr (e + 1) / 10 in epochs 0-9, then lr, x0.1 from epoch 321, x0.01 from 361 (0-based)
+    spec = ScheduleSpec(warmup_epochs=10, decay="step", milestones=[321, 361], gamma=0.1, unit="epoch")
+    factors = [lr_factor(epoch * 4 + 3, 4, 1600, spec) for epoch in (0, 4, 9, 10, 320, 321, 360, 361, 399)]
+    assert factors == pytest.approx([0.1, 0.5, 1.0, 1.0, 1.0, 0.1, 0.1, 0.01, 0.01])
+
+
 def test_step_decay_multiplies_by_gamma_at_each_milestone_epoch():
     spec = ScheduleSpec(decay="step", milestones=[60, 80], gamma=0.1)
     assert [lr_factor(epoch * 5, 5, 500, spec) for epoch in (0, 59, 60, 79, 80, 99)] == pytest.approx(

@@ -1,0 +1,203 @@
+"""Long-tailed recognition: the classifier base of PaCo and its baselines (spec_supervised 3).
+
+`LongTailClassifier` is a trunk whose pooled feature feeds a linear classifier (PaCo's class centres,
+bias included). The per-class counts of the training split are read from the DataModule when training
+or evaluation starts (and kept in the checkpoint): they give the log prior of balanced softmax and the
+many / medium / few-shot groups. A prediction is the argmax of the raw classifier logits (no prior at
+inference, Ren et al. 2020; PaCo issue #26); validation and test log top-1 and the top-1 of each group
+every epoch (`val/top1`, `val/many_top1`, `val/medium_top1`, `val/few_top1`).
+
+`SupervisedMoCoMixin` is the MoCo machinery that PaCo and the multi-task baselines share: an MLP head
+on the trunk feature, momentum copies of trunk and head, and a queue of keys with their labels.
+
+`CrossEntropy` is the first baseline family: plain cross-entropy, Balanced Softmax (`loss:
+balanced_softmax`, the log prior added to the logits in training) and the tau-normalised classifier of
+Kang et al. (ICLR 2020), a post-hoc rescaling of the trained weights, w_k / ||w_k||^tau without the bias
+(their `tau_normalization` code), chosen on the validation split:
+
+    python main_pretrain.py validate --config configs/ce_cifar100_lt.yaml --ckpt_path runs/ce_cifar100_lt/checkpoints/last.ckpt --model.init_args.tau_norm 1.0
+"""
+
+from typing import Literal
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from backbones import BackboneSpec, MLPSpec
+from methods.base import MethodBase
+from methods.config import as_spec, save_plain_hyperparameters
+from methods.evaluation import shot_accuracies
+from methods.momentum import KeyQueue, MomentumMixin, MomentumSpec
+from methods.optim import OptimizerSpec, ScheduleSpec, configure_optimization, parameter_groups
+
+
+class LongTailClassifier(MethodBase):
+    def __init__(
+        self,
+        backbone: BackboneSpec = BackboneSpec(),
+        optimizer: OptimizerSpec = OptimizerSpec(name="sgd", lr=0.05, weight_decay=5e-4, momentum=0.9),
+        schedule: ScheduleSpec = ScheduleSpec(),
+        num_classes: int = 10,
+        trainable_convs: str | None = None,
+        many_shot_above: int = 100,
+        few_shot_below: int = 20,
+        channels_last: bool = False,
+    ):
+        """
+        Args:
+            backbone: the trunk, see `backbones.build_backbone`.
+            optimizer, schedule: the optimizer (lr per 256 images when scaled) and its per-step schedule.
+            num_classes: classes of the dataset (linked from the DataModule by the CLI).
+            trainable_convs: when set, only the Conv2d layers under this trunk module train (PaCo's
+                Places-LT run: `layer4.2`, the last block of a ResNet-152); BatchNorm stays trainable.
+            many_shot_above, few_shot_below: the group bounds in training images per class (100, 20).
+            channels_last: channels-last memory layout for convolutions.
+        """
+        super().__init__()
+        save_plain_hyperparameters(self)
+        if not 0 < few_shot_below <= many_shot_above:
+            raise ValueError(f"need 0 < few_shot_below <= many_shot_above, got {few_shot_below}, {many_shot_above}")
+        self.backbone, self.feature_dim = as_spec(BackboneSpec, backbone).build()
+        self.classifier = nn.Linear(self.feature_dim, num_classes)
+        if trainable_convs is not None:
+            self._freeze_convs_outside(trainable_convs)
+        self.register_buffer("class_counts", torch.zeros(num_classes, dtype=torch.long))
+        self.num_classes = num_classes
+        self.optimizer_spec = as_spec(OptimizerSpec, optimizer)
+        self.schedule_spec = as_spec(ScheduleSpec, schedule)
+        self.shot_bounds = (many_shot_above, few_shot_below)
+        self.channels_last = channels_last
+        self._evaluated: dict[str, list[torch.Tensor]] = {"predictions": [], "labels": []}
+
+    def _freeze_convs_outside(self, prefix: str) -> None:
+        modules = dict(self.backbone.named_modules())
+        if prefix not in modules:
+            raise ValueError(f"model.trainable_convs {prefix!r} is not a module of the backbone")
+        for name, module in modules.items():
+            if isinstance(module, nn.Conv2d) and not (name == prefix or name.startswith(prefix + ".")):
+                module.requires_grad_(False)
+
+    # ----------------------------------------------------------------- the method's part
+    def classification_step(self, batch: dict) -> torch.Tensor:
+        """Return the training loss of a batch."""
+        raise NotImplementedError
+
+    def classify(self, images: torch.Tensor) -> torch.Tensor:
+        """Logits used for prediction: the raw classifier on the trunk features."""
+        return self.classifier(self.backbone(images))
+
+    # ----------------------------------------------------------------- class counts and prior
+    @property
+    def log_prior(self) -> torch.Tensor:
+        """log(n_k / sum n + 1e-9), the balanced-softmax offset exactly as PaCo's code (spec_supervised 3.4)."""
+        counts = self.class_counts.float()
+        return torch.log(counts / counts.sum() + 1e-9)
+
+    def check_data(self, datamodule, world_size: int) -> None:
+        super().check_data(datamodule, world_size)
+        counts = torch.as_tensor(datamodule.train_class_counts())
+        empty = (counts == 0).nonzero().flatten().tolist()
+        if len(counts) != self.num_classes or empty:
+            raise ValueError(
+                f"model.num_classes is {self.num_classes} but the training split of {type(datamodule).__name__} has "
+                f"{len(counts)} classes" + (f", {len(empty)} of them without any image (classes {empty[:10]})" if empty else "")
+            )
+        self.class_counts.copy_(counts)
+
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        if stage != "fit" and self.trainer.datamodule is not None:  # fit checks the data in super().setup
+            self.check_data(self.trainer.datamodule, self.trainer.world_size)
+
+    # ----------------------------------------------------------------- training and evaluation
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        loss = self.classification_step(batch)
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    def _evaluation_step(self, batch: dict, dataloader_idx: int) -> None:
+        if dataloader_idx == 0:  # a kNN bank loader (data.knn_bank) is not used by a classifier
+            self._evaluated["predictions"].append(self.classify(batch["image"]).argmax(dim=1))
+            self._evaluated["labels"].append(batch["label"])
+
+    def _finish_evaluation(self, stage: str) -> None:
+        collected = {name: torch.cat(parts) for name, parts in self._evaluated.items() if parts}
+        self._evaluated = {"predictions": [], "labels": []}
+        if not collected:
+            return
+        if self.trainer.world_size > 1:
+            collected = {name: self.all_gather(tensor).flatten(0, 1) for name, tensor in collected.items()}
+        accuracies = shot_accuracies(collected["predictions"], collected["labels"], self.class_counts, *self.shot_bounds)
+        for name, value in accuracies.items():
+            self.log(f"{stage}/{name}", value, sync_dist=False)
+
+    def validation_step(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._evaluation_step(batch, dataloader_idx)
+
+    def test_step(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._evaluation_step(batch, dataloader_idx)
+
+    def on_validation_epoch_end(self) -> None:
+        self._finish_evaluation("val")
+
+    def on_test_epoch_end(self) -> None:
+        self._finish_evaluation("test")
+
+    def configure_optimizers(self):
+        groups = parameter_groups(self.named_parameters(), self.optimizer_spec)
+        return configure_optimization(self.trainer, groups, self.optimizer_spec, self.schedule_spec)
+
+
+class CrossEntropy(LongTailClassifier):
+    """Cross-entropy, Balanced Softmax and tau-normalisation baselines (seed Tables 9, 11, 13)."""
+
+    views = ("image",)
+
+    def __init__(self, loss: Literal["ce", "balanced_softmax"] = "ce", tau_norm: float = 0.0, **kwargs):
+        """
+        Args:
+            loss: `ce` or `balanced_softmax` (cross-entropy of the logits plus the log prior, Ren et al. 2020).
+            tau_norm: tau of the post-hoc weight normalisation at evaluation (0: the raw classifier).
+            **kwargs: the LongTailClassifier arguments (backbone, optimizer, schedule, ...).
+        """
+        super().__init__(**kwargs)
+        if loss not in ("ce", "balanced_softmax"):
+            raise ValueError(f"model.loss must be 'ce' or 'balanced_softmax', got {loss!r}")
+        if tau_norm < 0:
+            raise ValueError(f"model.tau_norm must be >= 0, got {tau_norm}")
+        self.loss, self.tau_norm = loss, tau_norm
+
+    def classification_step(self, batch):
+        logits = self.classifier(self.backbone(batch["views"]["image"]))
+        if self.loss == "balanced_softmax":
+            logits = logits + self.log_prior
+        return F.cross_entropy(logits, batch["label"])
+
+    def classify(self, images):
+        if not self.tau_norm:
+            return super().classify(images)
+        weight = self.classifier.weight
+        return self.backbone(images) @ (weight / weight.norm(dim=1, keepdim=True).pow(self.tau_norm)).T
+
+
+class SupervisedMoCoMixin(MomentumMixin):
+    """PaCo's MoCo part (PaCo/LT/moco/builder.py, spec_supervised 3.2) for a `LongTailClassifier`."""
+
+    def init_supervised_moco(self, projector: MLPSpec | dict, momentum: MomentumSpec | dict, queue_size: int) -> None:
+        projector = as_spec(MLPSpec, projector)
+        self.projector = projector.build(self.feature_dim)
+        self.init_momentum(momentum)
+        # PaCo starts its queue from random keys with random labels: early steps see spurious positives
+        # (rows unit-norm here; the official code normalises its random matrix per column).
+        self.queue = KeyQueue(queue_size, projector.output_dim, num_classes=self.num_classes)
+
+    def embed_query_and_key(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Unnormalised trunk features and normalised projection of the query view (online), and the
+        normalised momentum key of the key view (shuffle-BN across processes)."""
+        features = self.backbone(batch["views"]["query"])
+        return features, F.normalize(self.projector(features), dim=1), self.target_embed(batch["views"]["key"])
+
+    def enqueue(self, key: torch.Tensor, labels: torch.Tensor) -> None:
+        """After the loss, so this step's keys serve from the next step on; gathered in rank order."""
+        self.queue.push(self.gather(key), self.gather(labels))

@@ -1,0 +1,80 @@
+"""The multi-task baselines of the PaCo supplement (seed F, Tables 13 and 14): a classifier trained with
+cross-entropy (Table 13) or Balanced Softmax (Table 14, "rebalance in center learning") plus a
+supervised contrastive loss, re-weighted per class with the effective-number weights of Cui et al.
+(CVPR 2019), added with a loss weight (0.05-1.0 in Table 14).
+
+The contrastive term is PaCo's sample contrast without the centres: the same MoCo machinery (query
+and key views, momentum encoder, labelled queue), each query's loss the mean of -log p over its
+same-class samples, weighted by w_y = (1 - beta) / (1 - beta^{n_y}) normalised to sum to the number of
+classes. UNVERIFIED: the supplement gives no code or further detail for these baselines (the beta of
+the weights, whether the contrast includes the in-batch queries, which view feeds the classifier); the
+values here are the natural reading, with Cui et al.'s beta 0.9999. Table 13's "CE + Balanced Softmax"
+row (Balanced Softmax applied inside the contrast) is not defined precisely enough to reproduce.
+"""
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from backbones import MLPSpec
+from methods.config import check_positive
+from methods.longtail import LongTailClassifier, SupervisedMoCoMixin
+from methods.losses import paco_loss
+from methods.momentum import MomentumSpec
+
+
+def class_balanced_weights(class_counts: torch.Tensor, beta: float) -> torch.Tensor:
+    """Cui et al.'s (1 - beta) / (1 - beta^n) per class, scaled to sum to the number of classes."""
+    weights = (1.0 - beta) / (1.0 - torch.pow(beta, class_counts.double()))
+    return (weights / weights.sum() * len(class_counts)).float()
+
+
+class MultiTaskContrast(SupervisedMoCoMixin, LongTailClassifier):
+    views = ("query", "key")
+
+    def __init__(
+        self,
+        classifier_loss: Literal["ce", "balanced_softmax"] = "ce",
+        contrast_weight: float = 0.5,
+        reweight_beta: float = 0.9999,
+        temperature: float = 0.2,
+        queue_size: int = 8192,
+        projector: MLPSpec = MLPSpec(hidden_dim=2048, output_dim=128),
+        momentum: MomentumSpec = MomentumSpec(base=0.999),
+        **kwargs,
+    ):
+        """
+        Args:
+            classifier_loss: `ce` (Table 13) or `balanced_softmax` (Table 14) on the classifier.
+            contrast_weight: the loss weight of the re-weighted contrastive term (Table 14: 0.05-1.0).
+            reweight_beta: beta of the effective number of samples, in [0, 1).
+            temperature, queue_size, projector, momentum: the contrast's settings, as PaCo's.
+            **kwargs: the LongTailClassifier arguments (backbone, optimizer, schedule, ...).
+        """
+        super().__init__(**kwargs)
+        if classifier_loss not in ("ce", "balanced_softmax"):
+            raise ValueError(f"model.classifier_loss must be 'ce' or 'balanced_softmax', got {classifier_loss!r}")
+        if not 0 <= reweight_beta < 1:
+            raise ValueError(f"model.reweight_beta must lie in [0, 1), got {reweight_beta}")
+        if contrast_weight < 0:
+            raise ValueError(f"model.contrast_weight must be >= 0, got {contrast_weight}")
+        check_positive("model.temperature", temperature)
+        self.classifier_loss, self.contrast_weight = classifier_loss, contrast_weight
+        self.reweight_beta, self.temperature = reweight_beta, temperature
+        self.init_supervised_moco(projector, momentum, queue_size)
+
+    def classification_step(self, batch):
+        labels = batch["label"]
+        features, query, key = self.embed_query_and_key(batch)
+        logits = self.classifier(features)
+        if self.classifier_loss == "balanced_softmax":
+            logits = logits + self.log_prior
+        anchor_weights = class_balanced_weights(self.class_counts, self.reweight_beta).to(query.device)[labels]
+        contrast = paco_loss(
+            query, key, self.queue.read(), labels, self.queue.read_labels(), center_logits=None,
+            alpha=1.0, temperature=self.temperature, anchor_weights=anchor_weights,
+        )  # fmt: skip
+        self.enqueue(key, labels)
+        self.log("train/contrast_loss", contrast)
+        return F.cross_entropy(logits, labels) + self.contrast_weight * contrast

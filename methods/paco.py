@@ -1,0 +1,79 @@
+"""PaCo: Parametric Contrastive Learning (Cui et al., ICCV 2021), as dvlab-research's PaCo/LT code
+trains it (spec_supervised 3.2-3.4).
+
+A supervised MoCo: the query view goes through the online trunk and an MLP head with BatchNorm, the
+key view through the momentum copies (shuffle-BN across processes); the queue keeps past keys **with
+their labels**. The class centres are the rows of the classifier (weights and bias) applied to the
+**unnormalised** pooled trunk feature, so they learn through the same loss (seed Eq. 13-14): every
+query contrasts against [centres | other queries, keys, queue], with weight 1 on its own centre and
+alpha on each same-class sample. With `rebalance` (all long-tailed runs) the centre logits carry the
+log prior of the training split in training only (balanced softmax, seed Table 14); prediction is the
+argmax of the raw centre logits, with no separate probe. The official `linear_k` (a momentum copy of
+the centres) is never used by the loss or at inference, so it is not built.
+"""
+
+from backbones import MLPSpec
+from methods.config import check_positive
+from methods.longtail import LongTailClassifier, SupervisedMoCoMixin
+from methods.losses import paco_loss
+from methods.momentum import MomentumSpec
+
+
+class PaCo(SupervisedMoCoMixin, LongTailClassifier):
+    views = ("query", "key")
+
+    def __init__(
+        self,
+        alpha: float = 0.05,
+        temperature: float = 0.2,
+        beta: float = 1.0,
+        gamma: float = 1.0,
+        queue_size: int = 8192,
+        rebalance: bool = True,
+        projector: MLPSpec = MLPSpec(hidden_dim=2048, output_dim=128),
+        momentum: MomentumSpec = MomentumSpec(base=0.999),
+        **kwargs,
+    ):
+        """
+        Args:
+            alpha: weight of each sample positive against 1 on the own centre (0.05; 0.01 on CIFAR-LT).
+            temperature: tau of the sample contrast (0.2; 0.05 CIFAR-LT, 0.07 ResNeXt-50); the centre
+                logits are not divided by it (supt = 1 in the official code).
+            beta, gamma: the official code's weight of the own centre and of the sample terms in the
+                denominator; 1 in every PaCo experiment (maintainer, PaCo issue #12).
+            queue_size: K, labelled keys kept from previous steps (8192; 1024 on CIFAR-LT).
+            rebalance: add log(class frequency) to the centre logits in training (False for the
+                balanced full-ImageNet runs).
+            projector: the MLP head, Linear-BN-ReLU-Linear (2048-2048-128; 64-64-32 on ResNet-32).
+            momentum: EMA momentum of the key branch (0.999) and shuffle-BN settings.
+            **kwargs: the LongTailClassifier arguments (backbone, optimizer, schedule, ...).
+        """
+        super().__init__(**kwargs)
+        check_positive("model.temperature", temperature)
+        for name, value in (("alpha", alpha), ("beta", beta), ("gamma", gamma)):
+            if value < 0:
+                raise ValueError(f"model.{name} must be >= 0, got {value}")
+        if gamma == 0 and alpha > 0:  # positives then leave the denominator: the loss is unbounded below
+            raise ValueError("model.gamma = 0 with model.alpha > 0 makes the PaCo loss unbounded below")
+        self.alpha, self.temperature, self.beta, self.gamma = alpha, temperature, beta, gamma
+        self.rebalance = rebalance
+        self.init_supervised_moco(projector, momentum, queue_size)
+
+    def classification_step(self, batch):
+        labels = batch["label"]
+        features, query, key = self.embed_query_and_key(batch)
+        loss = paco_loss(
+            query,
+            key,
+            self.queue.read(),
+            labels,
+            self.queue.read_labels(),
+            center_logits=self.classifier(features),  # the unnormalised trunk feature (spec 3.9 pitfall 10)
+            alpha=self.alpha,
+            temperature=self.temperature,
+            beta=self.beta,
+            gamma=self.gamma,
+            class_prior=self.class_counts / self.class_counts.sum() if self.rebalance else None,
+        )
+        self.enqueue(key, labels)
+        return loss
