@@ -99,8 +99,9 @@ def main(argv: list[str]) -> int:
     overrides = argv[argv.index("--") + 1 :] if "--" in argv else []
     own = argv[: argv.index("--")] if "--" in argv else argv
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--run", nargs=2, action="append", required=True, metavar=("CHECKPOINT", "CONFIG"),
-                        help="a main_pretrain.py checkpoint and its pretraining config (for the data); repeat to overlay")
+    parser.add_argument("--run", nargs="+", action="append", required=True, metavar="CHECKPOINT CONFIG [LABEL]",
+                        help="a main_pretrain.py checkpoint, its pretraining config (for the data) and optionally the "
+                        "label of its histogram; repeat to overlay")
     parser.add_argument("--split", default="val")
     parser.add_argument("--views-per-image", type=int, default=32)
     parser.add_argument("--max-samples", type=int, default=2048, help="images (the paper: 32,768)")
@@ -110,12 +111,15 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(own)
     runs, record = {}, {}
     try:
-        for checkpoint, config in args.run:
+        for run in args.run:
+            if len(run) not in (2, 3):
+                raise ValueError(f"--run takes CHECKPOINT CONFIG [LABEL], got {run}")
+            checkpoint, config = run[:2]
             if not Path(checkpoint).is_file():
                 raise ValueError(f"checkpoint {checkpoint!r} is not an existing file")
             model = load_method(Path(checkpoint)).to(args.device)
             datamodule = ContrastlabCLI(PretrainMethod, args=["--config", config, "--trainer.logger=false", *overrides], run=False).datamodule
-            name = f"{type(model).__name__} ({Path(config).stem})"
+            name = run[2] if len(run) == 3 else f"{type(model).__name__} ({Path(config).stem})"
             runs[name] = key_distribution(model, datamodule, args.split, args.view, args.views_per_image, args.max_samples)
             record[name] = {"checkpoint": checkpoint, **summary(*runs[name])}
     except ValueError as error:

@@ -57,9 +57,13 @@ def test_the_command_overlays_the_histograms_of_checkpoints(tmp_path, capsys):
                             "--trainer.limit_val_batches=0", "--trainer.logger=false", "--trainer.enable_progress_bar=false",
                             "--trainer.precision=32-true", f"--trainer.default_root_dir={run_dir}", *data])
     out = tmp_path / "figures"
-    main(["--run", str(run_dir / "checkpoints" / "last.ckpt"), config, "--views-per-image", "3", "--max-samples", "20", "--out", str(out), "--", *data])
+    checkpoint = str(run_dir / "checkpoints" / "last.ckpt")
+    main(["--run", checkpoint, config, "--run", checkpoint, config, "again", "--views-per-image", "3", "--max-samples", "20",
+          "--out", str(out), "--", *data])  # fmt: skip
     record = json.loads((out / "key_distribution.json").read_text())
+    assert set(record) == {"JCL (jcl_digits)", "again"}
     assert record["JCL (jcl_digits)"]["images"] == 20
     assert 0 < record["JCL (jcl_digits)"]["similarity_mean"] < 1
+    assert record["again"]["similarity_mean"] == pytest.approx(record["JCL (jcl_digits)"]["similarity_mean"], abs=0.05)
     assert (out / "key_distribution.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
