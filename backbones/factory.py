@@ -11,6 +11,7 @@ import torchvision
 from torchvision.models.resnet import Bottleneck, ResNet
 
 from backbones.cifar_resnet import CifarResNet
+from backbones.ride import RIDE_BUILDERS
 
 
 def resnext101_32x4d(weights: None = None, **kwargs: Any) -> ResNet:
@@ -34,7 +35,7 @@ TORCHVISION_BUILDERS = {
     )
 } | {"resnext101_32x4d": resnext101_32x4d}
 CIFAR_DEPTHS = {f"cifar_resnet{depth}": depth for depth in (20, 32, 44, 56, 110)}
-BACKBONE_NAMES = tuple(TORCHVISION_BUILDERS) + tuple(CIFAR_DEPTHS) + ("timm:<model_name>",)
+BACKBONE_NAMES = tuple(TORCHVISION_BUILDERS) + tuple(CIFAR_DEPTHS) + tuple(RIDE_BUILDERS) + ("timm:<model_name>",)
 WEIGHTS_KEY = "model.init_args.backbone.weights"
 
 
@@ -59,7 +60,9 @@ def build_backbone(
     """Return `(trunk, feature_dim)`; the trunk maps images to pooled features of size `feature_dim`.
 
     Names: the torchvision ResNets/ResNeXts (incl. `resnext101_32x4d`), `cifar_resnet{20,32,44,56,110}`
-    (LDAM-DRW's CIFAR ResNets, 64-d, see `backbones.cifar_resnet`) and `timm:<model_name>`.
+    (LDAM-DRW's CIFAR ResNets, 64-d, see `backbones.cifar_resnet`), the RIDE multi-expert trunks
+    `ride_resnet50`, `ride_resnext50`, `ride_resnet32` and the small `ride_resnet8_narrow` (their forward
+    gives (B, num_experts, feature_dim), see `backbones.ride`) and `timm:<model_name>`.
 
     `small_input=True` replaces the 7x7/2 stem and max-pool by a 3x3 stride-1 convolution (no bias,
     no pooling): the ResNet variant SCE, ReSSL and SimCLR use for 32-64 px images (spec_selfsup 1.5).
@@ -79,6 +82,8 @@ def build_backbone(
         trunk, feature_dim = _build_cifar(name, small_input, weights_name, **kwargs)
     elif name in TORCHVISION_BUILDERS:
         trunk, feature_dim = _build_torchvision(name, small_input, weights_name, **kwargs)
+    elif name in RIDE_BUILDERS:
+        trunk, feature_dim = _build_ride(name, small_input, weights_name, **kwargs)
     else:
         raise ValueError(f"unknown backbone name {name!r}; choose one of {', '.join(BACKBONE_NAMES)}")
     if weights_file is not None:
@@ -136,6 +141,20 @@ def _build_cifar(name: str, small_input: bool, weights_name: str | None, **kwarg
         raise _no_published_weights(name, weights_name)
     try:
         trunk = CifarResNet(CIFAR_DEPTHS[name], **kwargs)
+    except TypeError as error:
+        raise ValueError(f"backbone {name!r} rejected its keyword arguments {kwargs}: {error}") from None
+    return trunk, trunk.feature_dim
+
+
+def _build_ride(name: str, small_input: bool, weights_name: str | None, **kwargs: Any) -> tuple[nn.Module, int]:
+    if weights_name is not None:
+        raise _no_published_weights(name, weights_name)
+    if small_input:
+        if name in ("ride_resnet32", "ride_resnet8_narrow"):
+            raise ValueError(f"small_input=True is meaningless for {name!r}: its 3x3 stride-1 stem is made for 32 px images")
+        kwargs = kwargs | {"small_input": True}
+    try:
+        trunk = RIDE_BUILDERS[name](**kwargs)
     except TypeError as error:
         raise ValueError(f"backbone {name!r} rejected its keyword arguments {kwargs}: {error}") from None
     return trunk, trunk.feature_dim

@@ -11,6 +11,7 @@ from methods.moco import MoCoV2
 from methods.multitask import MultiTaskContrast
 from methods.npid import NPID
 from methods.paco import PaCo
+from methods.paco_ride import PaCoRIDE
 from methods.ressl import ReSSL
 from methods.sce import SCE
 from methods.simclr import SimCLR
@@ -26,6 +27,7 @@ __all__ = [
     "MultiTaskContrast",
     "NPID",
     "PaCo",
+    "PaCoRIDE",
     "PretrainMethod",
     "ReSSL",
     "SCE",
