@@ -130,7 +130,7 @@ class LongTailClassifier(MethodBase):
             collected = {name: self.all_gather(tensor).flatten(0, 1) for name, tensor in collected.items()}
         accuracies = shot_accuracies(collected["predictions"], collected["labels"], self.class_counts, *self.shot_bounds)
         for name, value in accuracies.items():
-            self.log(f"{stage}/{name}", value, sync_dist=False)
+            self.log(f"{stage}/{name}", value)
 
     def validation_step(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> None:
         self._evaluation_step(batch, dataloader_idx)
