@@ -21,6 +21,7 @@ import torch
 from analysis.representation import analyse
 from methods import PretrainMethod
 from methods.cli import ContrastlabCLI
+from methods.reliability import write_atomically
 
 
 def load_method(checkpoint_path: Path) -> PretrainMethod:
@@ -64,7 +65,7 @@ def main(argv: list[str]) -> int:
     title = f"{type(model).__name__}, {Path(args.config).stem}, {args.split}"
     figures = report.write_figures(out, title=title)
     record = {"checkpoint": str(args.checkpoint), "split": args.split, "samples": len(report.positive), **report.scalars()}
-    (out / "metrics.json").write_text(json.dumps(record, indent=1))
+    write_atomically(out / "metrics.json", lambda partial: partial.write_text(json.dumps(record, indent=1)))
     print(json.dumps(record, indent=1))
     print("figures: " + ", ".join(str(path) for path in figures.values()))
     return 0

@@ -13,6 +13,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from torch import Tensor
 
+from methods.reliability import write_atomically
+
 __all__ = ["plot_against_temperature", "plot_local_separation", "plot_negative_entropy"]
 
 SIMILARITY_BINS = [-1 + i / 40 for i in range(81)]  # cosine similarities, 80 bins over [-1, 1]
@@ -20,8 +22,7 @@ SIMILARITY_BINS = [-1 + i / 40 for i in range(81)]  # cosine similarities, 80 bi
 
 def _save(figure: Figure, path: str | Path) -> Path:
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    FigureCanvasAgg(figure).print_png(path)
+    write_atomically(path, FigureCanvasAgg(figure).print_png)  # a figure is whole or absent
     return path
 
 

@@ -35,6 +35,7 @@ from analysis.representation import _augmented_images, _embed, fixed_subset, iso
 from datamodules.base import ContrastiveDataModule
 from methods import PretrainMethod
 from methods.cli import ContrastlabCLI
+from methods.reliability import write_atomically
 
 __all__ = ["augmentation_statistics", "key_distribution", "plot_key_distributions"]
 
@@ -125,7 +126,7 @@ def main(argv: list[str]) -> int:
     except ValueError as error:
         raise SystemExit(f"error: {error}") from None
     figure = plot_key_distributions(runs, args.out / "key_distribution.png", f"{args.views_per_image} augmentations per image, {args.split}")
-    (args.out / "key_distribution.json").write_text(json.dumps(record, indent=1))
+    write_atomically(args.out / "key_distribution.json", lambda partial: partial.write_text(json.dumps(record, indent=1)))
     print(json.dumps(record, indent=1))
     print(f"figure: {figure}")
     return 0

@@ -21,12 +21,14 @@ import statistics
 import sys
 import time
 import warnings
+from pathlib import Path
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from backbones import BackboneSpec
 from methods import PaCo, PaCoRIDE
+from methods.reliability import write_atomically
 
 BATCH, SIZE, CLASSES = 64, 224, 1000
 # (trunk, experts, the seed's 2080Ti time in ms: Table 10 for RIDE, Table 9 for the plain trunks)
@@ -116,8 +118,7 @@ def main() -> None:
     )
     print(report)
     if args.out:
-        with open(args.out, "w") as file:
-            file.write(report)
+        write_atomically(Path(args.out), lambda partial: partial.write_text(report))
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from analysis.figures import plot_against_temperature  # noqa: E402
+from methods.reliability import write_atomically  # noqa: E402
 
 LOSSES = ("ordinary", "hard")
 ANALYSIS_METRICS = ("val/uniformity", "val/tolerance", "val/negative_entropy", "val/local_separation")
@@ -108,7 +109,7 @@ def main(argv: list[str]) -> int:
 
     means = {loss: read_means(args.out / loss / "results.csv") for loss in LOSSES}
     markdown = table(means, args.temperatures, args.dataset)
-    (args.out / "temperature_sweep.md").write_text(markdown)
+    write_atomically(args.out / "temperature_sweep.md", lambda partial: partial.write_text(markdown))
     accuracy = "linear:val/probe_top1" if args.linear else "val/probe_top1"
     curves = {loss: {tau: {m: as_percent(m, v) for m, v in point.items()} for tau, point in means[loss].items()} for loss in LOSSES}
     panels = {accuracy: ROW_LABELS[accuracy], "val/knn_top1": ROW_LABELS["val/knn_top1"],

@@ -13,24 +13,32 @@ image with PIL in the DataLoader workers.
 `val_dataloader()` returns the validation split and, when `knn_bank` is on, the labelled bank of the kNN
 monitor under the evaluation view: the `bank` split where a dataset has one (STL-10 pretrains on
 unlabelled images too, label -1, but its bank is the labelled training set), else the training split.
-`data.sampler` picks how training images are drawn (ordinary shuffling, or one of Kang et al.'s
-class-priority samplers for long-tailed data, `datamodules.samplers.ClassPrioritySampler`);
+`data.sampler` picks how training images are drawn (every image once per epoch, or one of Kang et al.'s
+class-priority samplers for long-tailed data, `datamodules.samplers.ClassPrioritySampler`), in an
+order drawn from (seed, epoch); the DataModule's state in a checkpoint is where training is in that
+order (epoch, batches done), so a run resumed mid-epoch continues it (`state_dict`).
 `train_class_counts()` gives the training images per class, read from the labels without decoding images.
 A subclass only says where its splits come from (`build_splits`), its class count, image size,
 normalisation, default evaluation view and the layout it expects under `data.root`.
 """
 
 import os
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Literal
 
 import lightning as L
 import numpy as np
 import torch
+from lightning.pytorch.trainer.states import TrainerFn
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from datamodules.samplers import ClassPrioritySampler
+from datamodules.samplers import ClassPrioritySampler, EpochSampler
 from datamodules.transforms import build_view
+
+# Lightning knows only DataLoaders with a state_dict as resumable mid-epoch; the training sampler here is
+# repositioned from the DataModule's own state instead (ContrastiveDataModule.state_dict).
+warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended")
 
 
 def dataset_labels(dataset: Dataset) -> np.ndarray:
@@ -148,6 +156,7 @@ class ContrastiveDataModule(L.LightningDataModule):
         self.views = {name: build_view(name, spec, defaults, pipeline) for name, spec in (views or {}).items()}
         self.eval_transform = build_view("eval_view", eval_view or self.default_eval_view(), defaults)
         self.splits: dict[str, Dataset] | None = None
+        self.resume_at = {"epoch": 0, "batches": 0}
 
     @property
     def view_names(self) -> tuple[str, ...]:
@@ -186,32 +195,47 @@ class ContrastiveDataModule(L.LightningDataModule):
         labels = dataset_labels(self.splits["train"])
         return np.bincount(labels[labels >= 0], minlength=self.num_classes).tolist()
 
-    def train_sampler(self) -> Sampler | None:
-        """The sampler of `data.sampler`; None for `instance`, the DataLoader's own shuffling (which
-        Lightning replaces by a DistributedSampler under DDP)."""
-        if self.sampler == "instance":
-            return None
+    def train_sampler(self, seed: int) -> EpochSampler:
+        """The sampler of `data.sampler`, at the point of the epoch where a resumed run stopped."""
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-        return ClassPrioritySampler(
-            dataset_labels(self.splits["train"]),
-            self.num_classes,
-            self.sampler,
-            total_epochs=self.trainer.max_epochs if self.trainer is not None else None,
-            seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),  # the seed Lightning gives its own DistributedSampler
+        processes = dict(
             num_replicas=torch.distributed.get_world_size() if distributed else 1,
             rank=torch.distributed.get_rank() if distributed else 0,
         )
+        if self.sampler == "instance":
+            sampler = EpochSampler(len(self.splits["train"]), seed, **processes)
+        else:
+            total_epochs = self.trainer.max_epochs if self.trainer is not None else None
+            sampler = ClassPrioritySampler(dataset_labels(self.splits["train"]), self.num_classes, self.sampler, total_epochs, seed, **processes)
+        sampler.resume(self.resume_at["epoch"], self.resume_at["batches"] * self.batch_size)
+        return sampler
 
-    def _loader(self, dataset: Dataset, train: bool, sampler: Sampler | None = None) -> DataLoader:
+    def state_dict(self) -> dict[str, int]:
+        """Where training is in the data order: the epoch and how many of its batches are trained (saved in
+        every checkpoint; a checkpoint written at the end of an epoch resumes with the next one)."""
+        if self.trainer is None or self.trainer.state.fn != TrainerFn.FITTING:
+            return {}
+        loop = self.trainer.fit_loop
+        # the epoch the loop started last: the one its batch count is about (`current_epoch` moves on
+        # before a SIGTERM checkpoint at the end of an epoch is written)
+        epoch, batches = loop.epoch_progress.current.started - 1, loop.epoch_loop.batch_progress.current.processed
+        if batches >= self.trainer.num_training_batches:
+            epoch, batches = epoch + 1, 0
+        return {"epoch": epoch, "batches": batches}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        self.resume_at = dict(state_dict)
+
+    def _loader(self, dataset: Dataset, train: bool, sampler: Sampler | None = None, generator: torch.Generator | None = None) -> DataLoader:
         return DataLoader(
             dataset,
             batch_size=self.batch_size,
-            shuffle=train and sampler is None,
             sampler=sampler,
             drop_last=train,  # equal batches: split-BN groups and queue updates assume it
             num_workers=self.num_workers,
             pin_memory=self.pin_memory and torch.cuda.is_available(),
             persistent_workers=self.num_workers > 0,
+            generator=generator,
         )
 
     def train_dataloader(self) -> DataLoader:
@@ -220,7 +244,11 @@ class ContrastiveDataModule(L.LightningDataModule):
         self.setup()
         train = self.splits["train"]
         dataset = RawImageDataset(train) if self.pipeline == "device" else ViewsDataset(train, self.views)
-        return self._loader(dataset, train=True, sampler=self.train_sampler())
+        seed = int(os.environ.get("PL_GLOBAL_SEED", 0))  # the run's seed_everything
+        # The worker seeds come from a generator of the loader's own: creating the iterator draws no
+        # number from the global generator, so a resumed run draws the same augmentations as an
+        # uninterrupted one (methods.reliability.RandomStateCheckpoint).
+        return self._loader(dataset, train=True, sampler=self.train_sampler(seed), generator=torch.Generator().manual_seed(seed))
 
     def augment_on_device(self, batch: dict) -> dict:
         """Draw the training views from a transferred batch of raw images (`pipeline: device`)."""

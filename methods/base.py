@@ -24,10 +24,12 @@ from methods.config import as_spec, check_positive, save_plain_hyperparameters
 from methods.evaluation import EvaluationMixin
 from methods.momentum import KeyQueue
 from methods.optim import OptimizerSpec, ScheduleSpec, configure_optimization, parameter_groups
+from methods.reliability import CheckpointRecord
 
 
-class MethodBase(L.LightningModule):
-    """Base of every method trained by `main_pretrain.py`; subclasses set `views` and `channels_last`."""
+class MethodBase(CheckpointRecord, L.LightningModule):
+    """Base of every method trained by `main_pretrain.py`; subclasses set `views` and `channels_last`.
+    Its checkpoints record the contrastlab version and the method class (`methods.reliability`)."""
 
     views: tuple[str, ...] = ()  # names of the data views the method consumes
     keys_per_sample: int = 1  # keys a queue receives per training image and step

@@ -12,20 +12,47 @@
 - configuration mistakes end with one `error:` line naming the offending key or value, before any
   directory, config or checkpoint is written (set CONTRASTLAB_TRACEBACK=1 for the full traceback);
 - at the end of `fit` / `validate` / `test`, the final metrics are printed and written to
-  `<default_root_dir>/results_<stage>.json` (what `scripts/sweep.py` collects).
+  `<default_root_dir>/results_<stage>.json` (what `scripts/sweep.py` collects);
+- reliability (`methods.reliability`): `seed_everything` must be an explicit integer; a `non_finite`
+  group (NonFiniteLossGuard) stops the run at the first non-finite loss; checkpoints hold the random
+  states, the position in the epoch's data order (the DataModule's state), the contrastlab version
+  and the resolved config; `fit` in a directory that already holds `checkpoints/last.ckpt` is refused
+  unless it resumes (`--ckpt_path last`, which also starts a run that has no checkpoint yet); on
+  SIGTERM the current step is saved as `last.ckpt` and the process exits with status 143;
+  checkpoints are written next to their target and renamed over it.
 """
 
 import json
 import os
+import re
+import signal
 import sys
 from pathlib import Path
 from typing import Any
 
+import torch
+import yaml
+from lightning.fabric.plugins import TorchCheckpointIO
+from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import WandbLogger
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from datamodules.base import ContrastiveDataModule
+from methods.reliability import (
+    RECORD_KEY,
+    CheckpointMismatch,
+    LastCheckpointOnSigterm,
+    NonFiniteLossError,
+    NonFiniteLossGuard,
+    RandomStateCheckpoint,
+    SameDirectoryCheckpointIO,
+    SlurmRequeueAtStepEnd,
+    checked_record,
+    last_checkpoint_path,
+    write_atomically,
+)
 
 SUMMARY_KEYS = ("probe_top1", "probe_top5", "knn_top1", "knn_top5", "top1", "many_top1", "medium_top1", "few_top1")
 
@@ -40,12 +67,14 @@ NOISE = ("Does not validate", "Subtypes:", "Errors:", "Given value", "- Expected
 
 def condense_parser_error(message: str) -> str:
     """jsonargparse explains a bad subclass config over many lines (every union member it tried); keep
-    the key it concerns and the most specific reason."""
+    the key it concerns (nested keys of a subclass joined through its `init_args`) and the most
+    specific reason."""
     lines = [line.strip() for line in message.splitlines() if line.strip()]
     if not lines:
         return message
-    reasons = [line.lstrip("- ") for line in lines[1:] if not line.startswith(NOISE)]
-    head = None if lines[0].startswith(NOISE) else lines[0].rstrip(":")
+    keys = [match.group(1) for line in lines if (match := re.fullmatch(r'Parser key "(.+)":', line))]
+    reasons = [line.lstrip("- ") for line in lines[1:] if not line.startswith(NOISE) and not line.startswith("Parser key")]
+    head = f'Parser key "{".init_args.".join(keys)}"' if keys else None if lines[0].startswith(NOISE) else lines[0].rstrip(":")
     if not reasons:
         return head or message
     return f"{head}: {reasons[-1]}" if head else reasons[-1]
@@ -61,10 +90,7 @@ def root_cause(error: BaseException) -> BaseException:
 def write_results(path: Path, trainer, metrics: dict[str, float]) -> None:
     """Write the final metrics atomically (a reader never sees half a file)."""
     record = {"epoch": trainer.current_epoch, "global_step": trainer.global_step, "metrics": metrics}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(".json.partial")
-    partial.write_text(json.dumps(record, indent=1, sort_keys=True))
-    partial.replace(path)
+    write_atomically(path, lambda partial: partial.write_text(json.dumps(record, indent=1, sort_keys=True)))
 
 
 class ContrastlabArgumentParser(LightningArgumentParser):
@@ -82,26 +108,58 @@ class SaveConfigToRun(SaveConfigCallback):
         if isinstance(trainer.logger, WandbLogger):
             trainer.logger.experiment.config.update(self.config.as_dict(), allow_val_change=True)
 
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        """Every checkpoint carries the resolved config (plain YAML types, so `weights_only` loads read it)."""
+        checkpoint.setdefault(RECORD_KEY, {})["config"] = yaml.safe_load(self.parser.dump(self.config, skip_none=False))
+
 
 class ContrastlabCLI(LightningCLI):
     def __init__(self, model_class, args: Any = None, **kwargs):
-        super().__init__(
-            model_class,
-            ContrastiveDataModule,
-            subclass_mode_model=True,
-            subclass_mode_data=True,
-            parser_class=ContrastlabArgumentParser,
-            save_config_callback=SaveConfigToRun,
-            save_config_kwargs={"overwrite": True},
-            auto_configure_optimizers=False,
-            args=args,
-            **kwargs,
-        )
+        try:
+            super().__init__(
+                model_class,
+                ContrastiveDataModule,
+                subclass_mode_model=True,
+                subclass_mode_data=True,
+                parser_class=ContrastlabArgumentParser,
+                save_config_callback=SaveConfigToRun,
+                save_config_kwargs={"overwrite": True},
+                trainer_defaults={"callbacks": [RandomStateCheckpoint(), LastCheckpointOnSigterm(), SlurmRequeueAtStepEnd()]},
+                auto_configure_optimizers=False,
+                args=args,
+                **kwargs,
+            )
+        except SIGTERMException:
+            sys.stderr.write(f"stopped by SIGTERM after global step {self.trainer.global_step} (checkpoints/last.ckpt): resume with --ckpt_path last\n")
+            sys.exit(128 + signal.SIGTERM)
+        except (NonFiniteLossError, CheckpointMismatch) as error:
+            if os.environ.get("CONTRASTLAB_TRACEBACK"):
+                raise
+            fail(str(error))
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("data.num_classes", "model.init_args.num_classes", apply_on="instantiate")
         parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
         parser.set_defaults({"checkpoint.save_last": True})
+        parser.add_lightning_class_args(NonFiniteLossGuard, "non_finite")
+
+    def parse_arguments(self, parser: LightningArgumentParser, args) -> None:
+        super().parse_arguments(parser, args)
+        subcommand = self.config.get("subcommand")
+        config = self.config[subcommand] if subcommand else self.config
+        seed = config.get("seed_everything")
+        if not isinstance(seed, int) or isinstance(seed, bool):  # true means seed 0 every time (ecosystem 1.2, pitfall 7)
+            fail(f"seed_everything must be an explicit integer (a config's seed_everything or --seed_everything), got {seed!r}")
+        ckpt_path = config.get("ckpt_path")
+        if ckpt_path and Path(ckpt_path).is_file():  # before Lightning reads the hyperparameters from it
+            try:
+                checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)
+            except Exception as error:  # a truncated or foreign file: say which file, not a pickle traceback
+                fail(f"ckpt_path {ckpt_path!r} could not be read as a checkpoint: {error}")
+            try:
+                checked_record(checkpoint, f"ckpt_path {ckpt_path!r}")
+            except CheckpointMismatch as error:
+                fail(str(error))
 
     def instantiate_classes(self) -> None:
         try:
@@ -125,6 +183,23 @@ class ContrastlabCLI(LightningCLI):
         for callback in self.trainer.checkpoint_callbacks:
             if callback.dirpath is None:  # not under the logger's version folder: one known place per run
                 callback.dirpath = str(Path(self.trainer.default_root_dir) / "checkpoints")
+        if type(self.trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # Lightning's default, not a configured plugin
+            self.trainer.strategy.checkpoint_io = SameDirectoryCheckpointIO()
+        self._refuse_to_overwrite_a_run()
+
+    def _refuse_to_overwrite_a_run(self) -> None:
+        """A new `fit` must not overwrite the checkpoints of an earlier run in the same directory."""
+        root = Path(self.trainer.default_root_dir)
+        if self.config[self.subcommand].get("ckpt_path") is not None:
+            return
+        if SLURMEnvironment.detect() and any(root.glob("hpc_ckpt_*.ckpt")):
+            return  # a requeued Slurm job: Lightning resumes it from its hpc checkpoint
+        for callback in self.trainer.checkpoint_callbacks:
+            if isinstance(callback, ModelCheckpoint) and last_checkpoint_path(callback).is_file():
+                fail(
+                    f"{last_checkpoint_path(callback)} already holds a run: resume it with --ckpt_path last, or "
+                    "start a new one under another trainer.default_root_dir"
+                )
 
     before_validate = before_test = _check_data
 
@@ -132,6 +207,8 @@ class ContrastlabCLI(LightningCLI):
         if not self.trainer.is_global_zero:
             return
         metrics = {name: float(value) for name, value in self.trainer.callback_metrics.items() if value.numel() == 1}
+        if not metrics:  # nothing ran (e.g. a finished run resumed): keep the results it wrote
+            return
         found = {key: metrics[f"{stage}/{key}"] for key in SUMMARY_KEYS if f"{stage}/{key}" in metrics}
         if found:
             print(f"\n{stage} results: " + "  ".join(f"{key} {100 * value:.2f}%" for key, value in found.items()))

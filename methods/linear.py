@@ -2,13 +2,16 @@
 
 The trunk is loaded **strictly** from the `backbone.*` weights of a pretraining checkpoint (the online
 trunk, as MoCo's `main_lincls.py` uses `encoder_q`), frozen and kept in eval mode (BatchNorm
-statistics frozen), and run without gradients; only the linear layer learns. The default optimizer is
-the MoCo / SCE small-dataset protocol (SGD lr 30, momentum 0.9, no weight decay, x0.1 at epochs 60
-and 80 of 100; spec_selfsup 1.6). The pretraining checkpoint is a model argument, never `ckpt_path`
-(which would try to restore this module from it).
+statistics frozen), and run without gradients; only the linear layer learns. The checkpoint must be a
+`PretrainMethod`'s, written by a compatible contrastlab version (`methods.reliability`): a long-tail
+classifier's or a linear probe's is refused. The default optimizer is the MoCo / SCE small-dataset
+protocol (SGD lr 30, momentum 0.9, no weight decay, x0.1 at epochs 60 and 80 of 100; spec_selfsup 1.6).
+The pretraining checkpoint is a model argument, never `ckpt_path` (which would try to restore this
+module from it).
 """
 
 import dataclasses
+import importlib
 from pathlib import Path
 
 import lightning as L
@@ -17,9 +20,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from backbones import BackboneSpec, load_state_strictly
+from methods.base import PretrainMethod
 from methods.config import as_spec, save_plain_hyperparameters
 from methods.evaluation import EvaluationMixin
 from methods.optim import OptimizerSpec, ScheduleSpec, configure_optimization, parameter_groups
+from methods.reliability import CheckpointRecord, checked_record
 
 
 def load_backbone_state(checkpoint_path: str) -> tuple[dict[str, torch.Tensor], dict | None]:
@@ -38,10 +43,18 @@ def load_backbone_state(checkpoint_path: str) -> tuple[dict[str, torch.Tensor], 
     }
     if not state:
         raise ValueError(f"model.pretrained_ckpt {checkpoint_path!r} holds no 'backbone.*' weights: not a contrastlab pretraining checkpoint")
+    record = checked_record(checkpoint, f"model.pretrained_ckpt {checkpoint_path!r}")
+    module = record["module"] if record else None  # a checkpoint older than the record: family unchecked
+    module_name, _, class_name = (module or "").rpartition(".")
+    if module and not issubclass(getattr(importlib.import_module(module_name), class_name), PretrainMethod):
+        raise ValueError(
+            f"model.pretrained_ckpt {checkpoint_path!r} is a {module} checkpoint, not a pretraining one: the linear "
+            "stage probes the trunk of a pretraining method (methods.PretrainMethod, e.g. methods.MoCoV2)"
+        )
     return state, checkpoint.get("hyper_parameters", {}).get("backbone")
 
 
-class LinearProbe(EvaluationMixin, L.LightningModule):
+class LinearProbe(CheckpointRecord, EvaluationMixin, L.LightningModule):
     views = ("image",)
 
     def __init__(

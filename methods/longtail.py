@@ -192,6 +192,23 @@ class SupervisedMoCoMixin(MomentumMixin):
         # (rows unit-norm here; the official code normalises its random matrix per column).
         self.queue = KeyQueue(queue_size, projector.output_dim, num_classes=self.num_classes)
 
+    def set_in_batch(self, in_batch: str) -> None:
+        if in_batch not in ("local", "global"):
+            raise ValueError(f"model.in_batch must be 'local' or 'global', got {in_batch!r}")
+        self.in_batch = in_batch
+
+    def loss_batch(self, query: torch.Tensor, key: torch.Tensor, labels: torch.Tensor, center_logits: torch.Tensor | None = None):
+        """The anchors and in-batch samples of the loss (query, key, labels, centre logits). `local`: this
+        process's own, as the official code computes the loss per GPU on its local anchors (spec_supervised
+        3.2), so the contrast set depends on the GPU layout. `global`: every process's, gathered in rank
+        order, the queries and centre logits with their gradients, so that W processes with B images train
+        as one process with W·B (each process computes the loss of the whole batch; the all-gather's
+        backward sums the processes' gradients and DDP averages them, which gives that loss's gradient)."""
+        if self.in_batch == "local":
+            return query, key, labels, center_logits
+        gathered_logits = None if center_logits is None else self.gather_with_grad(center_logits)
+        return self.gather_with_grad(query), self.gather(key), self.gather(labels), gathered_logits
+
     def embed_query_and_key(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Unnormalised trunk features and normalised projection of the query view (online), and the
         normalised momentum key of the key view (shuffle-BN across processes)."""

@@ -62,7 +62,8 @@ class MomentumMixin:
 
     `init_momentum(spec)` creates `self.target_backbone` and `self.target_projector` as frozen copies
     of the online modules (MoCo/eztorch initialise the target as a copy, spec_selfsup 1.2). The update
-    runs once per optimizer step, after it (so it is correct under gradient accumulation), and the
+    runs once per optimizer step, right after it inside Lightning's `optimizer_step` (so it is correct
+    under gradient accumulation, and a checkpoint written at the end of the batch holds it), and the
     momentum in use is logged as `train/momentum`.
     """
 
@@ -73,7 +74,6 @@ class MomentumMixin:
         if spec.split_bn < 1:
             raise ValueError(f"momentum.split_bn is a number of BatchNorm groups and must be >= 1, got {spec.split_bn}")
         self.momentum_spec = spec
-        self._ema_done_for_step = 0
         self.target_backbone = self._frozen_copy(self.backbone, split_bn=spec.split_bn)
         self.target_projector = self._frozen_copy(self.projector, split_bn=1)  # BatchNorm1d is never split
         self.__dict__["_momentum_pairs"] = [(self.backbone, self.target_backbone), (self.projector, self.target_projector)]
@@ -103,20 +103,14 @@ class MomentumMixin:
     def _target_encode(self, images: torch.Tensor) -> torch.Tensor:
         return self.target_projector(self.target_backbone(images))
 
-    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
-        super().on_train_batch_end(outputs, batch, batch_idx)
-        step = self.trainer.global_step  # counts optimizer steps; unchanged on accumulation micro-batches
-        if step > self._ema_done_for_step:
-            spec = self.momentum_spec
-            momentum = momentum_at(step - 1, self.trainer.estimated_stepping_batches, spec.base, spec.schedule)
-            for online, target in self._momentum_pairs:
-                ema_update_(online, target, momentum)
-            self._ema_done_for_step = step
-            self.log("train/momentum", momentum, on_step=True, on_epoch=False)
-
-    def on_load_checkpoint(self, checkpoint) -> None:
-        super().on_load_checkpoint(checkpoint)
-        self._ema_done_for_step = checkpoint.get("global_step", 0)
+    def optimizer_step(self, *args, **kwargs) -> None:
+        super().optimizer_step(*args, **kwargs)
+        spec = self.momentum_spec
+        step = self.trainer.global_step  # optimizer steps completed before this one: its 0-based index
+        momentum = momentum_at(step, self.trainer.estimated_stepping_batches, spec.base, spec.schedule)
+        for online, target in self._momentum_pairs:
+            ema_update_(online, target, momentum)
+        self.log("train/momentum", momentum, on_step=True, on_epoch=False)
 
 
 def distributed_shuffled_forward(encoder: Callable[[torch.Tensor], torch.Tensor], images: torch.Tensor) -> torch.Tensor:

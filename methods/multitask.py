@@ -42,6 +42,7 @@ class MultiTaskContrast(SupervisedMoCoMixin, LongTailClassifier):
         queue_size: int = 8192,
         projector: MLPSpec = MLPSpec(hidden_dim=2048, output_dim=128),
         momentum: MomentumSpec = MomentumSpec(base=0.999),
+        in_batch: Literal["local", "global"] = "local",
         **kwargs,
     ):
         """
@@ -49,7 +50,7 @@ class MultiTaskContrast(SupervisedMoCoMixin, LongTailClassifier):
             classifier_loss: `ce` (Table 13) or `balanced_softmax` (Table 14) on the classifier.
             contrast_weight: the loss weight of the re-weighted contrastive term (Table 14: 0.05-1.0).
             reweight_beta: beta of the effective number of samples, in [0, 1).
-            temperature, queue_size, projector, momentum: the contrast's settings, as PaCo's.
+            temperature, queue_size, projector, momentum, in_batch: the contrast's settings, as PaCo's.
             **kwargs: the LongTailClassifier arguments (backbone, optimizer, schedule, ...).
         """
         super().__init__(**kwargs)
@@ -62,6 +63,7 @@ class MultiTaskContrast(SupervisedMoCoMixin, LongTailClassifier):
         check_positive("model.temperature", temperature)
         self.classifier_loss, self.contrast_weight = classifier_loss, contrast_weight
         self.reweight_beta, self.temperature = reweight_beta, temperature
+        self.set_in_batch(in_batch)
         self.init_supervised_moco(projector, momentum, queue_size)
 
     def classification_step(self, batch):
@@ -70,9 +72,10 @@ class MultiTaskContrast(SupervisedMoCoMixin, LongTailClassifier):
         logits = self.classifier(features)
         if self.classifier_loss == "balanced_softmax":
             logits = logits + self.log_prior
-        anchor_weights = class_balanced_weights(self.class_counts, self.reweight_beta).to(query.device)[labels]
+        anchors, keys, anchor_labels, _ = self.loss_batch(query, key, labels)
+        anchor_weights = class_balanced_weights(self.class_counts, self.reweight_beta).to(query.device)[anchor_labels]
         contrast = paco_loss(
-            query, key, self.queue.read(), labels, self.queue.read_labels(), center_logits=None,
+            anchors, keys, self.queue.read(), anchor_labels, self.queue.read_labels(), center_logits=None,
             alpha=1.0, temperature=self.temperature, anchor_weights=anchor_weights,
         )  # fmt: skip
         self.enqueue(key, labels)

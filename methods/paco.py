@@ -12,6 +12,8 @@ argmax of the raw centre logits, with no separate probe. The official `linear_k`
 the centres) is never used by the loss or at inference, so it is not built.
 """
 
+from typing import Literal
+
 from backbones import MLPSpec
 from methods.config import check_positive
 from methods.longtail import LongTailClassifier, SupervisedMoCoMixin
@@ -32,6 +34,7 @@ class PaCo(SupervisedMoCoMixin, LongTailClassifier):
         rebalance: bool = True,
         projector: MLPSpec = MLPSpec(hidden_dim=2048, output_dim=128),
         momentum: MomentumSpec = MomentumSpec(base=0.999),
+        in_batch: Literal["local", "global"] = "local",
         **kwargs,
     ):
         """
@@ -46,6 +49,8 @@ class PaCo(SupervisedMoCoMixin, LongTailClassifier):
                 balanced full-ImageNet runs).
             projector: the MLP head, Linear-BN-ReLU-Linear (2048-2048-128; 64-64-32 on ResNet-32).
             momentum: EMA momentum of the key branch (0.999) and shuffle-BN settings.
+            in_batch: `local` (the official per-GPU contrast) or `global` (the batch of all processes,
+                as one process with the global batch), see `SupervisedMoCoMixin.loss_batch`.
             **kwargs: the LongTailClassifier arguments (backbone, optimizer, schedule, ...).
         """
         super().__init__(**kwargs)
@@ -57,23 +62,26 @@ class PaCo(SupervisedMoCoMixin, LongTailClassifier):
             raise ValueError("model.gamma = 0 with model.alpha > 0 makes the PaCo loss unbounded below")
         self.alpha, self.temperature, self.beta, self.gamma = alpha, temperature, beta, gamma
         self.rebalance = rebalance
+        self.set_in_batch(in_batch)
         self.init_supervised_moco(projector, momentum, queue_size)
 
     def classification_step(self, batch):
         labels = batch["label"]
-        features, query, key = self.embed_query_and_key(batch)
+        features, local_query, local_key = self.embed_query_and_key(batch)
+        # centres on the unnormalised trunk feature (spec 3.9 pitfall 10)
+        query, key, batch_labels, center_logits = self.loss_batch(local_query, local_key, labels, self.classifier(features))
         loss = paco_loss(
             query,
             key,
             self.queue.read(),
-            labels,
+            batch_labels,
             self.queue.read_labels(),
-            center_logits=self.classifier(features),  # the unnormalised trunk feature (spec 3.9 pitfall 10)
+            center_logits=center_logits,
             alpha=self.alpha,
             temperature=self.temperature,
             beta=self.beta,
             gamma=self.gamma,
             class_prior=self.class_counts / self.class_counts.sum() if self.rebalance else None,
         )
-        self.enqueue(key, labels)
+        self.enqueue(local_key, labels)
         return loss

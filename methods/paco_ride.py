@@ -77,8 +77,8 @@ class PaCoRIDE(PaCo):
 
     def classification_step(self, batch):
         labels = batch["label"]
-        features, query, key = self.embed_query_and_key(batch)
-        center_logits = self.classifier(features)
+        features, local_query, local_key = self.embed_query_and_key(batch)
+        query, key, batch_labels, center_logits = self.loss_batch(local_query, local_key, labels, self.classifier(features))
         queue, queue_labels = self.expert_view(self.queue.read()), self.queue.read_labels()
         prior = self.class_counts / self.class_counts.sum() if self.rebalance else None
         expert_losses = [
@@ -86,7 +86,7 @@ class PaCoRIDE(PaCo):
                 query[:, e],
                 key[:, e],
                 queue[:, e],
-                labels,
+                batch_labels,
                 queue_labels,
                 center_logits[:, e],
                 alpha=self.alpha,
@@ -97,7 +97,7 @@ class PaCoRIDE(PaCo):
             )
             for e in range(self.num_experts)
         ]
-        self.enqueue(key.flatten(1), labels)
+        self.enqueue(local_key.flatten(1), labels)
         return torch.stack(expert_losses).mean()
 
     def classify(self, images: torch.Tensor) -> torch.Tensor:

@@ -8,9 +8,10 @@
 Every (grid point, seed) is one `main_pretrain.py fit` run in `OUT/<point>_seed<S>/` (its log in
 `log.txt`), followed, with `--linear`, by `main_linear.py fit` on its `last.ckpt` in `.../linear/`.
 Arguments after `--` are passed to every pretraining run. A run whose results file already exists is
-skipped, so re-running the command resumes an interrupted sweep; a failed run is reported and the
-others go on. The table `OUT/results.md` gives, per grid point, mean ± std and the 95% confidence
-interval (Student t) over seeds; `OUT/results.csv` has one row per run.
+skipped and an interrupted one resumes from its `last.ckpt` (`--ckpt_path last`), so re-running the
+command resumes an interrupted sweep; a failed run is reported and the others go on. The table
+`OUT/results.md` gives, per grid point, mean ± std and the 95% confidence interval (Student t) over
+seeds; `OUT/results.csv` has one row per run.
 
 On a cluster, `--slurm` writes `OUT/sweep.sbatch`, a job array with one task per run (each task is
 this command with `--only <index>`); `--collect` then only rebuilds the table.
@@ -69,13 +70,13 @@ def expand(grid: list[tuple[str, list[str]]], seeds: list[int], out: Path) -> li
 def pretrain_command(run: Run, config: str, extra: list[str]) -> list[str]:
     overrides = [f"--{key}={value}" for key, value in run.point]
     return [sys.executable, str(ROOT / "main_pretrain.py"), "fit", "--config", config, f"--seed_everything={run.seed}",
-            f"--trainer.default_root_dir={run.directory}", *overrides, *extra]
+            f"--trainer.default_root_dir={run.directory}", "--ckpt_path=last", *overrides, *extra]
 
 
 def linear_command(run: Run, config: str, extra: list[str]) -> list[str]:
     return [sys.executable, str(ROOT / "main_linear.py"), "fit", "--config", config, f"--seed_everything={run.seed}",
             f"--model.pretrained_ckpt={run.directory / 'checkpoints' / 'last.ckpt'}",
-            f"--trainer.default_root_dir={run.directory / 'linear'}", *extra]
+            f"--trainer.default_root_dir={run.directory / 'linear'}", "--ckpt_path=last", *extra]
 
 
 def execute(command: list[str], log: Path) -> bool:

@@ -74,8 +74,8 @@ def test_pretrain_then_linear_probe_pipeline_with_reruns_in_the_same_directory(t
     assert "val results: probe_top1" in capsys.readouterr().out
     checkpoint = run_dir / "checkpoints" / "last.ckpt"  # not under the logger's version folder
     assert checkpoint.is_file() and (Path(cli.trainer.log_dir) / "config.yaml").is_file()
-    for _ in range(2):  # without a logger the config lands in the run folder; a rerun overwrites it
-        main_pretrain.cli_main([*args, "--trainer.logger=false"])
+    for _ in range(2):  # a rerun resumes the run (finished: nothing to train, its results stay); without a logger the config lands in the run folder
+        main_pretrain.cli_main([*args, "--trainer.logger=false", "--ckpt_path=last"])
     assert (run_dir / "config.yaml").is_file()
     results = json.loads((run_dir / "results_val.json").read_text())
     assert results["global_step"] == 2 and 0.0 <= results["metrics"]["val/knn_top1"] <= 1.0

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torchvision
-from torch.utils.data import DistributedSampler, RandomSampler, Subset
+from torch.utils.data import DistributedSampler, Subset
 
 from datamodules import (
     CIFAR10LTDataModule,
@@ -21,7 +21,7 @@ from datamodules import (
 )
 from datamodules.digits import ArrayImageDataset
 from datamodules.longtail import long_tail_counts
-from datamodules.samplers import ClassPrioritySampler, class_sampling_probabilities
+from datamodules.samplers import ClassPrioritySampler, EpochSampler, class_sampling_probabilities
 from datamodules.torchvision_datasets import RGBImages
 from helpers import TINY_BACKBONE, TINY_PROJECTOR, cpu_trainer
 from methods import MoCoV2
@@ -253,7 +253,7 @@ def digits_lt(**kwargs) -> DigitsLTDataModule:
 
 
 def test_instance_sampling_is_ordinary_shuffling_and_progressive_takes_its_epochs_from_the_trainer(tmp_path):
-    assert isinstance(digits_lt().train_dataloader().sampler, RandomSampler)
+    assert type(digits_lt().train_dataloader().sampler) is EpochSampler  # every image once per epoch, in an order from (seed, epoch)
     datamodule = digits_lt(sampler="progressive")
     datamodule.trainer = cpu_trainer(tmp_path, max_epochs=8)
     sampler = datamodule.train_dataloader().sampler

@@ -1,0 +1,250 @@
+"""What keeps a long run from being wasted (issue 12; ecosystem 6): checkpoints that say what wrote them,
+resumption that continues exactly, a stop at the first non-finite loss.
+
+- `CheckpointRecord` (a LightningModule mixin): every checkpoint records the contrastlab version and the
+  module's class under `checkpoint["contrastlab"]` (the CLI adds the resolved config); loading one
+  written by an incompatible version, or a file that is no Lightning checkpoint, is a `CheckpointMismatch`;
+  a Lightning checkpoint without the record (written before it existed) loads with a warning.
+- `RandomStateCheckpoint`: the random states go into every checkpoint and come back when the resumed
+  run starts training (Lightning checkpoints none), so augmentations and shuffle-BN permutations
+  continue as in an uninterrupted run.
+- `SlurmRequeueAtStepEnd`: Slurm's requeue signal handled by Lightning at the end of a step, not inside one.
+- `LastCheckpointOnSigterm`: on SIGTERM (what a scheduler sends before preempting) Lightning stops at
+  the end of the current batch; this callback then writes `last.ckpt` of that step.
+- `SameDirectoryCheckpointIO`: checkpoints written next to their target and renamed over it, so an
+  interrupted write never leaves a truncated `last.ckpt`, whatever filesystem /tmp is on.
+- `NonFiniteLossGuard`: stops at the first non-finite loss, or skips such batches.
+- `write_atomically`: write-then-rename for the files the project writes itself.
+"""
+
+import os
+import random
+import re
+import signal
+from importlib.metadata import version
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+from fsspec.implementations.local import LocalFileSystem
+from lightning.fabric.plugins import TorchCheckpointIO
+from lightning.fabric.plugins.environments import SLURMEnvironment
+from lightning.fabric.utilities.cloud_io import get_filesystem
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+VERSION = version("contrastlab")
+RECORD_KEY = "contrastlab"
+
+
+def write_atomically(path: Path, write: Callable[[Path], object]) -> None:
+    """`write(partial)` to `<name>.partial` next to `path`, then rename it over `path` (`os.replace`, atomic
+    within a filesystem): a reader never sees half a file, and an interrupted run never leaves one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    write(partial)
+    os.replace(partial, path)
+
+
+def last_checkpoint_path(callback: ModelCheckpoint) -> Path:
+    return Path(callback.dirpath) / f"{callback.CHECKPOINT_NAME_LAST}{callback.FILE_EXTENSION}"
+
+
+# ----------------------------------------------------------------- checkpoint compatibility
+class CheckpointMismatch(ValueError):
+    """A checkpoint that this code must not load."""
+
+
+def compatible(saved: str, current: str = VERSION) -> bool:
+    """Semantic versioning: the same major version; before 1.0 the same minor version too (0.y may break at every y)."""
+    saved_major, saved_minor = map(int, re.match(r"(\d+)\.(\d+)", saved).groups())
+    major, minor = map(int, re.match(r"(\d+)\.(\d+)", current).groups())
+    return saved_major == major and (major > 0 or saved_minor == minor)
+
+
+def checked_record(checkpoint: dict, source: str) -> dict | None:
+    """The contrastlab record of a loaded checkpoint, after checking that this version can load it; None,
+    with a warning, for a Lightning checkpoint without one (written before contrastlab 0.1.0 recorded
+    versions: the runs measured in the README), which loads unchecked."""
+    record = checkpoint.get(RECORD_KEY)
+    if not isinstance(record, dict) or "version" not in record:
+        if "pytorch-lightning_version" not in checkpoint:
+            raise CheckpointMismatch(f"{source} is not a Lightning checkpoint and holds no contrastlab record (version, module class)")
+        rank_zero_warn(f"{source} holds no contrastlab record (written before checkpoints recorded the version): loaded without a version check")
+        return None
+    if not compatible(record["version"]):
+        raise CheckpointMismatch(
+            f"{source} was written by contrastlab {record['version']} ({record.get('module')}), which this contrastlab "
+            f"{VERSION} cannot load: checkpoints load within one major version (one minor version before 1.0)"
+        )
+    return record
+
+
+class CheckpointRecord:
+    """LightningModule mixin: record the version and the module class in every checkpoint, check them on every load
+    (`--ckpt_path`, `load_from_checkpoint`)."""
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        super().on_save_checkpoint(checkpoint)
+        checkpoint.setdefault(RECORD_KEY, {}).update(version=VERSION, module=f"{type(self).__module__}.{type(self).__qualname__}")
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        checked_record(checkpoint, "the checkpoint being loaded")
+        super().on_load_checkpoint(checkpoint)
+
+
+# ----------------------------------------------------------------- resumption
+class RandomStateCheckpoint(Callback):
+    """Saves the torch (CPU and current CUDA device), NumPy and Python random states with every checkpoint and
+    restores them when the resumed run starts training: after its sanity check and the creation of its
+    training iterator, which draw random numbers that an uninterrupted run does not draw at that point (the
+    training DataLoader draws its worker seeds from a generator of its own, `datamodules.base`). Under DDP
+    the states of rank 0 are restored on every rank, which is exact: `seed_everything` gives every rank the
+    same states and every rank draws the same numbers (shuffle-BN's permutation included)."""
+
+    def __init__(self):
+        self.loaded: dict | None = None
+
+    def state_dict(self) -> dict:
+        name, keys, position, has_gauss, gauss = np.random.get_state()
+        return {
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+            "numpy": (name, torch.from_numpy(keys.astype(np.int64)), position, has_gauss, gauss),  # plain types: weights_only loads
+            "python": random.getstate(),
+        }
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.loaded = state_dict
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if self.loaded is None:
+            return
+        torch.set_rng_state(self.loaded["torch"])
+        if self.loaded["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(self.loaded["cuda"])
+        name, keys, position, has_gauss, gauss = self.loaded["numpy"]
+        np.random.set_state((name, keys.numpy().astype(np.uint32), position, has_gauss, gauss))
+        random.setstate(self.loaded["python"])
+        self.loaded = None
+
+
+class LastCheckpointOnSigterm(Callback):
+    """On SIGTERM, Lightning finishes the current batch and raises `SIGTERMException`; this writes `last.ckpt`
+    of that step (through the strategy's checkpoint IO, as every checkpoint), so a preempted run resumed
+    with `--ckpt_path last` loses no step. Other exceptions write nothing: Ctrl-C (KeyboardInterrupt) can
+    arrive in the middle of a step, and an error's state (a non-finite loss's) is not one to resume
+    from, which is why this is not `ModelCheckpoint(save_on_exception=True)`: that saves on any exception."""
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        if not isinstance(exception, SIGTERMException):
+            return
+        for callback in trainer.checkpoint_callbacks:
+            if isinstance(callback, ModelCheckpoint) and callback.save_last and callback.dirpath:
+                trainer.save_checkpoint(last_checkpoint_path(callback))
+
+
+class SlurmRequeueAtStepEnd(Callback):
+    """Under Slurm (`SLURMEnvironment` with auto-requeue, Lightning's default there), Lightning's handler of
+    the requeue signal (SIGUSR1, `sbatch --signal=SIGUSR1@90`) writes `hpc_ckpt_<n>.ckpt` and runs
+    `scontrol requeue` the moment the signal arrives, which can be inside a training step: after the step
+    enqueued its keys, before its optimizer step, so the checkpoint holds a state between two steps and
+    the requeued run enqueues that step's keys twice. Here the signal only marks the request, and
+    Lightning's own handler runs at the end of the step (all processes at the same step: one all-reduce),
+    so the requeued job resumes from a step boundary with the same step count, queue and momentum encoder."""
+
+    def __init__(self):
+        self.requested: int | None = None
+        self.active = False
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        environment = trainer._accelerator_connector.cluster_environment
+        self.active = isinstance(environment, SLURMEnvironment) and environment.auto_requeue
+        if self.active:  # replaces the handler Lightning registered for this fit (it restores the original at teardown)
+            signal.signal(environment.requeue_signal, self._request)
+
+    def _request(self, signum: int, frame) -> None:
+        self.requested = signum
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.active and trainer.strategy.reduce_boolean_decision(self.requested is not None, all=False):
+            signum, self.requested = self.requested or signal.SIGUSR1, None
+            trainer._signal_connector._slurm_sigusr_handler_fn(signum, None)  # Lightning's checkpoint and requeue
+
+
+class SameDirectoryCheckpointIO(TorchCheckpointIO):
+    """Writes a local checkpoint to `<name>.partial` in the target's directory, then renames it over the
+    target (`os.replace`, atomic within a filesystem). Lightning's own save goes through an fsspec
+    transaction whose temporary file lies in the system temp dir; where /tmp is another filesystem than
+    the run directory (node-local /tmp, shared run storage: the usual cluster), the final move is a copy,
+    and a job killed during the copy leaves a truncated checkpoint. Remote paths keep Lightning's save."""
+
+    def save_checkpoint(self, checkpoint: dict, path, storage_options=None) -> None:
+        if storage_options is not None or not isinstance(get_filesystem(path), LocalFileSystem):
+            return super().save_checkpoint(checkpoint, path, storage_options)
+        write_atomically(Path(path), lambda partial: torch.save(checkpoint, partial))
+
+
+# ----------------------------------------------------------------- non-finite losses
+class NonFiniteLossError(FloatingPointError):
+    """Training produced a non-finite loss."""
+
+
+class NonFiniteLossGuard(Callback):
+    """Stops training at the first non-finite loss, before its backward pass and optimizer step, so the
+    parameters, the optimizer and every checkpoint keep the last finite step; `NonFiniteLossError` names
+    the global step, the loss and the training values logged with it. (`Trainer(detect_anomaly=True)`
+    finds the operation but slows every step down; `EarlyStopping(check_finite=True)` sees one metric
+    at the end of an epoch.) Under DDP the processes agree (one all-reduce per step) and stop together.
+
+    With `skip_batch`, a non-finite batch is dropped instead: its gradients are discarded before the
+    optimizer step, which then changes no parameter and no optimizer state. The step still counts
+    (learning rate and momentum schedules advance, the momentum encoder moves towards the unchanged
+    online one) and what the forward pass wrote stays written (queue keys, memory-bank entries,
+    BatchNorm statistics): after `max_consecutive_skips` skipped batches in a row, the next non-finite
+    one stops the run all the same, since a queue or bank holding non-finite entries does not heal.
+    Skipping is for a single process only: under DDP the backward pass averages the gradients of all
+    processes, so one process's non-finite loss spoils every process's gradient while their own losses
+    look finite; Lightning's own skip, `training_step` returning None, is "not supported for multi-GPU"
+    for the same reason (a process that skips its backward leaves the others waiting in the all-reduce).
+    """
+
+    def __init__(self, skip_batch: bool = False, max_consecutive_skips: int = 10):
+        """
+        Args:
+            skip_batch: drop non-finite batches instead of stopping (single process only).
+            max_consecutive_skips: with `skip_batch`, stop at a non-finite batch after this many skipped in a row.
+        """
+        if max_consecutive_skips < 1:
+            raise ValueError(f"non_finite.max_consecutive_skips must be >= 1, got {max_consecutive_skips}")
+        self.skip_batch, self.max_consecutive_skips = skip_batch, max_consecutive_skips
+        self.consecutive_skips = 0
+        self.drop_gradients = False
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if self.skip_batch and trainer.world_size > 1:
+            raise ValueError(
+                f"non_finite.skip_batch works in a single process only, this run has {trainer.world_size}: "
+                "set it to false (the run then stops at a non-finite loss)"
+            )
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        finite = bool(torch.isfinite(loss.detach()).all())
+        if trainer.strategy.reduce_boolean_decision(finite, all=True):
+            self.consecutive_skips = 0
+            return
+        terms = ", ".join(f"{name} {float(value):.4g}" for name, value in trainer.callback_metrics.items() if name.startswith("train/"))
+        where = f"global step {trainer.global_step} (epoch {trainer.current_epoch}, batch {trainer.fit_loop.epoch_loop.batch_idx})"
+        message = f"non-finite training loss at {where}: loss {float(loss):.4g}; latest logged values: {terms}"
+        self.consecutive_skips += 1
+        if not self.skip_batch or self.consecutive_skips > self.max_consecutive_skips:
+            raise NonFiniteLossError(f"{message}. Stopped before this step's update; the checkpoints hold earlier steps only")
+        rank_zero_warn(f"{message}; batch skipped ({self.consecutive_skips} in a row)")
+        self.drop_gradients = True
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if self.drop_gradients:
+            optimizer.zero_grad(set_to_none=True)  # an optimizer skips parameters without a gradient
+            self.drop_gradients = False

@@ -1,0 +1,149 @@
+"""Issue 10: one optimizer step of Lightning DDP on 2 CPU processes (gloo) with B images each equals one
+step of 1 process with the 2B images: the same parameters, momentum encoder and queue (keys, labels,
+pointer), for MoCo v2, SCE, SupCon, TCL and PaCo (with `in_batch: global`; the official per-GPU
+contrast, `local`, shares the queue but not the gradient).
+
+What makes it hold: keys are gathered in rank order before they are enqueued (`MethodBase.gather`),
+in-batch negatives are gathered with their gradients (`gather_with_grad`: SupCon / TCL), and DDP
+averages the processes' gradients of their mean losses, which is the gradient of the mean over the
+2B images. Shuffle-BN and split-BN are off, as the comparison requires. BatchNorm statistics are per
+process by design (the global batch's statistics are `trainer.sync_batchnorm`, whose torch kernel runs on
+CUDA only), so the trunk normalises with GroupNorm and the heads have no BatchNorm: every operation of
+the step is then the same function of the same 2B images in both runs."""
+
+import os
+import socket
+from contextlib import closing
+from types import SimpleNamespace
+
+import lightning as L
+import pytest
+import torch
+import torch.multiprocessing as mp
+from lightning.pytorch.strategies import DDPStrategy
+from torch.utils.data import DataLoader, Dataset
+
+from backbones import BackboneSpec
+from methods import SCE, MoCoV2, PaCo, SupCon
+from methods.momentum import MomentumSpec
+from helpers import TINY_PROJECTOR, cpu_trainer
+
+WORLD, GLOBAL_BATCH, NUM_CLASSES = 2, 8, 3
+TRUNK = BackboneSpec(name="timm:test_resnet", kwargs={"norm_layer": "groupnorm1"})  # no batch statistics
+NO_SHUFFLE = MomentumSpec(base=0.9, shuffle_bn=False, split_bn=1)
+COMMON = dict(backbone=TRUNK, projector=TINY_PROJECTOR)
+PRETRAIN = COMMON | dict(knn_k=0, num_classes=NUM_CLASSES)
+METHODS = {  # name: (model, the views it reads)
+    "moco": (lambda: MoCoV2(queue_size=32, momentum=NO_SHUFFLE, **PRETRAIN), ("query", "key")),
+    "sce": (lambda: SCE(queue_size=32, momentum=NO_SHUFFLE, **PRETRAIN), ("weak", "strong")),
+    "supcon": (lambda: SupCon(loss="supcon", temperature=0.1, **PRETRAIN), ("crops",)),
+    "tcl": (lambda: SupCon(loss="tcl", temperature=0.1, k1=2.0, k2=1.5, **PRETRAIN), ("crops",)),
+    "paco": (lambda: PaCo(queue_size=32, momentum=NO_SHUFFLE, in_batch="global", num_classes=NUM_CLASSES, **COMMON), ("query", "key")),
+    "paco_local": (lambda: PaCo(queue_size=32, momentum=NO_SHUFFLE, num_classes=NUM_CLASSES, **COMMON), ("query", "key")),
+}
+EQUIVALENT = sorted(set(METHODS) - {"paco_local"})
+
+
+def global_batch(views: tuple[str, ...]) -> list[dict]:
+    """The 2B samples of the step: fixed images per view (SupCon's `crops` holds 2 crops per image)."""
+    generator = torch.Generator().manual_seed(1)
+    images = {name: torch.rand(GLOBAL_BATCH, *((2,) if name == "crops" else ()), 3, 16, 16, generator=generator) for name in views}
+    labels = torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])  # every class on both processes' halves
+    return [{"views": {name: images[name][i] for name in views}, "label": labels[i], "index": i} for i in range(GLOBAL_BATCH)]
+
+
+class FixedBatch(L.LightningDataModule):
+    """One training batch of fixed views; process r of W trains on the r-th contiguous block of it, so the
+    keys gathered in rank order are the 1-process batch in its order."""
+
+    def __init__(self, views: tuple[str, ...], world_size: int):
+        super().__init__()
+        self.view_names, self.samples = views, global_batch(views)
+        self.views = {name: SimpleNamespace(count=2 if name == "crops" else 1) for name in views}  # as data.views
+        self.batch_size = GLOBAL_BATCH // world_size  # per process, as data.batch_size
+        self.num_classes = NUM_CLASSES
+
+    def train_class_counts(self) -> list[int]:
+        return torch.bincount(torch.stack([s["label"] for s in self.samples]), minlength=NUM_CLASSES).tolist()
+
+    def augment_on_device(self, batch: dict) -> dict:
+        return batch
+
+    def train_dataloader(self) -> DataLoader:
+        rank = self.trainer.global_rank
+        block = self.samples[rank * self.batch_size : (rank + 1) * self.batch_size]
+        return DataLoader(ListDataset(block), batch_size=self.batch_size)
+
+
+class ListDataset(Dataset):
+    def __init__(self, samples: list[dict]):
+        self.samples = samples
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> dict:
+        return self.samples[index]
+
+
+def initial_model(method: str) -> L.LightningModule:
+    torch.manual_seed(0)  # the same initial weights and queue on every process and in the reference
+    return METHODS[method][0]()
+
+
+def one_step(method: str, trainer: L.Trainer, world_size: int) -> dict[str, torch.Tensor]:
+    model, views = initial_model(method), METHODS[method][1]
+    trainer.fit(model, FixedBatch(views, world_size))
+    assert trainer.global_step == 1
+    return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+
+
+def trainer_options(directory) -> dict:
+    return dict(max_steps=1, limit_val_batches=0, precision="32-true", use_distributed_sampler=False, default_root_dir=directory)
+
+
+def _ddp_worker(rank: int, port: int, directory: str, results) -> None:
+    # the processes exist already: Lightning's default environment joins them from these variables
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0")
+    torch.use_deterministic_algorithms(True)
+    for method in METHODS:
+        trainer = cpu_trainer(directory, devices=WORLD, strategy=DDPStrategy(process_group_backend="gloo"), **trainer_options(directory))
+        results[method, rank] = one_step(method, trainer, WORLD)
+
+
+def free_port() -> int:
+    with closing(socket.socket()) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def two_process_states(tmp_path_factory) -> dict:
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_ddp_worker, args=(free_port(), str(tmp_path_factory.mktemp("ddp")), results), nprocs=WORLD)
+        return dict(results)
+
+
+@pytest.mark.parametrize("method", EQUIVALENT)
+def test_one_ddp_step_on_two_processes_equals_one_step_on_the_concatenated_batch(method, two_process_states, tmp_path):
+    expected = one_step(method, cpu_trainer(tmp_path, **trainer_options(tmp_path)), world_size=1)
+    before = initial_model(method).state_dict()
+    assert not torch.equal(before["backbone.conv1.0.weight"], expected["backbone.conv1.0.weight"])  # the step trained
+    queues = [name for name in expected if name.startswith("queue.")]
+    assert bool(queues) == (method in ("moco", "sce", "paco"))
+    for rank in range(WORLD):
+        state = two_process_states[method, rank]
+        assert state.keys() == expected.keys()
+        for name, tensor in expected.items():  # parameters, momentum encoder, queue keys / labels / pointer
+            torch.testing.assert_close(state[name], tensor, rtol=1e-5, atol=1e-6, msg=f"{method}: {name} on rank {rank}")
+    if queues:  # the step enqueued all 2B keys, in the 1-process order
+        assert int(expected["queue.pointer"]) == GLOBAL_BATCH
+
+
+def test_paco_with_the_official_per_process_contrast_enqueues_the_same_keys_but_trains_differently(two_process_states, tmp_path):
+    expected = one_step("paco_local", cpu_trainer(tmp_path, **trainer_options(tmp_path)), world_size=1)  # 1 process: local = global
+    local = two_process_states["paco_local", 0]
+    for name in ("queue.keys", "queue.labels", "queue.pointer"):  # keys come from the momentum encoder before the step
+        torch.testing.assert_close(local[name], expected[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert not torch.allclose(local["backbone.conv1.0.weight"], expected["backbone.conv1.0.weight"], rtol=1e-5, atol=1e-6)

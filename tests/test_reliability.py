@@ -1,0 +1,478 @@
+"""Issue 12's guarantees: exact resume, nothing lost on interruption, seeds, non-finite losses, bad
+inputs, checkpoint compatibility (methods/reliability.py, the CLI, the DataModule's resumable order)."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+import yaml
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+import main_linear
+import main_pretrain
+import methods.linear
+import methods.moco
+from backbones import BackboneSpec
+from datamodules import SplitFileDataModule
+from datamodules.samplers import EpochSampler
+from methods import NPID, SCE, CrossEntropy, LinearProbe, MoCoV2, PaCo
+from methods.momentum import MomentumSpec
+from methods.reliability import (
+    VERSION,
+    CheckpointMismatch,
+    LastCheckpointOnSigterm,
+    NonFiniteLossError,
+    NonFiniteLossGuard,
+    RandomStateCheckpoint,
+    SameDirectoryCheckpointIO,
+    SlurmRequeueAtStepEnd,
+    compatible,
+)
+from helpers import TINY_PROJECTOR, cpu_trainer, digits
+from test_cli import CONFIGS, LINEAR_DIGITS, PRETRAIN_DIGITS, ROOT, TINY_RUN, run_failing
+from test_paco import TINY_BN_PROJECTOR
+
+FAST_BACKBONE = BackboneSpec(name="timm:test_resnet")  # the digits configs' trunk (0.37 M parameters)
+QUERY_KEY = {"query": {"preset": "mocov2"}, "key": {"preset": "mocov2"}}
+MOMENTUM = MomentumSpec(base=0.9, schedule="cosine", shuffle_bn=True, split_bn=2)  # draws a permutation per step
+METHODS = {
+    "moco": (lambda: MoCoV2(backbone=FAST_BACKBONE, projector=TINY_PROJECTOR, queue_size=64, momentum=MOMENTUM, knn_k=0), QUERY_KEY),
+    "sce": (
+        lambda: SCE(backbone=FAST_BACKBONE, projector=TINY_PROJECTOR, queue_size=64, momentum=MOMENTUM, knn_k=0),
+        {"weak": {"preset": "crop_flip"}, "strong": {"preset": "mocov2"}},
+    ),
+    "paco": (lambda: PaCo(backbone=FAST_BACKBONE, projector=TINY_BN_PROJECTOR, queue_size=64, momentum=MOMENTUM), QUERY_KEY),
+    "npid": (lambda: NPID(backbone=FAST_BACKBONE, projector=TINY_PROJECTOR, knn_k=0), {"image": {"preset": "npid"}}),
+}
+BATCHES_PER_EPOCH, TOTAL_STEPS = 2, 5
+
+
+# ----------------------------------------------------------------- exact resume
+
+
+class BatchIndices(Callback):
+    """The sample indices of every training batch, in order."""
+
+    def __init__(self):
+        self.seen = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.seen.append(batch["index"].tolist())
+
+
+def train(method: str, directory, ckpt_path=None, save_at_step=None):
+    """TOTAL_STEPS optimizer steps of a tiny method on Digits-M (views drawn on the device), from scratch
+    or from a checkpoint; with `save_at_step`, a checkpoint is written at that step as a preemption would."""
+    L.seed_everything(0, verbose=False)
+    build, views = METHODS[method]
+    indices = BatchIndices()
+    callbacks = [RandomStateCheckpoint(), indices]
+    if save_at_step:
+        callbacks.append(ModelCheckpoint(dirpath=directory, filename="{step}", every_n_train_steps=save_at_step, save_top_k=-1))
+    trainer = cpu_trainer(directory, max_steps=TOTAL_STEPS, limit_train_batches=BATCHES_PER_EPOCH, limit_val_batches=0,
+                          enable_checkpointing=save_at_step is not None, callbacks=callbacks)
+    model = build()
+    trainer.fit(model, digits(views, batch_size=8, pipeline="device"), ckpt_path=ckpt_path)
+    return trainer, model, indices.seen
+
+
+def assert_identical(straight, resumed, where="") -> None:
+    if isinstance(straight, dict):
+        assert straight.keys() == resumed.keys(), where
+        for key in straight:
+            assert_identical(straight[key], resumed[key], f"{where}.{key}")
+    elif isinstance(straight, (list, tuple)):
+        assert len(straight) == len(resumed), where
+        for position, (a, b) in enumerate(zip(straight, resumed)):
+            assert_identical(a, b, f"{where}[{position}]")
+    elif isinstance(straight, torch.Tensor):
+        assert torch.equal(straight, resumed), where
+    else:
+        assert straight == resumed, where
+
+
+@pytest.mark.parametrize(
+    "method, save_at_step",
+    [("moco", 3), ("moco", 2), ("sce", 3), ("paco", 3), ("npid", 3)],
+    ids=["moco-mid-epoch", "moco-end-of-epoch", "sce-mid-epoch", "paco-mid-epoch", "npid-mid-epoch"],
+)
+def test_resuming_from_a_checkpoint_gives_bit_identical_state_and_continues_the_data_order(method, save_at_step, tmp_path):
+    straight, straight_model, straight_seen = train(method, tmp_path / "straight", save_at_step=save_at_step)
+    checkpoint = tmp_path / "straight" / f"step={save_at_step}.ckpt"
+    resumed, resumed_model, resumed_seen = train(method, tmp_path / "resumed", ckpt_path=checkpoint)
+    assert resumed.global_step == straight.global_step == TOTAL_STEPS
+    # parameters, momentum encoder, queue (with its labels and pointer) or memory bank: every tensor of the state
+    assert_identical(straight_model.state_dict(), resumed_model.state_dict(), "state_dict")
+    assert_identical(straight.optimizers[0].state_dict(), resumed.optimizers[0].state_dict(), "optimizer")
+    assert_identical(straight.lr_scheduler_configs[0].scheduler.state_dict(), resumed.lr_scheduler_configs[0].scheduler.state_dict(), "scheduler")
+    if "train/momentum" in straight.callback_metrics:
+        assert straight.callback_metrics["train/momentum"] == resumed.callback_metrics["train/momentum"]
+    # the data order continues where the checkpoint was written; no image twice within an epoch
+    assert resumed_seen == straight_seen[save_at_step:]
+    for epoch_start in range(0, TOTAL_STEPS, BATCHES_PER_EPOCH):
+        epoch = sum(straight_seen[epoch_start : epoch_start + BATCHES_PER_EPOCH], [])
+        assert len(set(epoch)) == len(epoch)
+
+
+def test_the_epoch_order_depends_on_seed_and_epoch_only_and_resumes_at_a_position():
+    sampler = EpochSampler(10, seed=1)
+    sampler.set_epoch(2)
+    order = list(sampler)
+    other_seed = EpochSampler(10, seed=2)
+    other_seed.set_epoch(2)
+    assert sorted(order) == list(range(10)) and list(EpochSampler(10, seed=1)) != order != list(other_seed)
+    resumed = EpochSampler(10, seed=1)
+    resumed.resume(2, 6)
+    assert list(resumed) == order[6:]
+    resumed.set_epoch(3)  # the next epoch starts at its beginning
+    assert len(list(resumed)) == 10
+    whole = list(EpochSampler(10, seed=1))
+    ranks = [list(EpochSampler(10, seed=1, num_replicas=3, rank=rank)) for rank in range(3)]
+    assert [ranks[rank][turn] for turn in range(4) for rank in range(3)] == whole + whole[:2]  # dealt in turn, padded
+
+
+# ----------------------------------------------------------------- nothing lost
+class SignalAtStep(Callback):
+    """Sends this process a signal as a training step starts, as a scheduler (SIGTERM) or Ctrl-C (SIGINT) does."""
+
+    def __init__(self, signum: int, step: int):
+        self.signum, self.step = signum, step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), self.signum)
+
+
+@pytest.mark.parametrize("signal_step", [2, 3], ids=["mid-epoch", "last-step-of-an-epoch"])
+def test_sigterm_saves_the_step_it_interrupts_as_last_ckpt_and_the_run_resumes_exactly(signal_step, tmp_path):
+    straight, straight_model, straight_seen = train("moco", tmp_path / "straight")
+    L.seed_everything(0, verbose=False)
+    build, views = METHODS["moco"]
+    directory = tmp_path / "interrupted"
+    callbacks = [RandomStateCheckpoint(), LastCheckpointOnSigterm(), SignalAtStep(signal.SIGTERM, signal_step), ModelCheckpoint(directory, save_last=True)]
+    interrupted = cpu_trainer(directory, max_steps=TOTAL_STEPS, limit_train_batches=BATCHES_PER_EPOCH, limit_val_batches=0,
+                              enable_checkpointing=True, callbacks=callbacks)
+    with pytest.raises(SIGTERMException):  # Lightning finishes the batch, then stops
+        interrupted.fit(build(), digits(views, batch_size=8, pipeline="device"))
+    last = directory / "last.ckpt"
+    assert torch.load(last, weights_only=True)["global_step"] == signal_step + 1  # the interrupted step is in it
+    resumed, resumed_model, resumed_seen = train("moco", tmp_path / "resumed", ckpt_path=last)
+    assert_identical(straight_model.state_dict(), resumed_model.state_dict(), "state_dict")
+    assert resumed_seen == straight_seen[signal_step + 1 :]
+
+
+def test_sigusr1_under_slurm_checkpoints_the_step_it_interrupts_and_the_requeued_job_resumes_exactly(tmp_path, monkeypatch):
+    """Slurm's `--signal=SIGUSR1@90`: Lightning writes hpc_ckpt_1.ckpt and requeues the job (a fake `scontrol`
+    here); the requeued job, started in the same directory without --ckpt_path, resumes from it."""
+    straight, straight_model, straight_seen = train("moco", tmp_path / "straight")
+    scontrol = tmp_path / "bin" / "scontrol"
+    scontrol.parent.mkdir()
+    scontrol.write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path / 'scontrol.log'}\n")
+    scontrol.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{scontrol.parent}{os.pathsep}{os.environ['PATH']}")
+    for name, value in dict(SLURM_NTASKS="1", SLURM_JOB_NAME="pretrain", SLURM_JOB_ID="4242", SLURM_NODELIST="node1",
+                            SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_NODEID="0").items():
+        monkeypatch.setenv(name, value)
+    L.seed_everything(0, verbose=False)
+    build, views = METHODS["moco"]
+    job = tmp_path / "job"
+    callbacks = [RandomStateCheckpoint(), SlurmRequeueAtStepEnd(), SignalAtStep(signal.SIGUSR1, 2)]
+    cpu_trainer(job, max_steps=TOTAL_STEPS, limit_train_batches=BATCHES_PER_EPOCH, limit_val_batches=0, callbacks=callbacks).fit(
+        build(), digits(views, batch_size=8, pipeline="device"))  # Lightning trains on until Slurm ends the job
+    assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n"
+    assert torch.load(job / "hpc_ckpt_1.ckpt", weights_only=True)["global_step"] == 3  # the interrupted step, finished
+    requeued, requeued_model, requeued_seen = train("moco", job)
+    assert requeued.global_step == TOTAL_STEPS and requeued_seen == straight_seen[3:]
+    assert_identical(straight_model.state_dict(), requeued_model.state_dict(), "state_dict")  # queue and momentum encoder too
+
+
+@pytest.mark.parametrize(
+    "signum, status, saved_step",
+    [(signal.SIGTERM, 143, 4), (signal.SIGINT, 1, 2)],  # SIGTERM: step 3 finishes and is saved; Ctrl-C: the epoch-0 checkpoint stays
+    ids=["SIGTERM", "SIGINT"],
+)
+def test_a_signalled_cli_run_exits_with_a_loadable_last_ckpt(signum, status, saved_step, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            main_pretrain.cli_main(["fit", "--config", PRETRAIN_DIGITS, *TINY_RUN, "--trainer.max_epochs=3", "--trainer.limit_val_batches=0",
+                                    "--trainer.logger=false", "--trainer.precision=32-true", f"--trainer.default_root_dir={run_dir}",
+                                    "--trainer.callbacks+=test_reliability.SignalAtStep", f"--trainer.callbacks.signum={int(signum)}",
+                                    "--trainer.callbacks.step=3"])
+    finally:
+        signal.signal(signal.SIGINT, handler)  # Lightning ignores Ctrl-C while it shuts down, and leaves it so
+    assert exit_info.value.code == status
+    checkpoint = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
+    assert checkpoint["global_step"] == saved_step
+    assert checkpoint["DigitsDataModule"] == {"epoch": saved_step // 2, "batches": 0}  # where the data order resumes
+    if signum == signal.SIGTERM:
+        assert "stopped by SIGTERM after global step 4 (checkpoints/last.ckpt): resume with --ckpt_path last" in capsys.readouterr().err
+
+
+def test_a_sigusr1_outside_slurm_kills_a_training_subprocess_and_last_ckpt_still_loads(tmp_path):
+    """Outside Slurm nothing handles SIGUSR1: the process dies at once, as if killed, and the checkpoint
+    of the last epoch must survive (Slurm's SIGUSR1 is Lightning's: an hpc checkpoint and a requeue)."""
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    process = subprocess.Popen([sys.executable, str(ROOT / "main_pretrain.py"), "fit", "--config", PRETRAIN_DIGITS, *TINY_RUN,
+                                "--trainer.max_epochs=1000", "--trainer.limit_val_batches=0", "--trainer.logger=false",
+                                "--trainer.precision=32-true", f"--trainer.default_root_dir={tmp_path}"],
+                               cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 900  # generous: a loaded machine is slow, not wrong
+    while not last.is_file() and process.poll() is None and time.monotonic() < deadline:  # the first epoch's checkpoint
+        time.sleep(0.1)
+    process.send_signal(signal.SIGUSR1)
+    stderr = process.communicate(timeout=60)[1]
+    assert process.returncode == -signal.SIGUSR1, stderr[-2000:]
+    assert torch.load(last, weights_only=True)["global_step"] >= 2
+
+
+def test_an_interrupted_checkpoint_write_leaves_the_previous_one_intact(tmp_path, monkeypatch):
+    last = tmp_path / "last.ckpt"
+    checkpoint_io = SameDirectoryCheckpointIO()
+    checkpoint_io.save_checkpoint({"global_step": 2, "weights": torch.ones(4)}, last)
+
+    def killed_while_writing(checkpoint, path):
+        Path(path).write_bytes(b"half a checkpoint")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", killed_while_writing)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint_io.save_checkpoint({"global_step": 3, "weights": torch.zeros(4)}, last)
+    monkeypatch.undo()
+    assert torch.load(last, weights_only=True)["global_step"] == 2
+    assert (tmp_path / "last.ckpt.partial").read_bytes() == b"half a checkpoint"  # written next to it: a rename, never a copy
+
+
+def test_fit_in_a_directory_that_holds_a_run_is_refused_naming_how_to_resume_it(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "checkpoints" / "last.ckpt").write_bytes(b"an earlier run")
+    line = run_failing(main_pretrain, ["fit", "--config", PRETRAIN_DIGITS, *TINY_RUN, f"--trainer.default_root_dir={run_dir}"], capsys)
+    assert line == f"error: {run_dir / 'checkpoints' / 'last.ckpt'} already holds a run: resume it with --ckpt_path last, or start a new one under another trainer.default_root_dir"
+    assert sorted(path.name for path in run_dir.rglob("*")) == ["checkpoints", "last.ckpt"]  # nothing written
+
+
+# ----------------------------------------------------------------- seeds
+def test_every_shipped_config_sets_an_explicit_integer_seed():
+    for config in CONFIGS:
+        seed = yaml.safe_load(config.read_text()).get("seed_everything")
+        assert type(seed) is int, f"{config.name}: seed_everything {seed!r}"
+
+
+class StepLosses(Callback):
+    def __init__(self):
+        self.losses = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(trainer.callback_metrics["train/loss"].item())
+
+
+def first_epoch_losses(seed: int, run_dir) -> list[float]:
+    cli = main_pretrain.cli_main(["fit", "--config", PRETRAIN_DIGITS, *TINY_RUN, f"--seed_everything={seed}", "--trainer.limit_train_batches=3",
+                                  "--trainer.limit_val_batches=0", "--trainer.logger=false",
+                                  f"--trainer.default_root_dir={run_dir}", "--trainer.callbacks+=test_reliability.StepLosses"])
+    return next(callback for callback in cli.trainer.callbacks if isinstance(callback, StepLosses)).losses
+
+
+def test_the_same_seed_gives_identical_first_epoch_losses_and_another_seed_different_ones(tmp_path):
+    first, again, other = (first_epoch_losses(seed, tmp_path / name) for seed, name in ((3, "a"), (3, "b"), (4, "c")))
+    assert len(first) == 3 and first == again
+    assert all(a != b for a, b in zip(first, other))
+
+
+@pytest.mark.parametrize("seed", ["true", "false"])
+def test_a_seed_that_is_not_an_integer_is_refused(seed, tmp_path, capsys):
+    line = run_failing(main_pretrain, ["fit", "--config", PRETRAIN_DIGITS, f"--seed_everything={seed}", f"--trainer.default_root_dir={tmp_path}"], capsys)
+    assert line == f"error: seed_everything must be an explicit integer (a config's seed_everything or --seed_everything), got {seed.title()}"
+
+
+def test_a_config_without_a_seed_is_refused(tmp_path, capsys):
+    config = tmp_path / "unseeded.yaml"
+    config.write_text(Path(PRETRAIN_DIGITS).read_text().replace("seed_everything: 0\n", ""))
+    line = run_failing(main_pretrain, ["fit", "--config", str(config), f"--trainer.default_root_dir={tmp_path}"], capsys)
+    assert line.startswith("error: seed_everything must be an explicit integer") and line.endswith("got True")
+
+
+# ----------------------------------------------------------------- non-finite losses
+def nan_at_calls(monkeypatch, module, name: str, bad_calls) -> None:
+    """Make the loss function `module.name` return NaN at the given calls (0-based; one call per training step)."""
+    original, calls = getattr(module, name), []
+
+    def patched(*args, **kwargs):
+        calls.append(None)
+        loss = original(*args, **kwargs)
+        return loss * float("nan") if len(calls) - 1 in bad_calls else loss
+
+    monkeypatch.setattr(module, name, patched)
+
+
+def test_a_non_finite_loss_stops_the_run_at_its_step_naming_it_and_keeps_the_last_good_checkpoint(tmp_path, capsys, monkeypatch):
+    nan_at_calls(monkeypatch, methods.moco, "info_nce", {3})  # 2 steps per epoch: the second step of epoch 1
+    run_dir = tmp_path / "run"
+    line = run_failing(main_pretrain, ["fit", "--config", PRETRAIN_DIGITS, *TINY_RUN, "--trainer.max_epochs=2", "--trainer.limit_val_batches=1", "--trainer.precision=32-true",
+                                       "--trainer.logger=false", f"--trainer.default_root_dir={run_dir}"], capsys)
+    assert line.startswith("error: non-finite training loss at global step 3 (epoch 1, batch 1): loss nan; latest logged values: ")
+    assert "train/loss nan" in line and "train/probe_loss " in line
+    checkpoint = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
+    assert checkpoint["global_step"] == 2  # the end of epoch 0: the failing step saved nothing
+    assert all(value.isfinite().all() for value in checkpoint["state_dict"].values() if value.is_floating_point())
+    assert not (run_dir / "results_val.json").exists()
+
+
+def train_with_nan(monkeypatch, tmp_path, bad_steps, guard: NonFiniteLossGuard, steps: int = 4):
+    """A tiny MoCo v2 whose InfoNCE is NaN at the given steps; returns the trainer and the online trunk's
+    first weights before each step and after the last."""
+    nan_at_calls(monkeypatch, methods.moco, "info_nce", bad_steps)
+    weights = []
+
+    class Weights(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            weights.append(pl_module.backbone.conv1[0].weight.detach().clone())
+
+    L.seed_everything(0, verbose=False)
+    build, views = METHODS["moco"]
+    trainer = cpu_trainer(tmp_path, max_steps=steps, limit_val_batches=0, callbacks=[guard, Weights()])
+    model = build()
+    try:
+        trainer.fit(model, digits(views, batch_size=8, pipeline="device"))
+    finally:
+        weights.append(model.backbone.conv1[0].weight.detach().clone())
+    return trainer, weights
+
+
+def test_skip_batch_drops_a_non_finite_batch_and_training_goes_on(tmp_path, monkeypatch):
+    with pytest.warns(UserWarning, match=r"non-finite training loss at global step 1 .*; batch skipped \(1 in a row\)"):
+        trainer, weights = train_with_nan(monkeypatch, tmp_path, {1}, NonFiniteLossGuard(skip_batch=True))
+    assert trainer.global_step == 4
+    changed = [not torch.equal(before, after) for before, after in zip(weights, weights[1:])]
+    assert changed == [True, False, True, True]  # step 1 updated nothing; the optimizer's momentum did not move it either
+
+
+def test_skip_batch_stops_after_too_many_non_finite_batches_in_a_row(tmp_path, monkeypatch):
+    guard = NonFiniteLossGuard(skip_batch=True, max_consecutive_skips=2)
+    with pytest.warns(UserWarning, match="batch skipped"), pytest.raises(NonFiniteLossError, match="at global step 3 "):
+        train_with_nan(monkeypatch, tmp_path, {1, 2, 3}, guard)
+
+
+# ----------------------------------------------------------------- checkpoint compatibility
+@pytest.fixture(scope="module")
+def cli_checkpoint(tmp_path_factory) -> Path:
+    """last.ckpt of a one-epoch MoCo v2 run through main_pretrain.py."""
+    run_dir = tmp_path_factory.mktemp("pretrain")
+    main_pretrain.cli_main(["fit", "--config", PRETRAIN_DIGITS, *TINY_RUN, "--trainer.limit_val_batches=0", "--trainer.logger=false",
+                            "--trainer.precision=32-true", f"--trainer.default_root_dir={run_dir}"])
+    return run_dir / "checkpoints" / "last.ckpt"
+
+
+def with_record(source: Path, target: Path, **record) -> Path:
+    checkpoint = torch.load(source, weights_only=True)
+    checkpoint["contrastlab"] |= record
+    torch.save(checkpoint, target)
+    return target
+
+
+def test_every_checkpoint_records_the_version_the_method_and_the_resolved_config(cli_checkpoint):
+    record = torch.load(cli_checkpoint, weights_only=True)["contrastlab"]
+    assert record["version"] == re.search(r'^version = "(.+)"', (ROOT / "pyproject.toml").read_text(), re.MULTILINE).group(1)
+    assert record["module"] == "methods.moco.MoCoV2"
+    config = record["config"]
+    assert config["seed_everything"] == 0 and config["model"]["class_path"] == "methods.MoCoV2"
+    assert config["model"]["init_args"]["queue_size"] == 64 and config["data"]["init_args"]["batch_size"] == 16  # the overrides
+
+
+@pytest.mark.parametrize(
+    "saved, current, loads",
+    [("0.1.7", "0.1.0", True), ("0.2.0", "0.1.0", False), ("1.4.2", "1.0.0", True), ("2.0.0", "1.9.0", False)],
+)
+def test_compatible_versions_follow_semantic_versioning(saved, current, loads):
+    assert compatible(saved, current) == loads
+
+
+def test_loading_a_checkpoint_of_an_incompatible_version_says_so(cli_checkpoint, tmp_path):
+    major, minor = map(int, VERSION.split(".")[:2])
+    MoCoV2.load_from_checkpoint(with_record(cli_checkpoint, tmp_path / "patch.ckpt", version=f"{major}.{minor}.99"))
+    newer = with_record(cli_checkpoint, tmp_path / "minor.ckpt", version=f"{major}.{minor + 1}.0")
+    with pytest.raises(CheckpointMismatch, match=rf"was written by contrastlab {major}.{minor + 1}.0 \(methods.moco.MoCoV2\), which this contrastlab {VERSION} cannot load"):
+        MoCoV2.load_from_checkpoint(newer)
+
+
+def test_resuming_from_an_incompatible_or_foreign_checkpoint_is_one_error_line(cli_checkpoint, tmp_path, capsys):
+    incompatible = with_record(cli_checkpoint, tmp_path / "old.ckpt", version="0.0.3")
+    foreign = tmp_path / "foreign.ckpt"
+    torch.save({"state_dict": {}}, foreign)
+    for path, expected in ((incompatible, "was written by contrastlab 0.0.3 (methods.moco.MoCoV2), which this contrastlab"),
+                           (foreign, "is not a Lightning checkpoint and holds no contrastlab record (version, module class)")):
+        line = run_failing(main_pretrain, ["fit", "--config", PRETRAIN_DIGITS, f"--ckpt_path={path}", f"--trainer.default_root_dir={tmp_path / 'run'}"], capsys)
+        assert line.startswith(f"error: ckpt_path '{path}' {expected}")
+
+
+def test_a_checkpoint_written_before_the_record_existed_loads_with_a_warning(cli_checkpoint, tmp_path):
+    checkpoint = torch.load(cli_checkpoint, weights_only=True)
+    del checkpoint["contrastlab"]  # as every checkpoint of the runs measured before issue 12
+    torch.save(checkpoint, tmp_path / "old.ckpt")
+    with pytest.warns(UserWarning, match="holds no contrastlab record .written before checkpoints recorded the version.: loaded without a version check"):
+        model = MoCoV2.load_from_checkpoint(tmp_path / "old.ckpt")
+    assert torch.equal(model.queue.keys, checkpoint["state_dict"]["queue.keys"])
+    with pytest.warns(UserWarning, match="model.pretrained_ckpt .* holds no contrastlab record"):
+        state, _ = methods.linear.load_backbone_state(str(tmp_path / "old.ckpt"))
+    assert state.keys() == {name.removeprefix("backbone.") for name in checkpoint["state_dict"] if name.startswith("backbone.")}
+
+
+def record_only_checkpoint(model, path: Path) -> Path:
+    """A checkpoint as the module's own `on_save_checkpoint` records it (no Trainer needed)."""
+    checkpoint = {"state_dict": model.state_dict()}
+    model.on_save_checkpoint(checkpoint)
+    torch.save(checkpoint, path)
+    return path
+
+
+def test_the_linear_stage_refuses_a_checkpoint_of_another_method_family_in_one_line(tmp_path, capsys):
+    checkpoints = {
+        "methods.linear.LinearProbe": record_only_checkpoint(LinearProbe(random_init=True, backbone=FAST_BACKBONE), tmp_path / "probe.ckpt"),
+        "methods.longtail.CrossEntropy": record_only_checkpoint(CrossEntropy(backbone=FAST_BACKBONE), tmp_path / "ce.ckpt"),
+    }
+    for module, path in checkpoints.items():
+        line = run_failing(main_linear, ["fit", "--config", LINEAR_DIGITS, f"--model.pretrained_ckpt={path}", f"--trainer.default_root_dir={tmp_path / 'run'}"], capsys)
+        assert line == (f"error: model.pretrained_ckpt '{path}' is a {module} checkpoint, not a pretraining one: the linear stage "
+                        "probes the trunk of a pretraining method (methods.PretrainMethod, e.g. methods.MoCoV2)")
+
+
+# ----------------------------------------------------------------- bad inputs
+@pytest.mark.parametrize(
+    "config, override, expected",
+    [
+        ("moco_digits", "--model.init_args.queue_size=many", 'Parser key "model.init_args.queue_size": Expected a <class \'int\'>. Got value: many'),
+        ("moco_digits", "--model.init_args.temperature=0", "temperature must be > 0, got 0.0"),
+        ("sce_digits", "--model.init_args.coeff=1.5", "coeff must lie in [0, 1], got 1.5"),
+        ("tcl_digits", "--model.init_args.k1=-1", "model.k1 and model.k2 must be >= 0, got k1=-1.0"),
+        ("paco_digits_lt", "--model.init_args.temperature=-0.1", "model.temperature must be > 0, got -0.1"),
+    ],
+)
+def test_an_out_of_range_or_mistyped_value_ends_with_one_error_line_naming_it(config, override, expected, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    line = run_failing(main_pretrain, ["fit", "--config", str(ROOT / "configs" / f"{config}.yaml"), f"--trainer.default_root_dir={run_dir}", override], capsys)
+    assert expected in line
+    assert not run_dir.exists()
+
+
+def test_fewer_than_one_key_view_per_query_is_refused(tmp_path, capsys):
+    config = tmp_path / "jcl.yaml"
+    config.write_text((ROOT / "configs" / "jcl_digits.yaml").read_text().replace("count: 3}", "count: 0}"))
+    line = run_failing(main_pretrain, ["fit", "--config", str(config), f"--trainer.default_root_dir={tmp_path / 'run'}"], capsys)
+    assert line == "error: view 'keys': count must be an integer >= 1, got 0"  # JCL's M'
+
+
+def test_an_empty_split_file_is_refused_naming_it(tmp_path):
+    (tmp_path / "train.txt").write_text("\n")
+    (tmp_path / "val.txt").write_text("val/a.jpg 0\n")
+    with pytest.raises(ValueError, match=re.escape(f"data.train_file '{tmp_path / 'train.txt'}' lists no images")):
+        SplitFileDataModule(root=str(tmp_path), train_file=str(tmp_path / "train.txt"), val_file=str(tmp_path / "val.txt"), views={"image": {"preset": "npid"}})
