@@ -17,7 +17,8 @@
   group (NonFiniteLossGuard) stops the run at the first non-finite loss; checkpoints hold the random
   states, the position in the epoch's data order (the DataModule's state), the contrastlab version
   and the resolved config; `fit` in a directory that already holds `checkpoints/last.ckpt` is refused
-  unless it resumes (`--ckpt_path last`, which also starts a run that has no checkpoint yet); on
+  unless it resumes (`--ckpt_path last`, which also starts a run that has no checkpoint yet; a
+  requeued Slurm job resumes from its hpc checkpoint, or from `last.ckpt` when it has none); on
   SIGTERM the current step is saved as `last.ckpt` and the process exits with status 143;
   checkpoints are written next to their target and renamed over it.
 """
@@ -140,7 +141,9 @@ class ContrastlabCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("data.num_classes", "model.init_args.num_classes", apply_on="instantiate")
         parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
-        parser.set_defaults({"checkpoint.save_last": True})
+        # a resumed run overwrites its own last.ckpt (Lightning would write last-v1.ckpt beside a last.ckpt it
+        # did not write in this process, leaving the stale one where the linear stage and a resume look)
+        parser.set_defaults({"checkpoint.save_last": True, "checkpoint.enable_version_counter": False})
         parser.add_lightning_class_args(NonFiniteLossGuard, "non_finite")
 
     def parse_arguments(self, parser: LightningArgumentParser, args) -> None:
@@ -196,6 +199,10 @@ class ContrastlabCLI(LightningCLI):
             return  # a requeued Slurm job: Lightning resumes it from its hpc checkpoint
         for callback in self.trainer.checkpoint_callbacks:
             if isinstance(callback, ModelCheckpoint) and last_checkpoint_path(callback).is_file():
+                if SLURMEnvironment.detect() and int(os.environ.get("SLURM_RESTART_COUNT", 0)) > 0:
+                    # requeued after a preemption (SIGTERM) or a node failure, before any hpc checkpoint
+                    self.config_init[self.subcommand]["ckpt_path"] = "last"
+                    return
                 fail(
                     f"{last_checkpoint_path(callback)} already holds a run: resume it with --ckpt_path last, or "
                     "start a new one under another trainer.default_root_dir"

@@ -13,8 +13,12 @@ command resumes an interrupted sweep; a failed run is reported and the others go
 `OUT/results.md` gives, per grid point, mean ± std and the 95% confidence interval (Student t) over
 seeds; `OUT/results.csv` has one row per run.
 
-On a cluster, `--slurm` writes `OUT/sweep.sbatch`, a job array with one task per run (each task is
-this command with `--only <index>`); `--collect` then only rebuilds the table.
+On a cluster, `--slurm` writes `OUT/sweep.sbatch`, the job of `scripts/slurm/template.sbatch` (the
+one `scripts/slurm/submit.py` writes) as an array with one task per run: each task is this command with
+`--only <index>` on `--nodes` x `--gpus-per-node` (default: the config's trainer.devices), and every run
+gets the matching `--trainer.num_nodes` / `--trainer.devices`. Slurm logs go to `OUT/slurm-<index>.out`
+/ `.err`; a task requeued on SIGUSR1 resumes its run from `last.ckpt`. `--collect` then only rebuilds
+the table.
 """
 
 import argparse
@@ -24,6 +28,7 @@ import json
 import math
 import re
 import shlex
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -32,6 +37,9 @@ from pathlib import Path
 from scipy import stats
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as a script: make `scripts` importable
+from scripts.slurm import job  # noqa: E402
+
 DEFAULT_METRICS = ("val/knn_top1", "val/probe_top1", "linear:val/probe_top1")
 
 
@@ -46,6 +54,16 @@ class Run:
         return ",".join(f"{key.rsplit('.', 1)[-1]}={value}" for key, value in self.point) or "base"
 
 
+def point_label(point: tuple[tuple[str, str], ...]) -> str:
+    """A folder name for a grid point, e.g. `temperature0.1_temperature_momentum0.05`."""
+    label = "_".join(f"{key.rsplit('.', 1)[-1]}{value}" for key, value in point) or "base"
+    return re.sub(r"[^\w.=-]", "-", label)
+
+
+def point_overrides(point: tuple[tuple[str, str], ...]) -> list[str]:
+    return [f"--{key}={value}" for key, value in point]
+
+
 def parse_grid(entries: list[str]) -> list[tuple[str, list[str]]]:
     grid = []
     for entry in entries:
@@ -56,21 +74,19 @@ def parse_grid(entries: list[str]) -> list[tuple[str, list[str]]]:
     return grid
 
 
+def grid_points(grid: list[tuple[str, list[str]]]) -> list[tuple[tuple[str, str], ...]]:
+    """Every combination of the grid values, in a stable order (one empty point for no grid)."""
+    return [tuple((key, value) for (key, _), value in zip(grid, values)) for values in itertools.product(*(values for _, values in grid))]
+
+
 def expand(grid: list[tuple[str, list[str]]], seeds: list[int], out: Path) -> list[Run]:
-    """Every combination of the grid values, each with every seed, in a stable order."""
-    runs = []
-    for values in itertools.product(*(values for _, values in grid)):
-        point = tuple((key, value) for (key, _), value in zip(grid, values))
-        for seed in seeds:
-            label = "_".join(f"{key.rsplit('.', 1)[-1]}{value}" for key, value in point) or "base"
-            runs.append(Run(point, seed, out / re.sub(r"[^\w.=-]", "-", f"{label}_seed{seed}")))
-    return runs
+    """Every grid point with every seed, in a stable order."""
+    return [Run(point, seed, out / f"{point_label(point)}_seed{seed}") for point in grid_points(grid) for seed in seeds]
 
 
 def pretrain_command(run: Run, config: str, extra: list[str]) -> list[str]:
-    overrides = [f"--{key}={value}" for key, value in run.point]
     return [sys.executable, str(ROOT / "main_pretrain.py"), "fit", "--config", config, f"--seed_everything={run.seed}",
-            f"--trainer.default_root_dir={run.directory}", "--ckpt_path=last", *overrides, *extra]
+            f"--trainer.default_root_dir={run.directory}", "--ckpt_path=last", *point_overrides(run.point), *extra]
 
 
 def linear_command(run: Run, config: str, extra: list[str]) -> list[str]:
@@ -156,19 +172,27 @@ def sweep_argv(args) -> list[str]:
     for grid in args.grid:
         argv += ["--grid", grid]
     if args.linear:
-        argv += ["--linear", args.linear, *itertools.chain(*(("--linear-override", o) for o in args.linear_override))]
+        # `--linear-override=VALUE` in one token: the value starts with `--`
+        argv += ["--linear", args.linear, *(f"--linear-override={override}" for override in args.linear_override)]
     if args.metrics:
         argv += ["--metrics", *args.metrics]
     return argv + (["--", *args.extra] if args.extra else [])
 
 
-def write_slurm_array(runs: list[Run], argv: list[str], out: Path, options: list[str]) -> Path:
-    script = out / "sweep.sbatch"
-    lines = ["#!/bin/bash", f"#SBATCH --job-name={out.name}", f"#SBATCH --array=0-{len(runs) - 1}",
-             f"#SBATCH --output={out}/slurm-%A_%a.out", *(f"#SBATCH {option}" for option in options),
-             f"cd {shlex.quote(str(ROOT))}",
-             f"srun python scripts/sweep.py --only $SLURM_ARRAY_TASK_ID {shlex.join(argv)}"]
-    script.write_text("\n".join(lines) + "\n")
+def write_slurm_array(runs: list[Run], args) -> Path:
+    """OUT/sweep.sbatch: the Slurm job template as an array of one task per run, every run (pretraining
+    and linear stage) set to the job's nodes x GPUs."""
+    resources = job.Resources.from_args(args, job.read_config(args.config))
+    # the job runs in the project root
+    paths = {key: job.from_root(Path(path)) for key in ("config", "out", "linear") if (path := getattr(args, key))}
+    extra, linear_override = resources.trainer_arguments(args.extra), resources.trainer_arguments(args.linear_override)
+    argv = sweep_argv(argparse.Namespace(**{**vars(args), **paths, "extra": extra, "linear_override": linear_override}))
+    command = f"python scripts/sweep.py --only $SLURM_ARRAY_TASK_ID {shlex.join(argv)}"  # the task index is left to bash
+    log_stem = job.from_root(args.out / "slurm-%a")  # per array task, without the job id: appended to across requeues
+    text = resources.render(args.out.name, log_stem, command, extra_options=(f"--array=0-{len(runs) - 1}",))
+    args.out.mkdir(parents=True, exist_ok=True)
+    script = args.out / "sweep.sbatch"
+    script.write_text(text)
     return script
 
 
@@ -186,7 +210,7 @@ def parse_args(argv: list[str]):
     parser.add_argument("--only", type=int, help="run only the run with this index (a Slurm array task)")
     parser.add_argument("--collect", action="store_true", help="only rebuild the table from finished runs")
     parser.add_argument("--slurm", action="store_true", help="write OUT/sweep.sbatch (a job array) instead of running")
-    parser.add_argument("--sbatch-option", action="append", default=[], help="an #SBATCH line, e.g. --sbatch-option=--gpus=1")
+    job.add_resource_arguments(parser)
     args = parser.parse_args(own)
     args.extra = extra
     return args
@@ -201,13 +225,23 @@ def main(argv: list[str]) -> int:
         runs = expand(parse_grid(args.grid), args.seeds, args.out.resolve())
     except ValueError as error:
         raise SystemExit(f"error: {error}") from None
-    args.out.mkdir(parents=True, exist_ok=True)
     if args.slurm:
-        script = write_slurm_array(runs, sweep_argv(args), args.out, args.sbatch_option)
+        try:
+            script = write_slurm_array(runs, args)
+        except ValueError as error:
+            raise SystemExit(f"error: {error}") from None
         print(f"sbatch {script}   # then: python scripts/sweep.py --collect {shlex.join(sweep_argv(args))}")
         return 0
+    args.out.mkdir(parents=True, exist_ok=True)
     if args.only is not None and not 0 <= args.only < len(runs):
         raise SystemExit(f"error: --only {args.only} is outside the {len(runs)} runs of this sweep (0..{len(runs) - 1})")
+    if args.only is not None:
+        # An array task: Slurm signals every process of the step (SIGUSR1 before the time limit, SIGTERM
+        # when it ends the job). The training run handles them (hpc checkpoint and requeue; last.ckpt);
+        # this wrapper waits for it instead of dying first, which would end the step and kill the run in
+        # the middle of its checkpoint. A handler, unlike SIG_IGN, is reset in the run, so Lightning installs its own.
+        for signum in (signal.SIGUSR1, signal.SIGTERM):
+            signal.signal(signum, lambda signum, frame: None)
     selected = [runs[args.only]] if args.only is not None else runs
     failed = [] if args.collect else [run for run in selected if not perform(run, args)]
     defaults = DEFAULT_METRICS[: 2 if not args.linear else 3]

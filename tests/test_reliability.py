@@ -218,6 +218,39 @@ def test_a_signalled_cli_run_exits_with_a_loadable_last_ckpt(signum, status, sav
         assert "stopped by SIGTERM after global step 4 (checkpoints/last.ckpt): resume with --ckpt_path last" in capsys.readouterr().err
 
 
+SIGNALLED_RUN = [*TINY_RUN, "--trainer.limit_val_batches=0", "--trainer.logger=false", "--trainer.precision=32-true"]
+
+
+def sigterm_at_first_step(run_dir) -> None:
+    """A CLI run stopped by SIGTERM in its first step, before any epoch-end checkpoint."""
+    with pytest.raises(SystemExit):
+        main_pretrain.cli_main(["fit", "--config", PRETRAIN_DIGITS, *SIGNALLED_RUN, "--trainer.max_epochs=2", f"--trainer.default_root_dir={run_dir}",
+                                "--trainer.callbacks+=test_reliability.SignalAtStep", f"--trainer.callbacks.signum={int(signal.SIGTERM)}",
+                                "--trainer.callbacks.step=0"])
+
+
+def test_a_run_resumed_from_a_signal_checkpoint_keeps_writing_the_same_last_ckpt(tmp_path):
+    run_dir = tmp_path / "run"
+    sigterm_at_first_step(run_dir)
+    main_pretrain.cli_main(["fit", "--config", PRETRAIN_DIGITS, *SIGNALLED_RUN, "--trainer.max_epochs=2", f"--trainer.default_root_dir={run_dir}", "--ckpt_path=last"])
+    assert not list((run_dir / "checkpoints").glob("last-v*.ckpt"))  # no last-v1.ckpt beside a stale last.ckpt
+    assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 4
+
+
+def test_a_requeued_slurm_job_without_an_hpc_checkpoint_resumes_from_last_ckpt(tmp_path, monkeypatch, capsys):
+    """Preempted by SIGTERM (or a failed node) before any SIGUSR1: the requeued job runs the same command."""
+    run_dir = tmp_path / "run"
+    sigterm_at_first_step(run_dir)
+    for name, value in dict(SLURM_NTASKS="1", SLURM_JOB_NAME="pretrain", SLURM_JOB_ID="4242", SLURM_NODELIST="node1",
+                            SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_NODEID="0").items():
+        monkeypatch.setenv(name, value)
+    command = ["fit", "--config", PRETRAIN_DIGITS, *SIGNALLED_RUN, "--trainer.max_epochs=2", f"--trainer.default_root_dir={run_dir}"]
+    assert run_failing(main_pretrain, command, capsys).endswith("already holds a run: resume it with --ckpt_path last, or start a new one under another trainer.default_root_dir")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    cli = main_pretrain.cli_main(command)
+    assert cli.trainer.global_step == 4 and cli.trainer.ckpt_path == str(run_dir / "checkpoints" / "last.ckpt")
+
+
 def test_a_sigusr1_outside_slurm_kills_a_training_subprocess_and_last_ckpt_still_loads(tmp_path):
     """Outside Slurm nothing handles SIGUSR1: the process dies at once, as if killed, and the checkpoint
     of the last epoch must survive (Slurm's SIGUSR1 is Lightning's: an hpc checkpoint and a requeue)."""

@@ -2,12 +2,14 @@
 
 import json
 import math
+import shlex
+import signal
 from pathlib import Path
 
 import pytest
 
 from scripts import sweep
-from test_cli import PRETRAIN_DIGITS, TINY_RUN
+from test_cli import LINEAR_DIGITS, PRETRAIN_DIGITS, TINY_RUN
 
 
 def test_grid_expands_to_the_product_of_values_times_seeds_with_distinct_directories(tmp_path):
@@ -55,18 +57,41 @@ def test_table_aggregates_seeds_per_point_and_marks_missing_runs(tmp_path):
     assert (tmp_path / "results.csv").read_text().splitlines()[1] == "temperature=0.1,0,0.4,0.5"
 
 
-def test_slurm_mode_writes_one_array_task_per_run_and_runs_nothing(tmp_path, capsys):
+def test_slurm_mode_writes_the_job_template_as_an_array_of_one_task_per_run_and_runs_nothing(tmp_path, capsys):
     out = tmp_path / "sweep"
     code = sweep.main(["--config", PRETRAIN_DIGITS, "--out", str(out), "--grid", "model.init_args.temperature=0.1,0.2",
-                       "--seeds", "0", "1", "2", "--slurm", "--sbatch-option=--gpus=1", "--", "--trainer.max_epochs=5"])
+                       "--seeds", "0", "1", "2", "--linear", LINEAR_DIGITS, "--slurm", "--gpus-per-node=2",
+                       "--sbatch-option=--account=lab", "--", "--trainer.max_epochs=5"])
     assert code == 0
     script = (out / "sweep.sbatch").read_text()
-    assert "#SBATCH --array=0-5" in script and "#SBATCH --gpus=1" in script
+    for line in ("--array=0-5", "--account=lab", "--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=2",
+                 "--signal=SIGUSR1@90", "--requeue", "--open-mode=append", f"--output={out}/slurm-%a.out"):
+        assert f"#SBATCH {line}\n" in script  # the lines of scripts/slurm/template.sbatch
     task = script.strip().splitlines()[-1]
     assert task.startswith("srun python scripts/sweep.py --only $SLURM_ARRAY_TASK_ID --config")
-    assert task.endswith("--grid model.init_args.temperature=0.1,0.2 -- --trainer.max_epochs=5")
+    assert task.endswith("-- --trainer.max_epochs=5 --trainer.num_nodes=1 --trainer.devices=2")
+    args = sweep.parse_args(shlex.split(task.replace("$SLURM_ARRAY_TASK_ID", "4"))[3:])  # what the task parses
+    assert args.only == 4 and args.seeds == [0, 1, 2] and args.grid == ["model.init_args.temperature=0.1,0.2"]
+    assert args.linear_override == ["--trainer.num_nodes=1", "--trainer.devices=2"]
     assert "sbatch" in capsys.readouterr().out
     assert not any(path.is_dir() for path in out.iterdir())
+
+
+def test_an_array_task_outlives_the_signals_that_slurm_sends_its_training_run(tmp_path):
+    previous = {signum: signal.signal(signum, signal.SIG_DFL) for signum in (signal.SIGUSR1, signal.SIGTERM)}
+    try:
+        assert sweep.main(["--config", PRETRAIN_DIGITS, "--out", str(tmp_path), "--only", "0", "--collect"]) == 0
+        # a handler: not SIG_DFL (the wrapper would die first) nor SIG_IGN (inherited: Lightning would not install its own)
+        assert all(callable(signal.getsignal(signum)) for signum in previous)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def test_slurm_mode_refuses_an_override_of_the_jobs_devices_and_writes_nothing(tmp_path):
+    with pytest.raises(SystemExit, match="override '--trainer.devices=4': set it with --gpus-per-node"):
+        sweep.main(["--config", PRETRAIN_DIGITS, "--out", str(tmp_path / "sweep"), "--slurm", "--", "--trainer.devices=4"])
+    assert not (tmp_path / "sweep").exists()
 
 
 def test_only_refuses_an_index_outside_the_sweep(tmp_path):

@@ -1,0 +1,100 @@
+"""One Slurm job rendered from `scripts/slurm/template.sbatch`: its resources, the trainer settings that
+must match them, and the hand-over to `sbatch`. Shared by `scripts/slurm/submit.py` (one job per run) and
+`scripts/sweep.py --slurm` (a job array), so that both write the same #SBATCH lines."""
+
+import argparse
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from string import Template
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+TEMPLATE = Path(__file__).with_name("template.sbatch")
+# Lightning under Slurm refuses trainer.devices != --ntasks-per-node and trainer.num_nodes != --nodes,
+# so the job sets both from its own resources and an override may not set them.
+CLUSTER_KEYS = {"--trainer.num_nodes": "--nodes", "--trainer.devices": "--gpus-per-node"}
+
+
+def add_resource_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("Slurm resources")
+    group.add_argument("--nodes", type=int, default=1, help="nodes per job (trainer.num_nodes)")
+    group.add_argument("--gpus-per-node", type=int,
+                       help="GPUs per node = srun tasks per node = trainer.devices (default: the config's trainer.devices, else 1)")
+    group.add_argument("--cpus-per-task", type=int,
+                       help="CPUs per GPU process (default: the config's data.init_args.num_workers + 1)")
+    group.add_argument("--time", default="24:00:00", help="time limit of one job; a longer run is requeued and resumes")
+    group.add_argument("--partition", help="the Slurm partition")
+    group.add_argument("--sbatch-option", action="append", default=[],
+                       help="another #SBATCH option, e.g. --sbatch-option=--account=lab (repeat for more)")
+
+
+def read_config(path: str) -> dict:
+    if not Path(path).is_file():
+        raise ValueError(f"--config {path!r} is not an existing file")
+    try:
+        config = yaml.safe_load(Path(path).read_text())
+    except yaml.YAMLError as error:
+        raise ValueError(f"--config {path!r} is not valid YAML: {error}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"--config {path!r} is not a config (a YAML mapping of trainer, model, data, ...)")
+    return config
+
+
+def from_root(path: Path) -> str:
+    """`path` as the job sees it: relative to the project root (its working directory) when inside it."""
+    path = path.resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
+@dataclass(frozen=True)
+class Resources:
+    nodes: int
+    gpus_per_node: int
+    cpus_per_task: int
+    time: str
+    options: tuple[str, ...]  # further #SBATCH options
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, config: dict) -> "Resources":
+        """The command line's resources, the open ones read from the config (`args.config`)."""
+        devices = args.gpus_per_node if args.gpus_per_node is not None else (config.get("trainer") or {}).get("devices", 1)
+        if isinstance(devices, bool) or not isinstance(devices, int):
+            raise ValueError(f"{args.config}: trainer.devices {devices!r} is not a number of GPUs: give --gpus-per-node")
+        workers = ((config.get("data") or {}).get("init_args") or {}).get("num_workers", 0)
+        cpus = args.cpus_per_task if args.cpus_per_task is not None else workers + 1  # the loader workers + the trainer
+        for option, value in (("--nodes", args.nodes), ("--gpus-per-node", devices), ("--cpus-per-task", cpus)):
+            if value < 1:
+                raise ValueError(f"{option} must be at least 1, got {value}")
+        options = ([f"--partition={args.partition}"] if args.partition else []) + args.sbatch_option
+        return cls(args.nodes, devices, cpus, args.time, tuple(options))
+
+    def trainer_arguments(self, overrides: list[str]) -> list[str]:
+        """The overrides, then the trainer settings that Lightning checks against the job's resources."""
+        for override in overrides:
+            key = override.partition("=")[0]
+            if key in CLUSTER_KEYS:
+                raise ValueError(f"override {override!r}: set it with {CLUSTER_KEYS[key]} (it must match the #SBATCH lines)")
+        return [*overrides, f"--trainer.num_nodes={self.nodes}", f"--trainer.devices={self.gpus_per_node}"]
+
+    def render(self, job_name: str, log_stem: str, command: str, extra_options: tuple[str, ...] = ()) -> str:
+        """The template filled in; `command` (already shell-quoted) is run by `srun` on every task."""
+        options = "".join(f"\n#SBATCH {option}" for option in (*extra_options, *self.options))
+        return Template(TEMPLATE.read_text()).substitute(
+            job_name=job_name, nodes=self.nodes, gpus_per_node=self.gpus_per_node, cpus_per_task=self.cpus_per_task,
+            time=self.time, workdir=ROOT, log_stem=log_stem, extra_options=options, command=command,
+        )
+
+
+def sbatch_executable() -> str:
+    executable = shutil.which("sbatch")
+    if executable is None:
+        raise ValueError("sbatch is not on PATH: run this on a Slurm login node, or use --dry-run to only write the job files")
+    return executable
+
+
+def submit(executable: str, script: Path) -> None:
+    if subprocess.run([executable, str(script)], cwd=ROOT).returncode != 0:
+        raise ValueError(f"sbatch {script} failed (its message is above)")

@@ -1,0 +1,88 @@
+"""Submit pretraining runs to Slurm, each as one multi-node job of Lightning DDP.
+
+    uv run python scripts/slurm/submit.py --config configs/sce_imagenet100.yaml --nodes 2 --gpus-per-node 4 \\
+        [--time 48:00:00] [--partition gpu] [--sbatch-option=--account=lab ...] [--run-dir DIR] \\
+        [--grid model.init_args.temperature=0.1,0.2 ...] [--dry-run] [-- --model.init_args.coeff=0.4 ...]
+
+It fills `scripts/slurm/template.sbatch` from the config and the command line, writes it as
+`RUN_DIR/job.sbatch` and calls `sbatch` on it (with `--dry-run` it only writes). The job runs
+`srun python main_pretrain.py fit --config CONFIG [grid values] [overrides] --trainer.num_nodes=N
+--trainer.devices=G --trainer.default_root_dir=RUN_DIR`: one task per GPU, and trainer.devices equal to
+--ntasks-per-node because both come from --gpus-per-node (Lightning refuses a mismatch). Arguments after
+`--` are overrides of every run, applied left to right as in main_pretrain.py.
+
+RUN_DIR (`--run-dir`, else the config's trainer.default_root_dir) holds the job file, the Slurm logs
+`slurm.out` / `slurm.err` (appended to across requeues) and the run itself. It contains no job id, so
+the job that Lightning requeues on SIGUSR1 (90 s before the time limit) finds its
+`hpc_ckpt_<n>.ckpt` there and resumes from it.
+
+`--grid key=v1,v2` (repeatable, a product grid as in scripts/sweep.py) submits one job per grid point,
+each in `RUN_DIR/<point>/` (e.g. `runs/sce_imagenet100/temperature0.1/`): separate jobs rather than
+an array, so that each point is requeued, resumed and cancelled on its own. For seeds and the table over
+them, use `scripts/sweep.py --slurm`, which renders the same template as a job array.
+"""
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: make `scripts` importable
+from scripts import sweep  # noqa: E402
+from scripts.slurm import job  # noqa: E402
+
+
+def render_jobs(args: argparse.Namespace) -> list[tuple[Path, str]]:
+    """One (run directory, job file) per grid point; every input is checked before anything is written."""
+    config = job.read_config(args.config)
+    resources = job.Resources.from_args(args, config)
+    if args.run_dir is not None:
+        run_dir = args.run_dir.resolve()
+    elif (config.get("trainer") or {}).get("default_root_dir"):
+        run_dir = job.ROOT / config["trainer"]["default_root_dir"]  # where main_pretrain.py, run from the root, puts it
+    else:
+        raise ValueError(f"{args.config} sets no trainer.default_root_dir: give --run-dir")
+    grid = sweep.parse_grid(args.grid)
+    overrides = resources.trainer_arguments(args.overrides)
+    jobs = []
+    for point in sweep.grid_points(grid):
+        directory = run_dir / sweep.point_label(point) if grid else run_dir
+        command = ["python", "main_pretrain.py", "fit", "--config", job.from_root(Path(args.config)),
+                   *sweep.point_overrides(point), *overrides, f"--trainer.default_root_dir={job.from_root(directory)}"]
+        name = f"{run_dir.name}_{directory.name}" if grid else run_dir.name
+        jobs.append((directory, resources.render(name, job.from_root(directory / "slurm"), shlex.join(command))))
+    return jobs
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    own, overrides = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="the pretraining config")
+    parser.add_argument("--run-dir", type=Path, help="the run directory (default: the config's trainer.default_root_dir)")
+    parser.add_argument("--grid", action="append", default=[], help="key=v1,v2,... one job per point (repeat for a product grid)")
+    parser.add_argument("--dry-run", action="store_true", help="only write the job files")
+    job.add_resource_arguments(parser)
+    args = parser.parse_args(own)
+    args.overrides = overrides
+    return args
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    try:
+        jobs = render_jobs(args)
+        executable = None if args.dry_run else job.sbatch_executable()
+        for directory, text in jobs:
+            directory.mkdir(parents=True, exist_ok=True)  # Slurm opens the log files in it before the run starts
+            script = directory / "job.sbatch"
+            script.write_text(text)
+            print(f"{'wrote' if args.dry_run else 'submitting'} {script}", flush=True)
+            if executable is not None:
+                job.submit(executable, script)
+    except ValueError as error:
+        raise SystemExit(f"error: {error}") from None
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
