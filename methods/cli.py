@@ -24,12 +24,13 @@
 """
 
 import json
+from contextlib import contextmanager
 import os
 import re
 import signal
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import yaml
@@ -49,11 +50,12 @@ from methods.reliability import (
     NonFiniteLossGuard,
     RandomStateCheckpoint,
     SameDirectoryCheckpointIO,
-    SlurmRequeueAtStepEnd,
+    PreemptionSignals,
     checked_record,
     last_checkpoint_path,
     write_atomically,
 )
+from methods.tracking import TrainingThroughput, WandbRun
 
 SUMMARY_KEYS = ("probe_top1", "probe_top5", "knn_top1", "knn_top5", "top1", "many_top1", "medium_top1", "few_top1")
 
@@ -61,6 +63,17 @@ SUMMARY_KEYS = ("probe_top1", "probe_top5", "knn_top1", "knn_top5", "top1", "man
 def fail(message: str) -> None:
     sys.stderr.write(f"error: {message}\n")
     sys.exit(2)
+
+
+@contextmanager
+def one_error_line(*errors: type[BaseException], describe: Callable[[BaseException], str] = str):
+    """End the run with one `error:` line for these errors (CONTRASTLAB_TRACEBACK=1 keeps the traceback)."""
+    try:
+        yield
+    except errors as error:
+        if os.environ.get("CONTRASTLAB_TRACEBACK"):
+            raise
+        fail(describe(error))
 
 
 NOISE = ("Does not validate", "Subtypes:", "Errors:", "Given value", "- Expected a <class 'NoneType'>", "- Problem with given class_path")
@@ -117,26 +130,23 @@ class SaveConfigToRun(SaveConfigCallback):
 class ContrastlabCLI(LightningCLI):
     def __init__(self, model_class, args: Any = None, **kwargs):
         try:
-            super().__init__(
-                model_class,
-                ContrastiveDataModule,
-                subclass_mode_model=True,
-                subclass_mode_data=True,
-                parser_class=ContrastlabArgumentParser,
-                save_config_callback=SaveConfigToRun,
-                save_config_kwargs={"overwrite": True},
-                trainer_defaults={"callbacks": [RandomStateCheckpoint(), LastCheckpointOnSigterm(), SlurmRequeueAtStepEnd()]},
-                auto_configure_optimizers=False,
-                args=args,
-                **kwargs,
-            )
+            with one_error_line(NonFiniteLossError, CheckpointMismatch):
+                super().__init__(
+                    model_class,
+                    ContrastiveDataModule,
+                    subclass_mode_model=True,
+                    subclass_mode_data=True,
+                    parser_class=ContrastlabArgumentParser,
+                    save_config_callback=SaveConfigToRun,
+                    save_config_kwargs={"overwrite": True},
+                    trainer_defaults={"callbacks": [RandomStateCheckpoint(), LastCheckpointOnSigterm(), PreemptionSignals(), TrainingThroughput()]},
+                    auto_configure_optimizers=False,
+                    args=args,
+                    **kwargs,
+                )
         except SIGTERMException:
             sys.stderr.write(f"stopped by SIGTERM after global step {self.trainer.global_step} (checkpoints/last.ckpt): resume with --ckpt_path last\n")
             sys.exit(128 + signal.SIGTERM)
-        except (NonFiniteLossError, CheckpointMismatch) as error:
-            if os.environ.get("CONTRASTLAB_TRACEBACK"):
-                raise
-            fail(str(error))
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("data.num_classes", "model.init_args.num_classes", apply_on="instantiate")
@@ -159,27 +169,17 @@ class ContrastlabCLI(LightningCLI):
                 checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)
             except Exception as error:  # a truncated or foreign file: say which file, not a pickle traceback
                 fail(f"ckpt_path {ckpt_path!r} could not be read as a checkpoint: {error}")
-            try:
+            with one_error_line(CheckpointMismatch):
                 checked_record(checkpoint, f"ckpt_path {ckpt_path!r}")
-            except CheckpointMismatch as error:
-                fail(str(error))
 
     def instantiate_classes(self) -> None:
-        try:
+        with one_error_line(ValueError, describe=lambda error: condense_parser_error(str(root_cause(error)))):
             super().instantiate_classes()
-        except ValueError as error:
-            if os.environ.get("CONTRASTLAB_TRACEBACK"):
-                raise
-            fail(condense_parser_error(str(root_cause(error))))
 
     def _check_data(self) -> None:
-        try:
+        with one_error_line(ValueError):
             self.datamodule.setup("fit")  # opens the dataset files: a corrupt one is one error line too
             self.model.check_data(self.datamodule, self.trainer.world_size)
-        except ValueError as error:
-            if os.environ.get("CONTRASTLAB_TRACEBACK"):
-                raise
-            fail(str(error))
 
     def before_fit(self) -> None:
         self._check_data()
@@ -189,6 +189,7 @@ class ContrastlabCLI(LightningCLI):
         if type(self.trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # Lightning's default, not a configured plugin
             self.trainer.strategy.checkpoint_io = SameDirectoryCheckpointIO()
         self._refuse_to_overwrite_a_run()
+        self._start_tracking()
 
     def _refuse_to_overwrite_a_run(self) -> None:
         """A new `fit` must not overwrite the checkpoints of an earlier run in the same directory."""
@@ -208,7 +209,18 @@ class ContrastlabCLI(LightningCLI):
                     "start a new one under another trainer.default_root_dir"
                 )
 
-    before_validate = before_test = _check_data
+    def _start_tracking(self) -> None:
+        """Bind a W&B logger to the run directory and the resolved config before the trainer creates its run."""
+        if not isinstance(self.trainer.logger, WandbRun):
+            return
+        with one_error_line(ValueError):
+            self.trainer.logger.start(self.trainer.default_root_dir, self.config[self.subcommand].as_dict())
+
+    def _prepare_evaluation(self) -> None:
+        self._check_data()
+        self._start_tracking()
+
+    before_validate = before_test = _prepare_evaluation
 
     def _print_summary(self, stage: str) -> None:
         if not self.trainer.is_global_zero:

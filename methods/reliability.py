@@ -8,7 +8,8 @@ resumption that continues exactly, a stop at the first non-finite loss.
 - `RandomStateCheckpoint`: the random states go into every checkpoint and come back when the resumed
   run starts training (Lightning checkpoints none), so augmentations and shuffle-BN permutations
   continue as in an uninterrupted run.
-- `SlurmRequeueAtStepEnd`: Slurm's requeue signal handled by Lightning at the end of a step, not inside one.
+- `PreemptionSignals`: SIGTERM and Slurm's requeue signal acted on by Lightning at the end of a step, on
+  every process at the same step, not inside the signal handler.
 - `LastCheckpointOnSigterm`: on SIGTERM (what a scheduler sends before preempting) Lightning stops at
   the end of the current batch; this callback then writes `last.ckpt` of that step.
 - `SameDirectoryCheckpointIO`: checkpoints written next to their target and renamed over it, so an
@@ -146,32 +147,48 @@ class LastCheckpointOnSigterm(Callback):
                 trainer.save_checkpoint(last_checkpoint_path(callback))
 
 
-class SlurmRequeueAtStepEnd(Callback):
-    """Under Slurm (`SLURMEnvironment` with auto-requeue, Lightning's default there), Lightning's handler of
-    the requeue signal (SIGUSR1, `sbatch --signal=SIGUSR1@90`) writes `hpc_ckpt_<n>.ckpt` and runs
-    `scontrol requeue` the moment the signal arrives, which can be inside a training step: after the step
-    enqueued its keys, before its optimizer step, so the checkpoint holds a state between two steps and
-    the requeued run enqueues that step's keys twice. Here the signal only marks the request, and
-    Lightning's own handler runs at the end of the step (all processes at the same step: one all-reduce),
-    so the requeued job resumes from a step boundary with the same step count, queue and momentum encoder."""
+class PreemptionSignals(Callback):
+    """Acts on a scheduler's signals at the end of a training step, on every process at the same step.
+
+    Lightning's own handlers act inside the signal handler: on the requeue signal under Slurm (SIGUSR1,
+    `sbatch --signal=SIGUSR1@90`) it writes `hpc_ckpt_<n>.ckpt` and runs `scontrol requeue` at once, which
+    can be inside a step (after the step enqueued its keys, before its optimizer step: the requeued run
+    would enqueue them twice); on SIGTERM it broadcasts from inside the handler, a collective that can pair
+    with another collective of a process that is elsewhere, and the processes then wait on each other.
+    Here a signal only marks the request; after each step the processes agree in one all-reduce, then
+    Lightning's own code runs the same step on all of them: its checkpoint-and-requeue for the requeue
+    signal, its stop for SIGTERM (it raises `SIGTERMException` at the end of the step, and
+    `LastCheckpointOnSigterm` writes `last.ckpt`). A signal that arrives during validation is acted on
+    after the next training step."""
 
     def __init__(self):
-        self.requested: int | None = None
-        self.active = False
+        self.requested = {signal.SIGTERM: False, signal.SIGUSR1: False}
+        self.requeue_signal: int | None = None
 
     def on_train_start(self, trainer, pl_module) -> None:
+        # Lightning registered its handlers for this fit and restores the original ones at teardown
+        signal.signal(signal.SIGTERM, self._request)
         environment = trainer._accelerator_connector.cluster_environment
-        self.active = isinstance(environment, SLURMEnvironment) and environment.auto_requeue
-        if self.active:  # replaces the handler Lightning registered for this fit (it restores the original at teardown)
-            signal.signal(environment.requeue_signal, self._request)
+        if isinstance(environment, SLURMEnvironment) and environment.auto_requeue:
+            self.requeue_signal = environment.requeue_signal
+            signal.signal(self.requeue_signal, self._request)
+        self.trainer = trainer
 
     def _request(self, signum: int, frame) -> None:
-        self.requested = signum
+        if signum == signal.SIGTERM and not self.requested[signal.SIGTERM] and self.trainer.strategy.launcher is not None:
+            self.trainer.strategy.launcher.kill(signum)  # processes Lightning started itself get it too
+        self.requested[signal.SIGTERM if signum == signal.SIGTERM else signal.SIGUSR1] = True
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if self.active and trainer.strategy.reduce_boolean_decision(self.requested is not None, all=False):
-            signum, self.requested = self.requested or signal.SIGUSR1, None
-            trainer._signal_connector._slurm_sigusr_handler_fn(signum, None)  # Lightning's checkpoint and requeue
+        stop, requeue = self.requested[signal.SIGTERM], self.requested[signal.SIGUSR1]
+        if trainer.world_size > 1:  # one all-reduce (Lightning's DDP loop synchronises every step anyway)
+            flags = torch.tensor([stop, requeue], dtype=torch.float32, device=pl_module.device)
+            stop, requeue = (bool(flag) for flag in trainer.strategy.reduce(flags, reduce_op="max"))
+        if requeue:
+            self.requested[signal.SIGUSR1] = False
+            trainer._signal_connector._slurm_sigusr_handler_fn(self.requeue_signal, None)  # hpc checkpoint and requeue
+        if stop:
+            trainer._signal_connector.received_sigterm = True  # Lightning stops at the end of this step
 
 
 class SameDirectoryCheckpointIO(TorchCheckpointIO):

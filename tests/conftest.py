@@ -1,4 +1,4 @@
-"""Every test starts from the same seed, with deterministic algorithms."""
+"""Every test starts from the same seed, with deterministic algorithms, and with W&B disabled."""
 
 import lightning as L
 import pytest
@@ -11,3 +11,12 @@ def _deterministic():
     torch.use_deterministic_algorithms(True)
     yield
     torch.use_deterministic_algorithms(False)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _wandb_disabled():
+    """The configs log to W&B (`methods.tracking.WandbRun`): no test starts W&B processes or writes W&B files,
+    whatever the environment says; a test that needs a W&B run sets WANDB_MODE itself (monkeypatch)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("WANDB_MODE", "disabled")
+        yield

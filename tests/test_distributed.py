@@ -12,7 +12,9 @@ CUDA only), so the trunk normalises with GroupNorm and the heads have no BatchNo
 the step is then the same function of the same 2B images in both runs."""
 
 import os
+import signal
 import socket
+import time
 from contextlib import closing
 from types import SimpleNamespace
 
@@ -20,13 +22,17 @@ import lightning as L
 import pytest
 import torch
 import torch.multiprocessing as mp
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.utils.data import DataLoader, Dataset
 
 from backbones import BackboneSpec
 from methods import SCE, MoCoV2, PaCo, SupCon
 from methods.momentum import MomentumSpec
+from methods.reliability import LastCheckpointOnSigterm, PreemptionSignals
 from helpers import TINY_PROJECTOR, cpu_trainer
+from test_reliability import SignalAtStep
 
 WORLD, GLOBAL_BATCH, NUM_CLASSES = 2, 8, 3
 TRUNK = BackboneSpec(name="timm:test_resnet", kwargs={"norm_layer": "groupnorm1"})  # no batch statistics
@@ -147,3 +153,27 @@ def test_paco_with_the_official_per_process_contrast_enqueues_the_same_keys_but_
     for name in ("queue.keys", "queue.labels", "queue.pointer"):  # keys come from the momentum encoder before the step
         torch.testing.assert_close(local[name], expected[name], rtol=1e-5, atol=1e-6, msg=name)
     assert not torch.allclose(local["backbone.conv1.0.weight"], expected["backbone.conv1.0.weight"], rtol=1e-5, atol=1e-6)
+
+
+def _sigterm_worker(rank: int, port: int, directory: str, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0")
+    callbacks = [LastCheckpointOnSigterm(), PreemptionSignals(), ModelCheckpoint(directory, save_last=True),
+                 SignalAtStep(signal.SIGTERM, step=1 + rank)]  # the processes receive it at different steps
+    trainer = cpu_trainer(directory, devices=WORLD, strategy=DDPStrategy(process_group_backend="gloo"), enable_checkpointing=True,
+                          callbacks=callbacks, **(trainer_options(directory) | dict(max_steps=6)))
+    try:
+        trainer.fit(initial_model("moco"), FixedBatch(METHODS["moco"][1], WORLD))
+    except SIGTERMException:
+        results[rank] = trainer.global_step
+
+
+def test_sigterm_at_different_steps_stops_every_process_at_the_same_step_with_a_last_ckpt(tmp_path):
+    context = mp.start_processes(_sigterm_worker, args=(free_port(), str(tmp_path), results := mp.Manager().dict()), nprocs=WORLD, join=False)
+    deadline = time.monotonic() + 600  # a hang (processes waiting on each other) fails instead of blocking CI
+    while not context.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail("the processes did not stop after SIGTERM: they wait on each other")
+    assert dict(results) == {0: 2, 1: 2}  # rank 0's signal before step 1 stops both after it
+    assert torch.load(tmp_path / "last.ckpt", weights_only=True)["global_step"] == 2

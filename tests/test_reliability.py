@@ -33,7 +33,7 @@ from methods.reliability import (
     NonFiniteLossGuard,
     RandomStateCheckpoint,
     SameDirectoryCheckpointIO,
-    SlurmRequeueAtStepEnd,
+    PreemptionSignals,
     compatible,
 )
 from helpers import TINY_PROJECTOR, cpu_trainer, digits
@@ -157,7 +157,7 @@ def test_sigterm_saves_the_step_it_interrupts_as_last_ckpt_and_the_run_resumes_e
     L.seed_everything(0, verbose=False)
     build, views = METHODS["moco"]
     directory = tmp_path / "interrupted"
-    callbacks = [RandomStateCheckpoint(), LastCheckpointOnSigterm(), SignalAtStep(signal.SIGTERM, signal_step), ModelCheckpoint(directory, save_last=True)]
+    callbacks = [RandomStateCheckpoint(), LastCheckpointOnSigterm(), PreemptionSignals(), SignalAtStep(signal.SIGTERM, signal_step), ModelCheckpoint(directory, save_last=True)]
     interrupted = cpu_trainer(directory, max_steps=TOTAL_STEPS, limit_train_batches=BATCHES_PER_EPOCH, limit_val_batches=0,
                               enable_checkpointing=True, callbacks=callbacks)
     with pytest.raises(SIGTERMException):  # Lightning finishes the batch, then stops
@@ -184,7 +184,7 @@ def test_sigusr1_under_slurm_checkpoints_the_step_it_interrupts_and_the_requeued
     L.seed_everything(0, verbose=False)
     build, views = METHODS["moco"]
     job = tmp_path / "job"
-    callbacks = [RandomStateCheckpoint(), SlurmRequeueAtStepEnd(), SignalAtStep(signal.SIGUSR1, 2)]
+    callbacks = [RandomStateCheckpoint(), PreemptionSignals(), SignalAtStep(signal.SIGUSR1, 2)]
     cpu_trainer(job, max_steps=TOTAL_STEPS, limit_train_batches=BATCHES_PER_EPOCH, limit_val_batches=0, callbacks=callbacks).fit(
         build(), digits(views, batch_size=8, pipeline="device"))  # Lightning trains on until Slurm ends the job
     assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n"

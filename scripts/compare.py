@@ -1,0 +1,300 @@
+"""Compare runs in the table a paper prints, and plot their curves (issue 10).
+
+    uv run python scripts/compare.py runs/sweeps/moco_digits runs/sce_digits --out runs/comparison
+
+Each argument is a run, a W&B run, or a directory holding runs:
+- a run directory (a `trainer.default_root_dir`): the `config.yaml` and `results_val.json` the CLI writes there
+  (without them, `lightning_logs/version_*/config.yaml` and the last logged values), the linear stage's
+  `linear/results_val.json` (`scripts/sweep.py --linear`), and the curves of its Lightning CSV log
+  (`lightning_logs/version_*/metrics.csv`) or else of its W&B runs (`wandb/*run-*`);
+- a W&B run directory (`<root>/wandb/offline-run-*` or `run-*`): config, summary and history from its `.wandb`
+  log, parsed by W&B itself (`wandb leet inspect --json`); the directories of one resumed run (same id) are one
+  run; the linear stage, as above, from `<root>/linear`;
+- any other directory: every run below it (a run's own subdirectories, e.g. its linear stage, belong to it).
+
+Runs whose `model`, `data` and `trainer` settings differ only in the seed and the run directory form one row:
+method x dataset (and, where rows of one method and dataset differ, the settings that set them apart), with
+the mean ± sample standard deviation over seeds of the linear, kNN and online-probe top-1, the training time
+and the training images per second (`methods.tracking.TrainingThroughput`). A metric that no run of a row
+recorded is "n/a"; one that only some recorded says over how many runs it is taken.
+
+Writes `OUT/comparison.md`, `OUT/comparison.csv` (the same rows, metrics in their logged units) and
+`OUT/curves.png` (training loss and the validation top-1 of every run against the step).
+"""
+
+import argparse
+import csv
+import io
+import json
+import os
+import statistics
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402 (after choosing the backend)
+import yaml  # noqa: E402
+
+from methods.reliability import write_atomically  # noqa: E402
+
+COLUMNS = {  # metric key -> (column, scale)
+    "linear/val/probe_top1": ("linear top-1 (%)", 100.0),
+    "val/knn_top1": ("kNN top-1 (%)", 100.0),
+    "val/probe_top1": ("probe top-1 (%)", 100.0),
+    "train/time_s": ("training time (s)", 1.0),
+    "train/images_per_s": ("images/s", 1.0),
+}
+LOSS_CURVE = "train/loss"
+VAL_CURVES = ("val/knn_top1", "val/probe_top1", "val/top1")  # the first that a run logged is plotted
+GROUPING_SECTIONS = ("model", "data", "trainer")
+NOT_GROUPING = ("trainer.default_root_dir", "trainer.logger")  # differ between the seeds of one setting
+
+
+@dataclass
+class Run:
+    path: Path
+    source: str  # where its numbers come from
+    config: dict
+    metrics: dict[str, float]
+    curves: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # metric -> [(step, value)]
+
+    @property
+    def method(self) -> str:
+        return str(self.config.get("model", {}).get("class_path", "n/a")).rsplit(".", 1)[-1]
+
+    @property
+    def dataset(self) -> str:
+        return str(self.config.get("data", {}).get("class_path", "n/a")).rsplit(".", 1)[-1].removesuffix("DataModule")
+
+    @property
+    def seed(self) -> int | str:
+        return self.config.get("seed_everything", "n/a")
+
+    def setting(self) -> dict[str, str]:
+        """The flattened `model`, `data` and `trainer` settings, without what differs between seeds."""
+        flat = flatten({section: self.config.get(section) for section in GROUPING_SECTIONS})
+        return {key: value for key, value in flat.items() if not key.startswith(NOT_GROUPING)}
+
+
+def flatten(tree, prefix: str = "") -> dict[str, str]:
+    if isinstance(tree, dict):
+        return {key: value for name, sub in tree.items() for key, value in flatten(sub, f"{prefix}{name}.").items()}
+    return {prefix.rstrip("."): json.dumps(tree, default=str)}
+
+
+# ----------------------------------------------------------------- reading runs
+def is_run(path: Path) -> bool:
+    return (path / "config.yaml").is_file() or (path / "lightning_logs").is_dir() or any(path.glob("results_*.json"))
+
+
+def wandb_log(path: Path) -> Path | None:
+    return next(iter(sorted(path.glob("run-*.wandb"))), None)
+
+
+@dataclass
+class WandbLog:
+    name: str = ""
+    config: dict = field(default_factory=dict)
+    summary: dict = field(default_factory=dict)
+    history: list[dict] = field(default_factory=list)
+
+
+def read_wandb(run_dirs: list[Path]) -> WandbLog:
+    """Name, config, summary and history rows of one W&B run, from the `.wandb` logs of its directories (one per
+    start of a resumed run, in time order), each parsed by W&B's own reader into one JSON record per line."""
+    log = WandbLog()
+    for run_dir in run_dirs:
+        result = subprocess.run(
+            [sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(run_dir)],
+            capture_output=True,
+            text=True,
+            env=os.environ | {"WANDB_ERROR_REPORTING": "false"},  # a reader sends no telemetry
+        )
+        if result.returncode != 0:
+            raise ValueError(f"{run_dir}: W&B could not read its log: {result.stderr.strip()}")
+        for record in map(json.loads, result.stdout.splitlines()):
+            kind = record["type"]
+            if kind == "run":  # wandb.init's name and config
+                log.name = record["run"].get("display_name", log.name)
+                log.config.update(record["run"].get("config", {}).get("update", {}))
+            elif kind == "config":  # config.update(): the CLI's resolved config, the module's hyperparameters
+                log.config.update(record["config"].get("update", {}))
+            elif kind == "summary":
+                log.summary.update(record["summary"].get("update", {}))
+            elif kind == "history":
+                log.history.append(record["history"]["item"])
+    log.config.pop("_wandb", None)
+    return log
+
+
+def curves_from_rows(rows: list[dict], step_key: str) -> dict[str, list[tuple[int, float]]]:
+    curves: dict[str, list[tuple[int, float]]] = {}
+    for row in rows:
+        for key in (LOSS_CURVE, *VAL_CURVES):
+            if row.get(key) not in (None, "") and row.get(step_key) not in (None, ""):
+                curves.setdefault(key, []).append((int(float(row[step_key])), float(row[key])))
+    return curves
+
+
+def csv_rows(root: Path) -> list[dict]:
+    """The rows of the Lightning CSV logs of a run, in version order (a resumed run writes a new version)."""
+    versions = sorted(root.glob("lightning_logs/version_*/metrics.csv"), key=lambda path: int(path.parent.name.split("_")[1]))
+    return [row for path in versions for row in csv.DictReader(path.open())]
+
+
+def linear_metrics(root: Path) -> dict[str, float]:
+    results = root / "linear" / "results_val.json"
+    if not results.is_file():
+        return {}
+    return {f"linear/{key}": value for key, value in json.loads(results.read_text())["metrics"].items()}
+
+
+def read_run(root: Path) -> Run:
+    """A run directory, from the files the CLI writes, its CSV log and its W&B runs."""
+    config_files = [path for path in [root / "config.yaml", *sorted(root.glob("lightning_logs/version_*/config.yaml"))] if path.is_file()]
+    config = yaml.safe_load(config_files[0].read_text()) if config_files else None
+    results = root / "results_val.json"
+    metrics = json.loads(results.read_text())["metrics"] if results.is_file() else {}
+    rows = csv_rows(root)
+    curves = curves_from_rows(rows, "step")
+    sources = [name for name, found in (("config.yaml", config_files), ("results_val.json", metrics), ("CSV log", rows)) if found]
+    starts = sorted(root.glob("wandb/*run-*/run-*.wandb"), key=lambda log: log.parent.name.removeprefix("offline-"))  # by start time
+    if starts and (config is None or not metrics or not curves):
+        log = read_wandb([path.parent for path in starts])
+        config, metrics = config or log.config, metrics or log.summary
+        curves = curves or curves_from_rows(log.history, "trainer/global_step")
+        sources.append(f"W&B log ({log.name})")
+    if not metrics:  # no results file (e.g. an interrupted run): the last value of every logged metric
+        metrics = {key: float(value) for row in rows for key, value in row.items() if value not in ("", None) and key not in ("epoch", "step")}
+    return Run(root, ", ".join(sources), config or {}, metrics | linear_metrics(root), curves)
+
+
+def read_wandb_run(run_dirs: list[Path]) -> Run:
+    log = read_wandb(run_dirs)
+    root = run_dirs[0].parent.parent  # <root>/wandb/<run>
+    return Run(run_dirs[-1], f"W&B log ({log.name})", log.config, log.summary | linear_metrics(root), curves_from_rows(log.history, "trainer/global_step"))
+
+
+def find_runs(path: Path) -> list[Run]:
+    """The runs at or below `path`; the W&B directories of one run id in one folder make one run."""
+    if not path.exists():
+        raise ValueError(f"{path} does not exist")
+    if is_run(path):
+        return [read_run(path)]
+    found, wandb_dirs = [], {}
+    for directory, subdirectories, _ in os.walk(path):
+        directory = Path(directory)
+        if (log := wandb_log(directory)) is not None:
+            wandb_dirs.setdefault((directory.parent, log.stem), []).append(directory)
+            subdirectories.clear()
+        elif is_run(directory):
+            found.append(read_run(directory))
+            subdirectories.clear()
+        subdirectories.sort()
+    found += [read_wandb_run(sorted(directories)) for directories in wandb_dirs.values()]
+    if not found:
+        raise ValueError(f"{path} is not a run (no config.yaml, results_*.json, lightning_logs/ or W&B run) and holds none")
+    return found
+
+
+# ----------------------------------------------------------------- the table
+def group(runs: list[Run]) -> list[tuple[str, list[Run]]]:
+    """Rows of runs that differ only in the seed, each labelled with the settings that set it apart from the
+    other rows of the same method and dataset."""
+    rows: dict[tuple, list[Run]] = {}
+    for run in runs:
+        rows.setdefault((run.method, run.dataset, tuple(sorted(run.setting().items()))), []).append(run)
+    labelled = []
+    for (method, dataset, setting), members in rows.items():
+        others = [dict(key[2]) for key in rows if key[:2] == (method, dataset)]
+        differing = [key for key, value in setting if any(other.get(key) != value for other in others)]
+        labelled.append((", ".join(f"{key.replace('.init_args', '')}={dict(setting)[key]}" for key in differing), members))
+    return labelled
+
+
+def over_seeds(runs: list[Run], metric: str) -> tuple[float, float, int] | None:
+    """Mean, sample standard deviation (nan for one run) and count over the runs that recorded `metric`."""
+    values = [float(run.metrics[metric]) for run in runs if metric in run.metrics]
+    if not values:
+        return None
+    return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else float("nan"), len(values)
+
+
+def cell(runs: list[Run], metric: str, scale: float) -> str:
+    found = over_seeds(runs, metric)
+    if found is None:
+        return "n/a"
+    mean, std, count = found
+    text = f"{scale * mean:.2f}" if count == 1 else f"{scale * mean:.2f} ± {scale * std:.2f}"
+    return text if count == len(runs) else f"{text} ({count} of {len(runs)} runs)"
+
+
+def write_table(rows: list[tuple[str, list[Run]]], columns: dict[str, tuple[str, float]], out: Path) -> str:
+    header = ["method", "dataset", "setting", "seeds", *(name for name, _ in columns.values())]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * 4 + "---:|" * len(columns)]
+    run_lines = ["| row | seed | run | source |", "|---|---|---|---|"]
+    table = io.StringIO()
+    writer = csv.writer(table)
+    writer.writerow(["method", "dataset", "setting", "seeds", *(f"{metric} {part}" for metric in columns for part in ("mean", "std", "n"))])
+    for number, (setting, runs) in enumerate(rows, 1):
+        first, seeds = runs[0], ", ".join(str(run.seed) for run in runs)
+        lines.append(f"| {first.method} | {first.dataset} | {setting or '–'} | {seeds} | " + " | ".join(cell(runs, metric, scale) for metric, (_, scale) in columns.items()) + " |")
+        numbers = [over_seeds(runs, metric) or ("n/a",) * 3 for metric in columns]
+        writer.writerow([first.method, first.dataset, setting, seeds, *(value for found in numbers for value in found)])
+        run_lines += [f"| {number} | {run.seed} | `{run.path}` | {run.source} |" for run in runs]
+    markdown = "\n".join(
+        [*lines, "", "Mean ± sample standard deviation over the seeds of each row; accuracies in %, on the validation split;",
+         "training time: wall time of fit, validation included; images/s: training images per second of training,",
+         "validation excluded (`methods.tracking.TrainingThroughput`). Runs:", "", *run_lines, ""]
+    )
+    write_atomically(out / "comparison.md", lambda partial: partial.write_text(markdown))
+    write_atomically(out / "comparison.csv", lambda partial: partial.write_text(table.getvalue()))
+    return markdown
+
+
+def plot_curves(rows: list[tuple[str, list[Run]]], out: Path) -> None:
+    figure, (loss_axes, val_axes) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for setting, runs in rows:
+        for run in runs:
+            label = f"{run.method} {run.dataset} {setting} s{run.seed}".replace("  ", " ")
+            if LOSS_CURVE in run.curves:
+                loss_axes.plot(*zip(*run.curves[LOSS_CURVE]), label=label)
+            val_metric = next((metric for metric in VAL_CURVES if metric in run.curves), None)
+            if val_metric is not None:
+                steps, values = zip(*run.curves[val_metric])
+                val_axes.plot(steps, [100 * value for value in values], marker="o", label=f"{label} ({val_metric})")
+    loss_axes.set(title="training loss", xlabel="step", ylabel=LOSS_CURVE)
+    val_axes.set(title="validation top-1", xlabel="step", ylabel="top-1 (%)")
+    for axes in (loss_axes, val_axes):
+        if axes.lines:
+            axes.legend(fontsize="small")
+        else:
+            axes.text(0.5, 0.5, "no run logged this curve", ha="center", transform=axes.transAxes)
+    figure.tight_layout()
+    write_atomically(out / "curves.png", lambda partial: figure.savefig(partial, format="png", dpi=120))
+    plt.close(figure)
+
+
+def main(argv: list[str] | None = None) -> str:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("paths", nargs="+", type=Path, help="runs, W&B runs or directories holding runs")
+    parser.add_argument("--out", type=Path, required=True, help="directory for comparison.md, comparison.csv and curves.png")
+    parser.add_argument("--metrics", nargs="*", default=[], help="more final metrics as columns, e.g. val/top1 val/few_top1")
+    args = parser.parse_args(argv)
+    try:
+        runs = [run for path in args.paths for run in find_runs(path)]
+    except ValueError as error:
+        parser.exit(2, f"error: {error}\n")
+    columns = COLUMNS | {metric: (metric, 100.0 if "top" in metric else 1.0) for metric in args.metrics}
+    rows = group(runs)
+    markdown = write_table(rows, columns, args.out)
+    plot_curves(rows, args.out)
+    return markdown
+
+
+if __name__ == "__main__":
+    print(main())

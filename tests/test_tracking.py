@@ -1,0 +1,128 @@
+"""methods.tracking: the W&B run of every config (its name, offline without credentials, the same id after a
+restart, the resolved config sent to it), the training throughput, and two real offline runs compared."""
+
+import json
+import statistics
+
+import pytest
+
+import main_pretrain
+from methods.tracking import RUN_ID_FILE, TrainingThroughput, WandbRun, run_name, wandb_mode
+from scripts import compare
+from test_cli import PRETRAIN_DIGITS, TINY_RUN
+
+CONFIG = {
+    "seed_everything": 3,
+    "model": {"class_path": "methods.SCE", "init_args": {"temperature": 0.1, "temperature_momentum": 0.05, "optimizer": {"lr": 5.0e-4}}},
+    "data": {"class_path": "datamodules.ImageNet100DataModule"},
+}
+
+
+def test_run_name_is_method_dataset_key_hyperparameters_and_seed():
+    keys = {"tau": "model.init_args.temperature", "taum": "model.init_args.temperature_momentum", "lr": "model.init_args.optimizer.lr"}
+    assert run_name(CONFIG, keys) == "sce-imagenet100-tau=0.1-taum=0.05-lr=0.0005-s3"
+    assert run_name(CONFIG, {}) == "sce-imagenet100-s3"
+
+
+def test_a_name_key_missing_from_the_config_is_one_error_naming_it():
+    with pytest.raises(ValueError, match=r"name_keys.tau: the resolved config has no key 'model.init_args.tau'"):
+        run_name(CONFIG, {"tau": "model.init_args.tau"})
+
+
+@pytest.fixture
+def netrc(monkeypatch, tmp_path):
+    """No W&B variable and a .netrc file of the test's own (not yet written)."""
+    for variable in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_BASE_URL"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    return tmp_path / "netrc"
+
+
+def test_offline_exactly_when_there_are_no_credentials_and_no_wandb_mode(netrc, monkeypatch):
+    assert wandb_mode() == "offline"
+    netrc.write_text(f"machine example.com login user password {'y' * 40}\n")  # another host's entry
+    assert wandb_mode() == "offline"
+    monkeypatch.setenv("WANDB_MODE", "online")
+    assert wandb_mode() == "online"
+    monkeypatch.delenv("WANDB_MODE")
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    assert wandb_mode() is None  # online
+    monkeypatch.delenv("WANDB_API_KEY")
+    netrc.write_text(f"machine api.wandb.ai login user password {'y' * 40}\n")
+    assert wandb_mode() is None
+
+
+def test_the_run_is_bound_to_its_directory_before_its_wandb_run_exists_and_not_after(tmp_path):
+    logger = WandbRun(name_keys={"tau": "model.init_args.temperature"})
+    with pytest.raises(RuntimeError, match="must be called before the run begins"):
+        logger.experiment
+    logger.start(tmp_path, CONFIG)
+    assert (tmp_path / RUN_ID_FILE).read_text() == logger.version
+    assert logger.save_dir == str(tmp_path)  # trainer.log_dir: config.yaml lands in the run directory
+    logger.experiment  # WANDB_MODE=disabled (conftest): no process, no files
+    with pytest.raises(RuntimeError, match="after its W&B run was created"):
+        logger.start(tmp_path, CONFIG)
+    logger.finalize("success")
+
+
+@pytest.fixture(scope="module")
+def offline_runs(tmp_path_factory):
+    """Seeds 0 and 1 of the quickstart config, two training steps each: seed 0 with neither credentials nor
+    WANDB_MODE (offline by default), seed 1 with WANDB_MODE=offline; then seed 0 restarted (`--ckpt_path
+    last`: finished, it trains nothing, but its W&B run starts again)."""
+    root = tmp_path_factory.mktemp("runs")
+
+    def fit(seed: int, *extra: str):
+        directory = root / f"seed{seed}"
+        args = ["fit", "--config", PRETRAIN_DIGITS, *TINY_RUN, "--trainer.log_every_n_steps=1", f"--seed_everything={seed}"]
+        return main_pretrain.cli_main([*args, f"--trainer.default_root_dir={directory}", *extra])
+
+    with pytest.MonkeyPatch.context() as patch:
+        for variable in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_BASE_URL"):
+            patch.delenv(variable, raising=False)
+        patch.setenv("NETRC", str(root / "no_netrc"))
+        first = fit(0)
+        patch.setenv("WANDB_MODE", "offline")
+        fit(1)
+        restarted = fit(0, "--ckpt_path=last")
+    return root, first, restarted
+
+
+def test_an_offline_run_keeps_its_id_when_restarted_and_holds_the_resolved_config(offline_runs):
+    root, _, _ = offline_runs
+    run_id = (root / "seed0" / RUN_ID_FILE).read_text()
+    starts = sorted((root / "seed0" / "wandb").glob("offline-run-*"))
+    assert len(starts) == 2 and all(start.name.endswith(f"-{run_id}") for start in starts)
+    assert (root / "seed1" / RUN_ID_FILE).read_text() != run_id
+    log = compare.read_wandb(starts)
+    assert log.name == "mocov2-digits-tau=0.2-s0"
+    assert log.config["model"]["init_args"]["temperature"] == 0.2
+    assert log.config["data"]["init_args"]["batch_size"] == 16  # the override, not the config file's 128
+    assert log.config["trainer"]["default_root_dir"] == str(root / "seed0") and log.config["seed_everything"] == 0
+    assert (root / "seed0" / "config.yaml").is_file()
+    assert [step for step, _ in compare.curves_from_rows(log.history, "trainer/global_step")["train/loss"]] == [0, 1]
+
+
+def test_training_throughput_counts_the_images_and_carries_over_a_restart(offline_runs):
+    root, first, restarted = offline_runs
+    (throughput,) = [callback for callback in first.trainer.callbacks if isinstance(callback, TrainingThroughput)]
+    assert throughput.totals()["images"] == 2 * 16  # two steps of 16 images
+    metrics = json.loads((root / "seed0" / "results_val.json").read_text())["metrics"]
+    assert metrics["train/time_s"] > 0 and metrics["train/images_per_s"] > 2 * 16 / metrics["train/time_s"]  # validation excluded
+    (resumed,) = [callback for callback in restarted.trainer.callbacks if isinstance(callback, TrainingThroughput)]
+    assert resumed.earlier["images"] == 2 * 16 and resumed.earlier["time_s"] >= metrics["train/time_s"]
+
+
+def test_compare_tables_the_two_seeds_of_the_offline_runs_and_plots_their_curves(offline_runs, tmp_path):
+    root, _, _ = offline_runs
+    markdown = compare.main([str(root), "--out", str(tmp_path)])
+    knn, probe = (
+        [json.loads((root / f"seed{seed}" / "results_val.json").read_text())["metrics"][metric] for seed in (0, 1)]
+        for metric in ("val/knn_top1", "val/probe_top1")
+    )
+    (row,) = [line for line in markdown.splitlines() if line.startswith("| MoCoV2 | Digits |")]
+    expected = [f"{100 * statistics.mean(values):.2f} ± {100 * statistics.stdev(values):.2f}" for values in (knn, probe)]
+    assert row.startswith(f"| MoCoV2 | Digits | – | 0, 1 | n/a | {expected[0]} | {expected[1]} |")
+    assert "W&B log (mocov2-digits-tau=0.2-s0)" in markdown  # the curves come from the W&B logs
+    assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "comparison.csv").read_text().splitlines()[1].startswith("MoCoV2,Digits,,\"0, 1\",n/a,n/a,n/a,")
