@@ -1,0 +1,215 @@
+"""Training throughput of one pretraining config with its two data pipelines (issue 11).
+
+For each `data.pipeline` (`workers`: PIL views drawn per image in the DataLoader workers; `device`: raw
+uint8 batches, views drawn per sample on the training device by `datamodules.batched.BatchedAugment`) the
+model and DataModule are built by the project's CLI from the config, then Lightning trains W warm-up and
+N timed steps. A callback splits every timed step at two points (on CUDA it synchronises there only, never
+inside the step):
+
+- data: from the end of one step to the start of the next: waiting for the loader's batch, the transfer,
+  and with `device` the augmentation on the device;
+- compute: forward, backward, optimizer and momentum update of the step.
+
+Reported: training images/s after warm-up, the data share of the step time, peak GPU memory, and model
+FLOPs utilisation (the FLOPs of the first warm-up step, forward + backward, counted once by
+`torch.utils.flop_counter`, against the GPU's dense bf16 peak), plus the ratio device / workers.
+`--views-only` instead measures the CPU-side ceiling: images/s of each configured PIL view alone, in one
+process and through a DataLoader with K workers, and of the batched views on this process's device.
+
+    uv run python benchmarks/throughput.py --config configs/sce_cifar10.yaml --fake-data \
+        [--pipelines workers device] [--steps 20] [--warmup 5] [--num-workers 16] [--out FILE] [-- overrides]
+    uv run python benchmarks/throughput.py --config configs/sce_cifar10.yaml --fake-data --views-only
+"""
+
+import argparse
+import hashlib
+import pickle
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import torch
+import torchvision
+from lightning.pytorch.callbacks import Callback
+from torch.utils.data import DataLoader, Subset
+from torch.utils.flop_counter import FlopCounterMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from datamodules.base import ViewsDataset  # noqa: E402
+from methods import PretrainMethod  # noqa: E402
+from methods.cli import ContrastlabCLI  # noqa: E402
+from methods.reliability import write_atomically  # noqa: E402
+
+# Dense bf16 tensor-core peaks (vendor data sheets), matched in order against torch.cuda.get_device_name().
+BF16_PEAK_FLOPS = (("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12))
+
+
+def write_fake_cifar10(root: Path, images: int) -> None:
+    """Random images in CIFAR-10's python-pickle layout, with torchvision's checksums replaced by theirs."""
+    folder = root / torchvision.datasets.CIFAR10.base_folder
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    per_batch = -(-images // 5)
+    for name in [f"data_batch_{index}" for index in range(1, 6)] + ["test_batch"]:
+        count = per_batch if name != "test_batch" else 256
+        batch = {"data": rng.integers(0, 256, (count, 3 * 32 * 32), dtype=np.uint8), "labels": rng.integers(0, 10, count).tolist()}
+        (folder / name).write_bytes(pickle.dumps(batch))
+    (folder / "batches.meta").write_bytes(pickle.dumps({"label_names": [f"class{index}" for index in range(10)]}))
+    dataset = torchvision.datasets.CIFAR10
+    md5 = lambda name: hashlib.md5((folder / name).read_bytes()).hexdigest()  # noqa: E731
+    dataset.train_list = [[name, md5(name)] for name, _ in dataset.train_list]
+    dataset.test_list = [[name, md5(name)] for name, _ in dataset.test_list]
+    dataset.meta = dataset.meta | {"md5": md5(dataset.meta["filename"])}
+
+
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class StepTimer(Callback):
+    """Data and compute time of every step after `warmup`; the FLOPs of the first step."""
+
+    def __init__(self, warmup: int):
+        self.warmup, self.data_s, self.compute_s = warmup, [], []
+        self.flops = self.batch_images = 0
+        self.counter: FlopCounterMode | None = None
+        self.step_end = self.step_start = 0.0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        synchronize()
+        self.step_start = time.perf_counter()
+        if trainer.global_step >= self.warmup:
+            self.data_s.append(self.step_start - self.step_end)
+        if trainer.global_step == 0:
+            self.counter = FlopCounterMode(display=False)
+            self.counter.__enter__()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.counter is not None:
+            self.counter.__exit__(None, None, None)
+            self.flops, self.batch_images, self.counter = self.counter.get_total_flops(), len(batch["index"]), None
+        synchronize()
+        self.step_end = time.perf_counter()
+        if trainer.global_step > self.warmup:  # global_step counts this step already
+            self.compute_s.append(self.step_end - self.step_start)
+
+
+def build(config: str, pipeline: str, overrides: list[str]) -> ContrastlabCLI:
+    args = ["--config", config, "--trainer.logger=false", f"--data.init_args.pipeline={pipeline}", *overrides]
+    return ContrastlabCLI(PretrainMethod, args=args, run=False)
+
+
+def measure_training(config: str, pipeline: str, steps: int, warmup: int, overrides: list[str]) -> dict:
+    cli = build(config, pipeline, overrides)
+    timer = StepTimer(warmup)
+    with tempfile.TemporaryDirectory() as scratch:
+        trainer = L.Trainer(
+            accelerator="auto", devices=1, precision=cli.trainer.precision, max_steps=warmup + steps, logger=False,
+            enable_checkpointing=False, limit_val_batches=0, num_sanity_val_steps=0, enable_progress_bar=False,
+            enable_model_summary=False, default_root_dir=scratch, callbacks=[timer],
+        )
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        trainer.fit(cli.model, datamodule=cli.datamodule)
+    step_s = sum(timer.data_s) + sum(timer.compute_s)
+    images_per_s = steps * cli.datamodule.batch_size / step_s
+    row = {"pipeline": pipeline, "workers": cli.datamodule.num_workers, "batch": cli.datamodule.batch_size,
+           "images_per_s": images_per_s, "data_share": sum(timer.data_s) / step_s,
+           "gflops_per_image": timer.flops / timer.batch_images / 1e9, "peak_memory": "n/a", "mfu": "n/a"}
+    if torch.cuda.is_available():
+        row["peak_memory"] = f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB"
+        name = torch.cuda.get_device_name()
+        peak = next((flops for model, flops in BF16_PEAK_FLOPS if model in name), None)
+        row["mfu"] = f"{images_per_s * timer.flops / timer.batch_images / peak:.1%}" if peak else f"n/a (no bf16 peak known for {name})"
+    return row
+
+
+def training_table(rows: list[dict]) -> str:
+    lines = ["| pipeline | workers | batch | images/s | data share | GFLOPs/image | peak GPU memory | MFU (bf16) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r['pipeline']} | {r['workers']} | {r['batch']} | {r['images_per_s']:,.0f} | {r['data_share']:.0%} | "
+              f"{r['gflops_per_image']:.2f} | {r['peak_memory']} | {r['mfu']} |" for r in rows]
+    by_pipeline = {row["pipeline"]: row["images_per_s"] for row in rows}
+    if {"workers", "device"} <= set(by_pipeline):
+        lines.append(f"\nratio device / workers: {by_pipeline['device'] / by_pipeline['workers']:.2f}x")
+    return "\n".join(lines)
+
+
+def views_table(config: str, images: int, overrides: list[str]) -> str:
+    """Images/s of every configured view alone and of all of them (what one training image costs)."""
+    workers_data = build(config, "workers", overrides).datamodule
+    device_data = build(config, "device", overrides).datamodule
+    workers_data.setup()
+    train = workers_data.splits["train"]
+    images = min(images, len(train))
+    pil_images = [train[index][0] for index in range(images)]
+    raw = torch.stack([torch.from_numpy(np.array(image, dtype=np.uint8)).permute(2, 0, 1) for image in pil_images])
+    lines = ["| views | PIL, 1 process | PIL, DataLoader " + f"{workers_data.num_workers} workers | batched (device pipeline) on CPU, {torch.get_num_threads()} threads |",
+             "|---|---:|---:|---:|"]
+    selections = {name: [name] for name in workers_data.views} | {" + ".join(workers_data.views): list(workers_data.views)}
+    for label, names in selections.items():
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # as in a DataLoader worker
+        start = time.perf_counter()
+        for image in pil_images:
+            for name in names:
+                workers_data.views[name](image)
+        one_process = images / (time.perf_counter() - start)
+        torch.set_num_threads(threads)
+        loader = DataLoader(ViewsDataset(Subset(train, range(images)), {name: workers_data.views[name] for name in names}),
+                            batch_size=workers_data.batch_size, num_workers=workers_data.num_workers)
+        start = time.perf_counter()
+        sum(len(batch["index"]) for batch in loader)
+        loaded = images / (time.perf_counter() - start)
+        start = time.perf_counter()
+        for first in range(0, images, device_data.batch_size):
+            for name in names:
+                device_data.views[name](raw[first:first + device_data.batch_size])
+        batched = images / (time.perf_counter() - start)
+        lines.append(f"| {label} | {one_process:,.0f} | {loaded:,.0f} | {batched:,.0f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    own, overrides = (argv[: argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--pipelines", nargs="+", choices=["workers", "device"], default=["workers", "device"])
+    parser.add_argument("--steps", type=int, default=20, help="timed training steps per pipeline")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (the first one counts the FLOPs)")
+    data = parser.add_mutually_exclusive_group()
+    data.add_argument("--data-root", help="data.init_args.root")
+    data.add_argument("--fake-data", action="store_true", help="random CIFAR-10 in its real format, in a temporary folder")
+    parser.add_argument("--fake-images", type=int, default=10240, help="training images of --fake-data (enough for one epoch of all steps)")
+    parser.add_argument("--num-workers", type=int, help="data.init_args.num_workers (default: the config's)")
+    parser.add_argument("--views-only", action="store_true", help="the CPU-side ceiling of the views, no model")
+    parser.add_argument("--view-images", type=int, default=2560, help="images per --views-only measurement")
+    parser.add_argument("--out", type=Path, help="also write the table here (atomically)")
+    args = parser.parse_args(own)
+    if args.steps < 1 or args.warmup < 1:
+        raise SystemExit(f"error: --steps and --warmup must be >= 1, got {args.steps} and {args.warmup}")
+    with tempfile.TemporaryDirectory() as fake_root:
+        if args.fake_data:
+            write_fake_cifar10(Path(fake_root), args.fake_images)
+            overrides = [f"--data.init_args.root={fake_root}", *overrides]
+        elif args.data_root:
+            overrides = [f"--data.init_args.root={args.data_root}", *overrides]
+        if args.num_workers is not None:
+            overrides = [f"--data.init_args.num_workers={args.num_workers}", *overrides]
+        if args.views_only:
+            table = views_table(args.config, args.view_images, overrides)
+        else:
+            table = training_table([measure_training(args.config, pipeline, args.steps, args.warmup, overrides) for pipeline in args.pipelines])
+    print(table)
+    if args.out:
+        write_atomically(args.out, lambda partial: partial.write_text(table + "\n"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

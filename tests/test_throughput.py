@@ -1,0 +1,46 @@
+"""benchmarks/throughput.py end to end on a tiny SCE CIFAR-10 setting on fake CIFAR-10 files (CPU)."""
+
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import pytest  # noqa: E402
+import torchvision  # noqa: E402
+
+import throughput  # noqa: E402
+
+TINY = ["--data.init_args.batch_size=16", "--model.init_args.queue_size=64", "--model.init_args.backbone.small_input=false",
+        "--model.init_args.projector.hidden_dim=64", "--model.init_args.projector.output_dim=32"]
+
+
+@pytest.fixture(autouse=True)
+def official_checksums_restored(monkeypatch):
+    """--fake-data replaces torchvision's CIFAR-10 checksums by its files' for the process: undo it after each test."""
+    for attribute in ("train_list", "test_list", "meta"):
+        monkeypatch.setattr(torchvision.datasets.CIFAR10, attribute, getattr(torchvision.datasets.CIFAR10, attribute))
+
+
+def test_both_pipelines_train_and_their_table_reports_throughput_flops_and_ratio(tmp_path, capsys):
+    out = tmp_path / "table.md"
+    argv = ["--config", str(ROOT / "configs/sce_cifar10.yaml"), "--fake-data", "--fake-images", "160", "--steps", "2",
+            "--warmup", "1", "--num-workers", "0", "--out", str(out), "--", *TINY]
+    assert throughput.main(argv) == 0
+    table = capsys.readouterr().out
+    rows = re.findall(r"^\| (workers|device) \| 0 \| 16 \| ([\d,]+) \| (\d+)% \| ([\d.]+) \| n/a \| n/a \|$", table, re.MULTILINE)
+    assert [row[0] for row in rows] == ["workers", "device"]
+    assert all(float(row[1].replace(",", "")) > 0 and float(row[3]) > 0 for row in rows)
+    assert rows[0][3] == rows[1][3]  # the same model: the same FLOPs per image, whichever pipeline feeds it
+    assert re.search(r"ratio device / workers: \d+\.\d\dx", table)
+    assert table.endswith(out.read_text())  # after Lightning's own lines
+
+
+def test_views_only_measures_each_view_and_their_sum_without_a_model(tmp_path, capsys):
+    argv = ["--config", str(ROOT / "configs/sce_cifar10.yaml"), "--fake-data", "--fake-images", "160", "--views-only",
+            "--view-images", "32", "--num-workers", "0", "--", *TINY]
+    assert throughput.main(argv) == 0
+    rows = re.findall(r"^\| (weak|strong|weak \+ strong) \| ([\d,]+) \| ([\d,]+) \| ([\d,]+) \|$", capsys.readouterr().out, re.MULTILINE)
+    assert [row[0] for row in rows] == ["weak", "strong", "weak + strong"]
+    assert all(int(value.replace(",", "")) > 0 for row in rows for value in row[1:])
