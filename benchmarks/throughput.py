@@ -43,6 +43,7 @@ from datamodules.base import ViewsDataset  # noqa: E402
 from methods import PretrainMethod  # noqa: E402
 from methods.cli import ContrastlabCLI  # noqa: E402
 from methods.reliability import write_atomically  # noqa: E402
+from scripts.sweep import split_overrides  # noqa: E402
 
 # Dense bf16 tensor-core peaks (vendor data sheets), matched in order against torch.cuda.get_device_name().
 BF16_PEAK_FLOPS = (("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12))
@@ -176,7 +177,7 @@ def views_table(config: str, images: int, overrides: list[str]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    own, overrides = (argv[: argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    own, overrides = split_overrides(argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True)
     parser.add_argument("--pipelines", nargs="+", choices=["workers", "device"], default=["workers", "device"])

@@ -196,9 +196,13 @@ def write_slurm_array(runs: list[Run], args) -> Path:
     return script
 
 
+def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
+    """The script's own arguments and the CLI overrides after `--`."""
+    return (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+
+
 def parse_args(argv: list[str]):
-    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
-    own = argv[: argv.index("--")] if "--" in argv else argv
+    own, extra = split_overrides(argv)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="the pretraining config")
     parser.add_argument("--out", required=True, type=Path, help="folder of the sweep")

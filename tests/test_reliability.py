@@ -31,9 +31,9 @@ from methods.reliability import (
     LastCheckpointOnSigterm,
     NonFiniteLossError,
     NonFiniteLossGuard,
+    PreemptionSignals,
     RandomStateCheckpoint,
     SameDirectoryCheckpointIO,
-    PreemptionSignals,
     compatible,
 )
 from helpers import TINY_PROJECTOR, cpu_trainer, digits

@@ -55,7 +55,7 @@ def render_jobs(args: argparse.Namespace) -> list[tuple[Path, str]]:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    own, overrides = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    own, overrides = sweep.split_overrides(argv)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="the pretraining config")
     parser.add_argument("--run-dir", type=Path, help="the run directory (default: the config's trainer.default_root_dir)")
