@@ -1,7 +1,7 @@
 """Issue 10: one optimizer step of Lightning DDP on 2 CPU processes (gloo) with B images each equals one
 step of 1 process with the 2B images: the same parameters, momentum encoder and queue (keys, labels,
-pointer), for MoCo v2, SCE, SupCon, TCL and PaCo (with `in_batch: global`; the official per-GPU
-contrast, `local`, shares the queue but not the gradient).
+pointer), for MoCo v2, SCE, SupCon, TCL, PaCo and the multi-task baseline (with `in_batch: global`; the
+official per-GPU contrast, `local`, shares the queue but not the gradient).
 
 What makes it hold: keys are gathered in rank order before they are enqueued (`MethodBase.gather`),
 in-batch negatives are gathered with their gradients (`gather_with_grad`: SupCon / TCL), and DDP
@@ -28,7 +28,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.utils.data import DataLoader, Dataset
 
 from backbones import BackboneSpec
-from methods import SCE, MoCoV2, PaCo, SupCon
+from methods import SCE, MoCoV2, MultiTaskContrast, PaCo, SupCon
 from methods.momentum import MomentumSpec
 from methods.reliability import LastCheckpointOnSigterm, PreemptionSignals
 from helpers import TINY_PROJECTOR, cpu_trainer
@@ -45,6 +45,7 @@ METHODS = {  # name: (model, the views it reads)
     "supcon": (lambda: SupCon(loss="supcon", temperature=0.1, **PRETRAIN), ("crops",)),
     "tcl": (lambda: SupCon(loss="tcl", temperature=0.1, k1=2.0, k2=1.5, **PRETRAIN), ("crops",)),
     "paco": (lambda: PaCo(queue_size=32, momentum=NO_SHUFFLE, in_batch="global", num_classes=NUM_CLASSES, **COMMON), ("query", "key")),
+    "multitask": (lambda: MultiTaskContrast(queue_size=32, momentum=NO_SHUFFLE, in_batch="global", num_classes=NUM_CLASSES, **COMMON), ("query", "key")),
     "paco_local": (lambda: PaCo(queue_size=32, momentum=NO_SHUFFLE, num_classes=NUM_CLASSES, **COMMON), ("query", "key")),
 }
 EQUIVALENT = sorted(set(METHODS) - {"paco_local"})
@@ -137,7 +138,7 @@ def test_one_ddp_step_on_two_processes_equals_one_step_on_the_concatenated_batch
     before = initial_model(method).state_dict()
     assert not torch.equal(before["backbone.conv1.0.weight"], expected["backbone.conv1.0.weight"])  # the step trained
     queues = [name for name in expected if name.startswith("queue.")]
-    assert bool(queues) == (method in ("moco", "sce", "paco"))
+    assert bool(queues) == (method in ("moco", "sce", "paco", "multitask"))
     for rank in range(WORLD):
         state = two_process_states[method, rank]
         assert state.keys() == expected.keys()
