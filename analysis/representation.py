@@ -19,7 +19,7 @@ import random
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch import Tensor
@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from analysis.figures import plot_local_separation, plot_negative_entropy
 from analysis.metrics import local_separation, negative_entropy, tolerance, uniformity
 from datamodules.base import ContrastiveDataModule, EvalDataset, RawImageDataset, ViewsDataset
+from datamodules.encoded import collate_encoded
 
 __all__ = ["RepresentationReport", "analyse"]
 
@@ -77,13 +78,17 @@ def _embed(model, images: Tensor) -> Tensor:
     return model.embed(images.to(model.device))[1].float()
 
 
-def _loader(datamodule: ContrastiveDataModule, dataset: Dataset) -> DataLoader:
-    return DataLoader(dataset, batch_size=datamodule.batch_size, num_workers=datamodule.num_workers)
+def _loader(datamodule: ContrastiveDataModule, dataset: Dataset, collate_fn: Callable | None = None) -> DataLoader:
+    return DataLoader(dataset, batch_size=datamodule.batch_size, num_workers=datamodule.num_workers, collate_fn=collate_fn)
 
 
 def _augmented_images(datamodule: ContrastiveDataModule, subset: Dataset, view: str, device) -> Iterator[Tensor]:
     """The images under training view `view`, drawn where the DataModule's pipeline draws them."""
-    if datamodule.pipeline == "device":
+    if datamodule.pipeline == "gpu" and not datamodule.uniform_image_size:  # image files, decoded on the device
+        encoded = datamodule.encoded(subset)
+        for batch in _loader(datamodule, encoded, collate_encoded):
+            yield datamodule.views[view](encoded.decode(batch["image"], device)[0])
+    elif datamodule.pipeline == "gpu":
         for batch in _loader(datamodule, RawImageDataset(subset)):
             yield datamodule.views[view](batch["image"].to(device))
     else:

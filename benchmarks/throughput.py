@@ -1,23 +1,27 @@
 """Training throughput of one pretraining config with its two data pipelines (issue 11).
 
-For each `data.pipeline` (`workers`: PIL views drawn per image in the DataLoader workers; `device`: raw
+For each `data.pipeline` (`cpu`: PIL views drawn per image in the DataLoader workers; `gpu`: raw
 uint8 batches, views drawn per sample on the training device by `datamodules.batched.BatchedAugment`) the
 model and DataModule are built by the project's CLI from the config, then Lightning trains W warm-up and
 N timed steps. A callback splits every timed step at two points (on CUDA it synchronises there only, never
 inside the step):
 
 - data: from the end of one step to the start of the next: waiting for the loader's batch, the transfer,
-  and with `device` the augmentation on the device;
+  and with `gpu` the augmentation on the device;
 - compute: forward, backward, optimizer and momentum update of the step.
 
-Reported: training images/s after warm-up, the data share of the step time, peak GPU memory, and model
+Reported: training images/s after warm-up, the data share of the step time, peak GPU memory, model
 FLOPs utilisation (the FLOPs of the first warm-up step, forward + backward, counted once by
-`torch.utils.flop_counter`, against the GPU's dense bf16 peak), plus the ratio device / workers.
+`torch.utils.flop_counter`, against the GPU's dense bf16 peak), and on CUDA the host synchronisations per
+step (`torch.cuda.set_sync_debug_mode`, between the two timing points), plus the ratio gpu / cpu. The
+trainer has the per-step callbacks of a real run (the non-finite loss guard: one host read per step by
+design; the throughput log). `--profile DIR` writes, per pipeline, the operator table of
+`torch.profiler` over 5 timed steps (what bounds a pipeline that misses its target).
 `--views-only` instead measures the CPU-side ceiling: images/s of each configured PIL view alone, in one
 process and through a DataLoader with K workers, and of the batched views on this process's device.
 
     uv run python benchmarks/throughput.py --config configs/sce_cifar10.yaml --fake-data \
-        [--pipelines workers device] [--steps 20] [--warmup 5] [--num-workers 16] [--out FILE] [-- overrides]
+        [--pipelines cpu gpu] [--steps 20] [--warmup 5] [--num-workers 16] [--out FILE] [--profile DIR] [-- overrides]
     uv run python benchmarks/throughput.py --config configs/sce_cifar10.yaml --fake-data --views-only
 """
 
@@ -27,6 +31,7 @@ import pickle
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import lightning as L
@@ -42,7 +47,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from datamodules.base import ViewsDataset  # noqa: E402
 from methods import PretrainMethod  # noqa: E402
 from methods.cli import ContrastlabCLI  # noqa: E402
-from methods.reliability import write_atomically  # noqa: E402
+from methods.reliability import NonFiniteLossGuard, write_atomically  # noqa: E402
+from methods.tracking import TrainingThroughput  # noqa: E402
 from scripts.sweep import split_overrides  # noqa: E402
 
 # Dense bf16 tensor-core peaks (vendor data sheets), matched in order against torch.cuda.get_device_name().
@@ -72,25 +78,38 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
-class StepTimer(Callback):
-    """Data and compute time of every step after `warmup`; the FLOPs of the first step."""
+PROFILED_STEPS = 5
 
-    def __init__(self, warmup: int):
+
+class StepTimer(Callback):
+    """Data and compute time of every step after `warmup`; the FLOPs of the first step; on CUDA the host
+    synchronisations inside the timed steps; optionally a profile of the first timed steps."""
+
+    def __init__(self, warmup: int, profile: bool = False):
         self.warmup, self.data_s, self.compute_s = warmup, [], []
         self.flops = self.batch_images = 0
         self.counter: FlopCounterMode | None = None
         self.step_end = self.step_start = 0.0
+        self.syncs: list[warnings.WarningMessage] = []
+        self.profiler = torch.profiler.profile(record_shapes=False) if profile else None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         synchronize()
         self.step_start = time.perf_counter()
-        if trainer.global_step >= self.warmup:
+        timed = trainer.global_step >= self.warmup
+        if timed:
             self.data_s.append(self.step_start - self.step_end)
         if trainer.global_step == 0:
             self.counter = FlopCounterMode(display=False)
             self.counter.__enter__()
+        if self.profiler is not None and trainer.global_step == self.warmup:
+            self.profiler.__enter__()
+        if timed and torch.cuda.is_available():
+            torch.cuda.set_sync_debug_mode("warn")  # from here to the step's end: what the step itself waits for
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.set_sync_debug_mode("default")
         if self.counter is not None:
             self.counter.__exit__(None, None, None)
             self.flops, self.batch_images, self.counter = self.counter.get_total_flops(), len(batch["index"]), None
@@ -98,6 +117,12 @@ class StepTimer(Callback):
         self.step_end = time.perf_counter()
         if trainer.global_step > self.warmup:  # global_step counts this step already
             self.compute_s.append(self.step_end - self.step_start)
+        if self.profiler is not None and trainer.global_step == self.warmup + PROFILED_STEPS:
+            self.profiler.__exit__(None, None, None)
+
+    def profile_table(self) -> str:
+        sort_by = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+        return self.profiler.key_averages().table(sort_by=sort_by, row_limit=25)
 
 
 def build(config: str, pipeline: str, overrides: list[str]) -> ContrastlabCLI:
@@ -105,14 +130,16 @@ def build(config: str, pipeline: str, overrides: list[str]) -> ContrastlabCLI:
     return ContrastlabCLI(PretrainMethod, args=args, run=False)
 
 
-def measure_training(config: str, pipeline: str, steps: int, warmup: int, overrides: list[str]) -> dict:
+def measure_training(config: str, pipeline: str, steps: int, warmup: int, overrides: list[str], profile_dir: Path | None = None) -> dict:
     cli = build(config, pipeline, overrides)
-    timer = StepTimer(warmup)
-    with tempfile.TemporaryDirectory() as scratch:
+    timer = StepTimer(warmup, profile=profile_dir is not None)
+    per_step = [callback for callback in cli.trainer.callbacks if isinstance(callback, (NonFiniteLossGuard, TrainingThroughput))]
+    with tempfile.TemporaryDirectory() as scratch, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         trainer = L.Trainer(
             accelerator="auto", devices=1, precision=cli.trainer.precision, max_steps=warmup + steps, logger=False,
             enable_checkpointing=False, limit_val_batches=0, num_sanity_val_steps=0, enable_progress_bar=False,
-            enable_model_summary=False, default_root_dir=scratch, callbacks=[timer],
+            enable_model_summary=False, default_root_dir=scratch, callbacks=[timer, *per_step],
         )
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
@@ -121,36 +148,39 @@ def measure_training(config: str, pipeline: str, steps: int, warmup: int, overri
     images_per_s = steps * cli.datamodule.batch_size / step_s
     row = {"pipeline": pipeline, "workers": cli.datamodule.num_workers, "batch": cli.datamodule.batch_size,
            "images_per_s": images_per_s, "data_share": sum(timer.data_s) / step_s,
-           "gflops_per_image": timer.flops / timer.batch_images / 1e9, "peak_memory": "n/a", "mfu": "n/a"}
+           "gflops_per_image": timer.flops / timer.batch_images / 1e9, "peak_memory": "n/a", "mfu": "n/a", "syncs": "n/a"}
     if torch.cuda.is_available():
         row["peak_memory"] = f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB"
         name = torch.cuda.get_device_name()
         peak = next((flops for model, flops in BF16_PEAK_FLOPS if model in name), None)
         row["mfu"] = f"{images_per_s * timer.flops / timer.batch_images / peak:.1%}" if peak else f"n/a (no bf16 peak known for {name})"
+        row["syncs"] = f"{sum('synchronizing' in str(w.message) for w in caught) / steps:.1f}"
+    if profile_dir is not None:
+        write_atomically(profile_dir / f"profile_{pipeline}.txt", lambda partial: partial.write_text(timer.profile_table() + "\n"))
     return row
 
 
 def training_table(rows: list[dict]) -> str:
-    lines = ["| pipeline | workers | batch | images/s | data share | GFLOPs/image | peak GPU memory | MFU (bf16) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| pipeline | workers | batch | images/s | data share | GFLOPs/image | peak GPU memory | MFU (bf16) | host syncs/step |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     lines += [f"| {r['pipeline']} | {r['workers']} | {r['batch']} | {r['images_per_s']:,.0f} | {r['data_share']:.0%} | "
-              f"{r['gflops_per_image']:.2f} | {r['peak_memory']} | {r['mfu']} |" for r in rows]
+              f"{r['gflops_per_image']:.2f} | {r['peak_memory']} | {r['mfu']} | {r['syncs']} |" for r in rows]
     by_pipeline = {row["pipeline"]: row["images_per_s"] for row in rows}
-    if {"workers", "device"} <= set(by_pipeline):
-        lines.append(f"\nratio device / workers: {by_pipeline['device'] / by_pipeline['workers']:.2f}x")
+    if {"cpu", "gpu"} <= set(by_pipeline):
+        lines.append(f"\nratio gpu / cpu: {by_pipeline['gpu'] / by_pipeline['cpu']:.2f}x")
     return "\n".join(lines)
 
 
 def views_table(config: str, images: int, overrides: list[str]) -> str:
     """Images/s of every configured view alone and of all of them (what one training image costs)."""
-    workers_data = build(config, "workers", overrides).datamodule
-    device_data = build(config, "device", overrides).datamodule
+    workers_data = build(config, "cpu", overrides).datamodule
+    device_data = build(config, "gpu", overrides).datamodule
     workers_data.setup()
     train = workers_data.splits["train"]
     images = min(images, len(train))
     pil_images = [train[index][0] for index in range(images)]
     raw = torch.stack([torch.from_numpy(np.array(image, dtype=np.uint8)).permute(2, 0, 1) for image in pil_images])
-    lines = ["| views | PIL, 1 process | PIL, DataLoader " + f"{workers_data.num_workers} workers | batched (device pipeline) on CPU, {torch.get_num_threads()} threads |",
+    lines = ["| views | PIL, 1 process | PIL, DataLoader " + f"{workers_data.num_workers} workers | batched (gpu pipeline) on CPU, {torch.get_num_threads()} threads |",
              "|---|---:|---:|---:|"]
     selections = {name: [name] for name in workers_data.views} | {" + ".join(workers_data.views): list(workers_data.views)}
     for label, names in selections.items():
@@ -180,7 +210,7 @@ def main(argv: list[str]) -> int:
     own, overrides = split_overrides(argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True)
-    parser.add_argument("--pipelines", nargs="+", choices=["workers", "device"], default=["workers", "device"])
+    parser.add_argument("--pipelines", nargs="+", choices=["cpu", "gpu"], default=["cpu", "gpu"])
     parser.add_argument("--steps", type=int, default=20, help="timed training steps per pipeline")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (the first one counts the FLOPs)")
     data = parser.add_mutually_exclusive_group()
@@ -191,9 +221,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--views-only", action="store_true", help="the CPU-side ceiling of the views, no model")
     parser.add_argument("--view-images", type=int, default=2560, help="images per --views-only measurement")
     parser.add_argument("--out", type=Path, help="also write the table here (atomically)")
+    parser.add_argument("--profile", type=Path, metavar="DIR", help=f"write profile_<pipeline>.txt here: torch.profiler's operator table of {PROFILED_STEPS} timed steps")
     args = parser.parse_args(own)
     if args.steps < 1 or args.warmup < 1:
         raise SystemExit(f"error: --steps and --warmup must be >= 1, got {args.steps} and {args.warmup}")
+    if args.profile is not None and args.steps < PROFILED_STEPS:
+        raise SystemExit(f"error: --profile needs --steps >= {PROFILED_STEPS}, got {args.steps}")
     with tempfile.TemporaryDirectory() as fake_root:
         if args.fake_data:
             write_fake_cifar10(Path(fake_root), args.fake_images)
@@ -205,7 +238,7 @@ def main(argv: list[str]) -> int:
         if args.views_only:
             table = views_table(args.config, args.view_images, overrides)
         else:
-            table = training_table([measure_training(args.config, pipeline, args.steps, args.warmup, overrides) for pipeline in args.pipelines])
+            table = training_table([measure_training(args.config, pipeline, args.steps, args.warmup, overrides, args.profile) for pipeline in args.pipelines])
     print(table)
     if args.out:
         write_atomically(args.out, lambda partial: partial.write_text(table + "\n"))

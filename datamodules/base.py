@@ -5,10 +5,15 @@ Batches:
   (shape (B, C, H, W), or (B, N, C, H, W) for a view with `count: N`);
 - evaluation: `{"image": x, "label": y, "index": i}`.
 
-With `pipeline: device` the DataLoader delivers the raw uint8 images and the views are drawn on the
-training device after the transfer (`augment_on_device`, called by the method's
-`on_after_batch_transfer`), every random parameter per sample; `workers` (the default) augments each
-image with PIL in the DataLoader workers.
+`pipeline: cpu` (the default, the reference) augments each image with PIL in the DataLoader workers.
+With `pipeline: gpu` the views are drawn per batch on the training device after the transfer
+(`augment_on_device`, called by the method's `on_after_batch_transfer`), every random parameter per
+sample (`datamodules.batched`), from uint8 images that are either
+- resident on the device (`resident: true`, the default where all images have one size): the whole
+  training split is decoded once into one uint8 tensor that moves to the device with the first batch
+  (CIFAR-10: 150 MB), and the loader delivers batches of indices and labels only;
+- or delivered by the DataLoader workers per batch: raw uint8 images of one size (`resident: false`), or,
+  for folders of images of any size, the encoded files, decoded on the device (`datamodules.encoded`).
 
 `val_dataloader()` returns the validation split and, when `knn_bank` is on, the labelled bank of the kNN
 monitor under the evaluation view: the `bank` split where a dataset has one (STL-10 pretrains on
@@ -83,6 +88,37 @@ class RawImageDataset(Dataset):
         return {"image": pixels, "label": label, "index": index}
 
 
+class IndexBatches(Dataset):
+    """Training batches of indices and labels only, for images resident on the device. The DataLoader's
+    fetcher hands a whole batch of sampled indices to `__getitems__`, so a batch costs one indexing and no
+    per-sample collation (the loader's `collate_fn` is `already_batched`)."""
+
+    def __init__(self, labels: np.ndarray):
+        self.labels = torch.as_tensor(labels, dtype=torch.long)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return {"label": int(self.labels[index]), "index": index}
+
+    def __getitems__(self, indices: list[int]) -> dict[str, torch.Tensor]:
+        index = torch.as_tensor(indices, dtype=torch.long)
+        return {"label": self.labels[index], "index": index}
+
+
+def already_batched(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return batch
+
+
+def decode_all(dataset: Dataset, num_workers: int) -> torch.Tensor:
+    """Every image of a dataset of one image size as one uint8 (N, C, H, W) tensor, decoded by
+    `num_workers` DataLoader workers (seeded by a generator of their own: decoding draws no number from the
+    global generator, which the views draw from)."""
+    loader = DataLoader(RawImageDataset(dataset), batch_size=1024, num_workers=num_workers, generator=torch.Generator())
+    return torch.cat([batch["image"] for batch in loader])
+
+
 class EvalDataset(Dataset):
     def __init__(self, base: Dataset, transform: Callable):
         self.base, self.transform = base, transform
@@ -105,7 +141,7 @@ class ContrastiveDataModule(L.LightningDataModule):
     std: tuple[float, float, float]
     expected_layout: str = ""  # what must be under data.root, for the errors ("" when no root is needed)
     how_to_get = ""  # where the files come from, for the missing-root error
-    uniform_image_size = True  # False where images vary in size: `pipeline: device` cannot batch them raw
+    uniform_image_size = True  # False where images vary in size: `pipeline: gpu` then decodes files on the device
 
     def __init__(
         self,
@@ -116,8 +152,9 @@ class ContrastiveDataModule(L.LightningDataModule):
         eval_view: dict[str, Any] | None = None,
         knn_bank: bool = True,
         pin_memory: bool = True,
-        pipeline: Literal["workers", "device"] = "workers",
+        pipeline: Literal["cpu", "gpu"] = "cpu",
         sampler: Literal["instance", "class_balanced", "square_root", "progressive"] = "instance",
+        resident: bool = True,
     ):
         """
         Args:
@@ -130,21 +167,22 @@ class ContrastiveDataModule(L.LightningDataModule):
                 protocol at the dataset's resolution).
             knn_bank: also serve the labelled training images under `eval_view` during validation (kNN monitor).
             pin_memory: pin host memory for faster host-to-GPU copies.
-            pipeline: where the training views are drawn: `workers` (per image, PIL, in the DataLoader
-                workers) or `device` (per batch on the training device, same parameters, per-sample
-                randomness; needs images of one size).
+            pipeline: where the training views are drawn: `cpu` (per image, PIL, in the DataLoader
+                workers) or `gpu` (per batch on the training device, whichever it is, CPU included: the
+                same parameters, drawn per sample; the presets of the `augment` family only).
             sampler: how the training images of an epoch are drawn (Kang et al. 2020): `instance`, each
                 image once in random order; `class_balanced` and `square_root`, a class with probability
                 proportional to n^0 or n^(1/2) (n its training images), then one of its images; `progressive`,
                 from instance- to class-balanced linearly over `trainer.max_epochs`.
+            resident: with `pipeline: gpu` and images of one size, decode the training split once and keep it
+                on the training device as one uint8 tensor (N x 3 x H x W bytes per process: CIFAR-10 150 MB,
+                STL-10 with its unlabelled images 2.9 GB); false streams raw batches through the workers.
         """
         super().__init__()
         if batch_size < 1:
             raise ValueError(f"data.batch_size must be >= 1, got {batch_size}")
         if num_workers < 0:
             raise ValueError(f"data.num_workers must be >= 0, got {num_workers}")
-        if pipeline == "device" and not self.uniform_image_size:
-            raise ValueError(f"data.pipeline: device needs images of one size, and {type(self).__name__}'s vary; use data.pipeline: workers")
         self.root = self._checked_root(root)
         self.batch_size = batch_size
         self.num_workers = num_workers
@@ -152,6 +190,8 @@ class ContrastiveDataModule(L.LightningDataModule):
         self.pin_memory = pin_memory
         self.pipeline = pipeline
         self.sampler = sampler
+        self.resident = resident and pipeline == "gpu" and self.uniform_image_size
+        self.resident_images: torch.Tensor | None = None  # the decoded training split, once decoded
         defaults = {"size": self.image_size, "mean": self.mean, "std": self.std}
         self.views = {name: build_view(name, spec, defaults, pipeline) for name, spec in (views or {}).items()}
         self.eval_transform = build_view("eval_view", eval_view or self.default_eval_view(), defaults)
@@ -226,36 +266,63 @@ class ContrastiveDataModule(L.LightningDataModule):
     def load_state_dict(self, state_dict: dict[str, int]) -> None:
         self.resume_at = dict(state_dict)
 
-    def _loader(self, dataset: Dataset, train: bool, sampler: Sampler | None = None, generator: torch.Generator | None = None) -> DataLoader:
+    def _loader(self, dataset: Dataset, train: bool, sampler: Sampler | None = None, generator: torch.Generator | None = None,
+                num_workers: int | None = None, collate_fn: Callable | None = None) -> DataLoader:
+        num_workers = self.num_workers if num_workers is None else num_workers
         return DataLoader(
             dataset,
             batch_size=self.batch_size,
             sampler=sampler,
             drop_last=train,  # equal batches: split-BN groups and queue updates assume it
-            num_workers=self.num_workers,
+            num_workers=num_workers,
             pin_memory=self.pin_memory and torch.cuda.is_available(),
-            persistent_workers=self.num_workers > 0,
+            persistent_workers=num_workers > 0,
             generator=generator,
+            collate_fn=collate_fn,
         )
+
+    def training_dataset(self, train: Dataset) -> tuple[Dataset, Callable | None]:
+        """What the training DataLoader serves, and its collate function (None: PyTorch's default)."""
+        if self.pipeline == "cpu":
+            return ViewsDataset(train, self.views), None
+        if self.resident:
+            return IndexBatches(dataset_labels(train)), already_batched
+        return RawImageDataset(train), None
 
     def train_dataloader(self) -> DataLoader:
         if not self.views:
             raise ValueError("data.views is empty: the training split needs at least one named view")
         self.setup()
         train = self.splits["train"]
-        dataset = RawImageDataset(train) if self.pipeline == "device" else ViewsDataset(train, self.views)
+        dataset, collate_fn = self.training_dataset(train)
+        if self.resident:
+            if self.resident_images is None:
+                self.resident_images = decode_all(train, self.num_workers)
+            # the loader serves indices, without workers: Lightning's advice to add workers does not apply
+            warnings.filterwarnings("ignore", message="The 'train_dataloader' does not have many workers")
         seed = int(os.environ.get("PL_GLOBAL_SEED", 0))  # the run's seed_everything
         # The worker seeds come from a generator of the loader's own: creating the iterator draws no
         # number from the global generator, so a resumed run draws the same augmentations as an
         # uninterrupted one (methods.reliability.RandomStateCheckpoint).
-        return self._loader(dataset, train=True, sampler=self.train_sampler(seed), generator=torch.Generator().manual_seed(seed))
+        return self._loader(dataset, train=True, sampler=self.train_sampler(seed), generator=torch.Generator().manual_seed(seed),
+                            num_workers=0 if self.resident else None, collate_fn=collate_fn)  # indices need no workers
+
+    def images_on_device(self, batch: dict) -> tuple[torch.Tensor | list[torch.Tensor], torch.Tensor]:
+        """The uint8 training images of a transferred batch (`pipeline: gpu`) on the batch's device, and their labels."""
+        if not self.resident:
+            return batch["image"], batch["label"]
+        device = batch["index"].device
+        if self.resident_images.device != device:  # moved once, with the first batch; no host copy is kept
+            self.resident_images = self.resident_images.to(device)
+        return self.resident_images[batch["index"]], batch["label"]
 
     def augment_on_device(self, batch: dict) -> dict:
-        """Draw the training views from a transferred batch of raw images (`pipeline: device`)."""
-        if self.pipeline != "device" or "image" not in batch:
+        """Draw the training views from a transferred batch of raw images (`pipeline: gpu`)."""
+        if self.pipeline != "gpu" or "views" in batch:
             return batch
-        views = {name: view(batch["image"]) for name, view in self.views.items()}
-        return {"views": views, "label": batch["label"], "index": batch["index"]}
+        images, labels = self.images_on_device(batch)
+        views = {name: view(images) for name, view in self.views.items()}
+        return {"views": views, "label": labels, "index": batch["index"]}
 
     def _eval_loaders(self, split: str) -> list[DataLoader]:
         self.setup()

@@ -11,7 +11,8 @@ one set for the whole batch, which is wrong for two-view contrastive learning):
 - grayscale (ITU-R 601 weights as torchvision), Gaussian blur with a per-sample sigma, solarisation,
   horizontal flip; then normalisation.
 
-Input: uint8 (B, C, H, W) or float in [0, 1]. Output: float32 (B, C, size, size), normalised.
+Input: uint8 or float in [0, 1], either one (B, C, H, W) tensor or a list of B (C, H_i, W_i) images of any
+sizes (folders decoded on the device, `datamodules.encoded`). Output: float32 (B, C, size, size), normalised.
 """
 
 import math
@@ -27,32 +28,50 @@ def _uniform(low: float, high: float, count: int, device) -> torch.Tensor:
     return torch.empty(count, device=device).uniform_(low, high)
 
 
-def crop_boxes(batch: int, height: int, width: int, scale, ratio, device, tries: int = 10) -> torch.Tensor:
+def crop_boxes(batch: int, height, width, scale, ratio, device, tries: int = 10) -> torch.Tensor:
     """(B, 4) boxes (x1, y1, x2, y2) drawn per sample as torchvision's RandomResizedCrop.get_params:
-    up to `tries` draws of area and log-ratio, the first that fits wins, else the centred fallback."""
-    area = height * width * torch.empty(batch, tries, device=device).uniform_(*scale)
+    up to `tries` draws of area and log-ratio, the first that fits wins, else the centred fallback.
+    `height` and `width` are one size for the whole batch (ints) or each sample's own ((B,) tensors)."""
+    height, width = _per_sample(height, batch, device), _per_sample(width, batch, device)
+    area = (height * width)[:, None] * torch.empty(batch, tries, device=device).uniform_(*scale)
     aspect = torch.empty(batch, tries, device=device).uniform_(math.log(ratio[0]), math.log(ratio[1])).exp()
     crop_w = torch.sqrt(area * aspect).round()
     crop_h = torch.sqrt(area / aspect).round()
-    fits = (crop_w > 0) & (crop_w <= width) & (crop_h > 0) & (crop_h <= height)
+    fits = (crop_w > 0) & (crop_w <= width[:, None]) & (crop_h > 0) & (crop_h <= height[:, None])
     found = fits.any(dim=1)
     first = fits.float().argmax(dim=1, keepdim=True)
     fallback_w, fallback_h = _fallback_size(height, width, ratio)
-    w = torch.where(found, crop_w.gather(1, first)[:, 0], torch.full((batch,), fallback_w, device=device))
-    h = torch.where(found, crop_h.gather(1, first)[:, 0], torch.full((batch,), fallback_h, device=device))
+    w = torch.where(found, crop_w.gather(1, first)[:, 0], fallback_w)
+    h = torch.where(found, crop_h.gather(1, first)[:, 0], fallback_h)
     top = torch.where(found, torch.floor(torch.rand(batch, device=device) * (height - h + 1)), torch.div(height - h, 2, rounding_mode="floor"))
     left = torch.where(found, torch.floor(torch.rand(batch, device=device) * (width - w + 1)), torch.div(width - w, 2, rounding_mode="floor"))
     return torch.stack([left, top, left + w, top + h], dim=1)
 
 
-def _fallback_size(height: int, width: int, ratio) -> tuple[float, float]:
+def _per_sample(size: int | torch.Tensor, batch: int, device) -> torch.Tensor:
+    """A size as a float (B,) tensor on the device; an int is filled in there, not copied from the host
+    (a blocking copy would synchronise the host with the device)."""
+    if isinstance(size, torch.Tensor):
+        return size.to(device=device, dtype=torch.float32)
+    return torch.full((batch,), float(size), device=device)
+
+
+def _fallback_size(height: torch.Tensor, width: torch.Tensor, ratio) -> tuple[torch.Tensor, torch.Tensor]:
     """torchvision's fallback: the whole image, narrowed to the nearest allowed aspect ratio."""
     in_ratio = width / height
-    if in_ratio < min(ratio):
-        return float(width), float(round(width / min(ratio)))
-    if in_ratio > max(ratio):
-        return float(round(height * max(ratio))), float(height)
-    return float(width), float(height)
+    fallback_w = torch.where(in_ratio > max(ratio), torch.round(height * max(ratio)), width)
+    fallback_h = torch.where(in_ratio < min(ratio), torch.round(width / min(ratio)), height)
+    return fallback_w, fallback_h
+
+
+def _host_reads_are_free(tensor: torch.Tensor) -> bool:
+    """Reading a tensor's values on the host (e.g. which rows to process) costs nothing on the CPU and stalls
+    an accelerator until it has caught up with the queued work."""
+    return tensor.device.type == "cpu"
+
+
+def _unit_range(images: torch.Tensor) -> torch.Tensor:
+    return images.float() / 255 if images.dtype == torch.uint8 else images.float()
 
 
 def rgb_to_gray(images: torch.Tensor) -> torch.Tensor:
@@ -161,19 +180,30 @@ class BatchedAugment:
     def _hue_where(selected: torch.Tensor, images: torch.Tensor, others: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
         """Hue-shifted `images` where `selected`, `others` elsewhere. On an accelerator the whole batch is
         shifted and selected (no host synchronisation); on the CPU only the selected quarter is."""
-        if images.device.type != "cpu":
+        if not _host_reads_are_free(images):
             return torch.where(selected.view(-1, 1, 1, 1), adjust_hue(images, shift), others)
         rows = selected.nonzero()[:, 0]
         return others.index_copy(0, rows, adjust_hue(images[rows], shift[rows]))
 
+    def resized_crops(self, images: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
+        """A random crop of every image (drawn from its own height and width), resampled to size x size:
+        float (B, C, size, size) in [0, 1]. A list of images of different sizes is resampled image by image."""
+        batch, device = len(images), images[0].device
+        if isinstance(images, torch.Tensor):
+            boxes = crop_boxes(batch, images.shape[-2], images.shape[-1], self.scale, self.ratio, device)
+            indexed = torch.cat([torch.arange(batch, device=device, dtype=boxes.dtype)[:, None], boxes], dim=1)
+            return roi_align(_unit_range(images), indexed, self.size, spatial_scale=1.0, sampling_ratio=-1, aligned=True)
+        heights, widths = torch.tensor([image.shape[-2:] for image in images], dtype=torch.float32).to(device, non_blocking=True).unbind(1)
+        boxes = crop_boxes(batch, heights, widths, self.scale, self.ratio, device)
+        return torch.cat([
+            roi_align(_unit_range(image)[None], [box[None]], self.size, spatial_scale=1.0, sampling_ratio=-1, aligned=True)
+            for image, box in zip(images, boxes)
+        ])
+
     @torch.no_grad()
-    def __call__(self, images: torch.Tensor) -> torch.Tensor:
-        images = images.float() / 255 if images.dtype == torch.uint8 else images.float()
-        batch, _, height, width = images.shape
-        device = images.device
-        boxes = crop_boxes(batch, height, width, self.scale, self.ratio, device)
-        indexed = torch.cat([torch.arange(batch, device=device, dtype=boxes.dtype)[:, None], boxes], dim=1)
-        images = roi_align(images, indexed, self.size, spatial_scale=1.0, sampling_ratio=-1, aligned=True)
+    def __call__(self, images: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
+        images = self.resized_crops(images)
+        batch, device = images.shape[0], images.device
         if any(high != low for low, high in self.jitter_ranges) and self.jitter_prob > 0:
             images = self.color_jitter(images)
         if self.gray_prob > 0:

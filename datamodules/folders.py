@@ -6,19 +6,22 @@ sample, so one bad JPEG does not end a multi-day run; more than `max_corrupt_fra
 (default 1%) unreadable is a ValueError, since the dataset itself is then broken. What can be checked
 without decoding (the class folders, the files a split file names, the labels it gives) is checked
 when the DataModule is built, so a missing folder or file is reported with its path before training.
+With `data.pipeline: gpu`, images of varying sizes reach the training device as encoded files and are
+decoded there (`datamodules.encoded`), under the same handling of unreadable files.
 """
 
 import logging
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
 from datamodules.base import ContrastiveDataModule
+from datamodules.encoded import EncodedBatch, EncodedImages, collate_encoded
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +29,8 @@ IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".t
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 SHOWN_PATHS = 5  # how many offending paths an error message lists
+UNREADABLE = (OSError, ValueError, SyntaxError)  # what PIL raises for truncated or foreign files
+T = TypeVar("T")
 
 
 def listing(paths: list) -> str:
@@ -58,17 +63,24 @@ class ImageFiles(Dataset):
         return int(self.corrupt.sum())
 
     def __getitem__(self, index: int) -> tuple[Image.Image, int]:
+        found, image = self.first_readable(index, read_rgb)
+        return image, self.labels[found]
+
+    def first_readable(self, index: int, read: Callable[[str], T]) -> tuple[int, T]:
+        """`read(path)` of sample `index`, or of the next sample that can be read, with that sample's index:
+        the one loop that skips, records and replaces unreadable files, whatever `read` makes of a file."""
         candidate = index
-        while True:  # ends: more unreadable files than the limit (< len(self)) raise in _record_corrupt
+        while True:  # ends: more unreadable files than the limit (< len(self)) raise in record_corrupt
             if not self.corrupt[candidate]:
                 try:
-                    with Image.open(self.paths[candidate]) as image:
-                        return image.convert("RGB"), self.labels[candidate]
-                except (OSError, ValueError, SyntaxError) as error:  # what PIL raises for truncated or foreign files
-                    self._record_corrupt(candidate, error)
+                    return candidate, read(self.paths[candidate])
+                except UNREADABLE as error:
+                    self.record_corrupt(candidate, error)
             candidate = (candidate + 1) % len(self)
 
-    def _record_corrupt(self, index: int, error: Exception) -> None:
+    def record_corrupt(self, index: int, error: Exception) -> None:
+        """Mark sample `index` unreadable (skipped from now on, in every worker), log it with its path, and
+        raise once more than `max_corrupt_fraction` of the dataset is unreadable."""
         self.corrupt[index] = True
         count = self.corrupt_count
         if count > self.max_corrupt:
@@ -77,7 +89,12 @@ class ImageFiles(Dataset):
                 f"data.max_corrupt_fraction={self.max_corrupt_fraction} allows ({self.max_corrupt}); "
                 f"the latest: {self.paths[index]} ({error})"
             )
-        log.warning("unreadable image %s (%s): replaced by the next readable one (%d unreadable so far)", self.paths[index], error, count)
+        log.warning("unreadable image %s (%s): replaced by another readable one (%d unreadable so far)", self.paths[index], error, count)
+
+
+def read_rgb(path: str) -> Image.Image:
+    with Image.open(path) as image:
+        return image.convert("RGB")
 
 
 def image_paths(folder: Path) -> list[str]:
@@ -123,6 +140,7 @@ class FolderDataModule(ContrastiveDataModule):
         if not 0 <= max_corrupt_fraction < 1:
             raise ValueError(f"data.max_corrupt_fraction must be in [0, 1), got {max_corrupt_fraction}")
         self.max_corrupt_fraction = max_corrupt_fraction
+        self.encoded_training: EncodedImages | None = None  # what the training loader serves with `pipeline: gpu`
         super().__init__(**kwargs)
 
     def default_eval_view(self) -> dict[str, Any]:
@@ -131,6 +149,41 @@ class FolderDataModule(ContrastiveDataModule):
 
     def image_files(self, samples: list[tuple[str, int]], description: str) -> ImageFiles:
         return ImageFiles(samples, self.max_corrupt_fraction, description)
+
+    def encoded(self, dataset: Dataset) -> EncodedImages:
+        """`dataset` (an `ImageFiles`, or a Subset-like of one) read for decoding on the device
+        (`datamodules.encoded`)."""
+        files, indices = self._files_and_indices(dataset)
+        return EncodedImages(files, indices)
+
+    def _files_and_indices(self, dataset: Dataset) -> tuple[ImageFiles, Sequence[int]]:
+        if isinstance(dataset, ImageFiles):
+            return dataset, range(len(dataset))
+        if hasattr(dataset, "dataset") and hasattr(dataset, "indices"):
+            files, indices = self._files_and_indices(dataset.dataset)
+            return files, [indices[index] for index in dataset.indices]
+        raise ValueError(
+            f"data.pipeline: gpu decodes the image files of {type(self).__name__} on the device, which needs its "
+            f"images as an ImageFiles (or a Subset of one), not a {type(dataset).__name__}"
+        )
+
+    def training_dataset(self, train: Dataset) -> tuple[Dataset, Callable | None]:
+        """With `pipeline: gpu` and images of varying sizes: the encoded files, kept to decode their batches."""
+        if self.pipeline != "gpu" or self.uniform_image_size:
+            return super().training_dataset(train)
+        self.encoded_training = self.encoded(train)
+        return self.encoded_training, collate_encoded
+
+    def images_on_device(self, batch: dict) -> tuple[torch.Tensor | list[torch.Tensor], torch.Tensor]:
+        """Decode an `EncodedBatch` on the batch's device; an image that proves unreadable there is replaced
+        by another of the batch, whose label it then takes."""
+        if not isinstance(batch.get("image"), EncodedBatch):
+            return super().images_on_device(batch)
+        labels = batch["label"]
+        images, shown = self.encoded_training.decode(batch["image"], labels.device)
+        if shown != list(range(len(shown))):
+            labels = labels[torch.tensor(shown, device=labels.device)]
+        return images, labels
 
     def check_class_folders(self, split_dirs: list[Path]) -> None:
         """Every class of `self.classes` must have its folder in each split (an existence check, fast)."""

@@ -7,7 +7,7 @@ draws N independent augmentations of the same image (stacked along a new dimensi
 The contrastive presets (`crop_flip`, `mocov2`, `npid`, `simclr`, `simaugment`, `paco_sim`, `byol1`,
 `byol2`) are parameter sets of one augmentation family, which runs either per image in the DataLoader
 workers (`augment`, PIL) or per batch on the training device (`BatchedAugment`, the same parameters,
-every random draw per sample): `data.pipeline: workers | device`. The policy presets (`autoaugment`,
+every random draw per sample): `data.pipeline: cpu | gpu`. The policy presets (`autoaugment`,
 `randaugment`) and the evaluation presets (`crop_pad_flip`, `center`) run per image only.
 """
 
@@ -256,7 +256,7 @@ def _check_keys(view_name: str, preset: str, given: dict, accepted: set[str]) ->
         raise ValueError(f"view {view_name!r}: preset {preset!r} does not accept {unknown}; it takes {sorted(accepted)}")
 
 
-def build_view(view_name: str, spec: dict[str, Any], defaults: dict[str, Any], pipeline: str = "workers") -> Callable:
+def build_view(view_name: str, spec: dict[str, Any], defaults: dict[str, Any], pipeline: str = "cpu") -> Callable:
     """Build the pipeline of one named view from its config entry, failing with a message that names
     the view and the offending key. `defaults` gives `size`, `mean` and `std` of the dataset."""
     if not isinstance(spec, dict) or "preset" not in spec:
@@ -267,8 +267,8 @@ def build_view(view_name: str, spec: dict[str, Any], defaults: dict[str, Any], p
     if not isinstance(count, int) or count < 1:
         raise ValueError(f"view {view_name!r}: count must be an integer >= 1, got {count!r}")
     if preset in PER_IMAGE_PRESETS:
-        if pipeline != "workers":
-            raise ValueError(f"view {view_name!r}: preset {preset!r} runs per image only; use data.pipeline: workers")
+        if pipeline != "cpu":
+            raise ValueError(f"view {view_name!r}: preset {preset!r} runs per image only; use data.pipeline: cpu")
         factory = PER_IMAGE_PRESETS[preset]
         _check_keys(view_name, preset, params, accepted_parameters(factory))
         try:
@@ -278,7 +278,7 @@ def build_view(view_name: str, spec: dict[str, Any], defaults: dict[str, Any], p
     elif preset in CONTRASTIVE_PRESETS:
         _check_keys(view_name, preset, params, accepted_parameters(CONTRASTIVE_PRESETS[preset]))
         arguments = defaults | CONTRASTIVE_PRESETS[preset](**params)
-        transform = augment(**arguments) if pipeline == "workers" else BatchedAugment(**arguments)
+        transform = augment(**arguments) if pipeline == "cpu" else BatchedAugment(**arguments)
     else:
         raise ValueError(f"view {view_name!r}: unknown preset {preset!r}; choose one of {PRESET_NAMES}")
-    return MultipleViews(transform, count, batched=pipeline == "device") if count > 1 else transform
+    return MultipleViews(transform, count, batched=pipeline == "gpu") if count > 1 else transform

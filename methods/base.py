@@ -2,7 +2,7 @@
 
 - `MethodBase`: what every trainable method shares with the data: the named views it consumes and the
   checks that the DataModule provides them (and fills its queues), views drawn on the device
-  (`data.pipeline: device`), channels-last images, all-gathers across processes, progress in epochs.
+  (`data.pipeline: gpu`), channels-last images, all-gathers across processes, progress in epochs.
 - `PretrainMethod`: a self-supervised or contrastive pretraining method. It owns the trunk
   (`self.backbone`), the projector, the online linear probe and the kNN monitor, the optimizer with its
   parameter groups and the per-step schedule. A method subclass sets `views` and implements
@@ -11,7 +11,8 @@
 - The long-tail classifiers (PaCo and its baselines) build on `MethodBase` in `methods/longtail.py`.
 """
 
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Literal, Sequence
 
 import lightning as L
 import torch
@@ -27,6 +28,17 @@ from methods.optim import OptimizerSpec, ScheduleSpec, configure_optimization, p
 from methods.reliability import CheckpointRecord
 
 
+@dataclass
+class CompileSpec:
+    """`torch.compile` of the trunks, online and momentum (nearly all FLOPs and kernel launches of a step),
+    in place (`nn.Module.compile`): parameters, state-dict keys and checkpoints stay those of the eager
+    modules. `reduce-overhead` adds CUDA graphs, `max-autotune` searches kernels too (slow first steps)."""
+
+    mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
+    backend: str = "inductor"
+    fullgraph: bool = False
+
+
 class MethodBase(CheckpointRecord, L.LightningModule):
     """Base of every method trained by `main_pretrain.py`; subclasses set `views` and `channels_last`.
     Its checkpoints record the contrastlab version and the method class (`methods.reliability`)."""
@@ -34,6 +46,8 @@ class MethodBase(CheckpointRecord, L.LightningModule):
     views: tuple[str, ...] = ()  # names of the data views the method consumes
     keys_per_sample: int = 1  # keys a queue receives per training image and step
     channels_last: bool = False
+    compile_spec: CompileSpec | None = None
+    compiled_modules = ("backbone", "target_backbone")  # those a method has are compiled with `compile`
 
     def check_data(self, datamodule, world_size: int) -> None:
         """Fail before training when the data cannot feed this method (the CLI calls this before
@@ -57,6 +71,13 @@ class MethodBase(CheckpointRecord, L.LightningModule):
             self.check_data(self.trainer.datamodule, self.trainer.world_size)
         if self.channels_last:
             self.to(memory_format=torch.channels_last)
+
+    def configure_model(self) -> None:
+        if self.compile_spec is not None:
+            spec = self.compile_spec
+            for name in self.compiled_modules:
+                if hasattr(self, name):
+                    getattr(self, name).compile(mode=spec.mode, backend=spec.backend, fullgraph=spec.fullgraph)
 
     def on_after_batch_transfer(self, batch: dict, dataloader_idx: int) -> dict:
         if self._trainer is not None and self.trainer.training and self.trainer.datamodule is not None:
@@ -111,6 +132,7 @@ class PretrainMethod(EvaluationMixin, MethodBase):
         knn_k: int = 200,
         knn_temperature: float = 0.07,
         channels_last: bool = False,
+        compile: CompileSpec | None = None,
     ):
         """
         Args:
@@ -125,6 +147,7 @@ class PretrainMethod(EvaluationMixin, MethodBase):
             knn_k: neighbours of the kNN monitor (0 disables it); knn_temperature: its vote temperature.
             channels_last: keep convolution weights and input images in channels-last memory layout
                 (faster convolutions on recent GPUs and on CPUs with oneDNN, the same numbers).
+            compile: `torch.compile` the trunks (`CompileSpec`; null: eager).
         """
         super().__init__()
         save_plain_hyperparameters(self)
@@ -139,6 +162,7 @@ class PretrainMethod(EvaluationMixin, MethodBase):
         self.schedule_spec = as_spec(ScheduleSpec, schedule)
         self.probe_lr = probe_lr
         self.channels_last = channels_last
+        self.compile_spec = compile and as_spec(CompileSpec, compile)
         self.init_evaluation(num_classes, knn_k, knn_temperature)
 
     # ----------------------------------------------------------------- the method's part

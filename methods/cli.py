@@ -24,11 +24,11 @@
 """
 
 import json
-from contextlib import contextmanager
 import os
 import re
 import signal
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable
 

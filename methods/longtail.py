@@ -25,7 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from backbones import BackboneSpec, MLPSpec
-from methods.base import MethodBase
+from methods.base import CompileSpec, MethodBase
 from methods.config import as_spec, save_plain_hyperparameters
 from methods.evaluation import shot_accuracies
 from methods.momentum import KeyQueue, MomentumMixin, MomentumSpec
@@ -43,6 +43,7 @@ class LongTailClassifier(MethodBase):
         many_shot_above: int = 100,
         few_shot_below: int = 20,
         channels_last: bool = False,
+        compile: CompileSpec | None = None,
     ):
         """
         Args:
@@ -53,6 +54,7 @@ class LongTailClassifier(MethodBase):
                 Places-LT run: `layer4.2`, the last block of a ResNet-152); BatchNorm stays trainable.
             many_shot_above, few_shot_below: the group bounds in training images per class (100, 20).
             channels_last: channels-last memory layout for convolutions.
+            compile: `torch.compile` the trunks (`methods.base.CompileSpec`; null: eager).
         """
         super().__init__()
         save_plain_hyperparameters(self)
@@ -68,6 +70,7 @@ class LongTailClassifier(MethodBase):
         self.schedule_spec = as_spec(ScheduleSpec, schedule)
         self.shot_bounds = (many_shot_above, few_shot_below)
         self.channels_last = channels_last
+        self.compile_spec = compile and as_spec(CompileSpec, compile)
         self._evaluated: dict[str, list[torch.Tensor]] = {"predictions": [], "labels": []}
 
     def _freeze_convs_outside(self, prefix: str) -> None:

@@ -29,6 +29,9 @@ class OptimizerSpec:
     trust_coefficient: float = 0.001  # LARS eta
     # No weight decay, and no LARS adaptation, for biases and normalisation parameters (ndim <= 1).
     exclude_bias_and_norm: bool = True
+    # One kernel per step for all parameters (torch's fused SGD / AdamW): None uses it where every parameter is
+    # on a CUDA device (LARS is always multi-tensor, `torch._foreach_*`), true asks for it anywhere torch has it.
+    fused: bool | None = None
 
     def effective_lr(self, global_batch_size: int) -> float:
         ratio = global_batch_size / 256
@@ -78,11 +81,15 @@ def parameter_groups(named_params: Iterable[tuple[str, torch.nn.Parameter]], spe
 
 
 def build_optimizer(groups: list[dict], spec: OptimizerSpec, lr: float) -> Optimizer:
-    if spec.name == "sgd":
-        return torch.optim.SGD(groups, lr=lr, momentum=spec.momentum, nesterov=spec.nesterov)
     if spec.name == "lars":
+        if spec.fused:
+            raise ValueError("optimizer.fused: true, but LARS has no fused kernel (it runs multi-tensor); set optimizer.fused: null")
         return LARS(groups, lr=lr, momentum=spec.momentum, trust_coefficient=spec.trust_coefficient)
-    return torch.optim.AdamW(groups, lr=lr, betas=spec.betas)
+    on_cuda = all(param.is_cuda for group in groups for param in group["params"])
+    fused = spec.fused if spec.fused is not None else on_cuda
+    if spec.name == "sgd":
+        return torch.optim.SGD(groups, lr=lr, momentum=spec.momentum, nesterov=spec.nesterov, fused=fused or None)
+    return torch.optim.AdamW(groups, lr=lr, betas=spec.betas, fused=fused or None)
 
 
 def lr_factor(step: int, steps_per_epoch: int, total_steps: int, spec: ScheduleSpec) -> float:
@@ -134,19 +141,18 @@ class LARS(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
-            for param in group["params"]:
-                if param.grad is None:
-                    continue
-                update = param.grad.add(param, alpha=group["weight_decay"])
-                if not group.get("lars_exclude", False):
-                    param_norm, update_norm = torch.norm(param), torch.norm(update)
-                    ratio = group["trust_coefficient"] * param_norm / update_norm
-                    trust = torch.where((param_norm > 0) & (update_norm > 0), ratio, torch.ones_like(ratio))
-                    update = update.mul(trust)
-                state = self.state[param]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(param)
-                buffer = state["momentum_buffer"].mul_(group["momentum"]).add_(update)
-                param.add_(buffer, alpha=-group["lr"])
+        for group in self.param_groups:  # every operation on all of a group's tensors at once (multi-tensor)
+            params = [param for param in group["params"] if param.grad is not None]
+            if not params:
+                continue
+            updates = torch._foreach_add([param.grad for param in params], params, alpha=group["weight_decay"])
+            if not group.get("lars_exclude", False):
+                param_norms, update_norms = torch.stack(torch._foreach_norm(params)), torch.stack(torch._foreach_norm(updates))
+                ratio = group["trust_coefficient"] * param_norms / update_norms
+                trust = torch.where((param_norms > 0) & (update_norms > 0), ratio, torch.ones_like(ratio))
+                torch._foreach_mul_(updates, list(trust.unbind()))
+            buffers = [self.state[param].setdefault("momentum_buffer", torch.zeros_like(param)) for param in params]
+            torch._foreach_mul_(buffers, group["momentum"])
+            torch._foreach_add_(buffers, updates)
+            torch._foreach_add_(params, buffers, alpha=-group["lr"])
         return loss

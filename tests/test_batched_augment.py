@@ -49,6 +49,55 @@ def test_crop_falls_back_to_the_centred_image_when_no_draw_fits():
     assert boxes.tolist() == [[45.0, 0.0, 55.0, 10.0]] * 3  # torchvision: width narrowed to height * max ratio
 
 
+def crop_statistics(areas: torch.Tensor, log_aspects: torch.Tensor) -> torch.Tensor:
+    """Mean, standard deviation and 10 / 50 / 90% quantiles of the area fraction and of the log aspect ratio."""
+    quantiles = torch.tensor([0.1, 0.5, 0.9])
+    return torch.cat([torch.cat([values.mean()[None], values.std()[None], values.quantile(quantiles)]) for values in (areas, log_aspects)])
+
+
+def test_crops_of_a_batch_of_mixed_sizes_follow_torchvision_for_each_image_size():
+    torch.manual_seed(0)
+    sizes, count, scale, ratio = ((40, 24), (24, 40)), 4000, (0.2, 1.0), (3 / 4, 4 / 3)  # (height, width), wide and tall
+    heights, widths = torch.tensor(sizes * (count // 2), dtype=torch.float32).unbind(1)
+    boxes = crop_boxes(count, heights, widths, scale, ratio, "cpu")
+    crop_w, crop_h = boxes[:, 2] - boxes[:, 0], boxes[:, 3] - boxes[:, 1]
+    assert (boxes[:, :2] >= 0).all() and (boxes[:, 2] <= widths).all() and (boxes[:, 3] <= heights).all()
+    for first, (height, width) in enumerate(sizes):
+        ours = slice(first, None, 2)
+        reference = [T.RandomResizedCrop.get_params(torch.empty(3, height, width), scale, ratio) for _ in range(count // 2)]
+        ref_h, ref_w = torch.tensor([[h, w] for _, _, h, w in reference], dtype=torch.float32).unbind(1)
+        ours_stats = crop_statistics(crop_w[ours] * crop_h[ours] / (height * width), (crop_w[ours] / crop_h[ours]).log())
+        ref_stats = crop_statistics(ref_w * ref_h / (height * width), (ref_w / ref_h).log())
+        torch.testing.assert_close(ours_stats, ref_stats, atol=0.03, rtol=0)
+
+
+def test_crops_that_never_fit_fall_back_as_torchvision_for_each_image_size():
+    heights, widths = torch.tensor([10.0, 100.0]), torch.tensor([100.0, 10.0])  # a 99% square fits neither
+    boxes = crop_boxes(2, heights, widths, scale=(0.99, 1.0), ratio=(1.0, 1.0), device="cpu")
+    for box, height, width in zip(boxes.tolist(), heights.int().tolist(), widths.int().tolist()):
+        top, left, h, w = T.RandomResizedCrop.get_params(torch.empty(3, height, width), (0.99, 1.0), (1.0, 1.0))
+        assert box == [left, top, left + w, top + h]
+
+
+def test_a_list_of_images_of_one_size_draws_exactly_what_their_batch_tensor_draws():
+    images = torch.randint(0, 256, (8, 3, 20, 28), dtype=torch.uint8)
+    augment = BatchedAugment(12, MEAN, STD, blur_prob=0.5, solarize_prob=0.2)
+    torch.manual_seed(1)
+    from_tensor = augment(images)
+    torch.manual_seed(1)
+    torch.testing.assert_close(augment(list(images)), from_tensor, atol=0, rtol=0)
+
+
+def test_each_image_of_a_list_of_different_sizes_is_cropped_within_itself_and_keeps_its_place():
+    sizes = [(40, 24), (24, 40), (9, 50), (33, 33)]
+    colours = torch.randint(0, 256, (len(sizes), 3), dtype=torch.uint8)
+    images = [colour.view(3, 1, 1).expand(3, height, width) for colour, (height, width) in zip(colours, sizes)]
+    out = unnormalize(BatchedAugment(16, MEAN, STD, jitter=(0.0, 0.0, 0.0, 0.0), gray_prob=0.0)(images))
+    assert out.shape == (len(sizes), 3, 16, 16)
+    # a box reaching outside its image would blend in zeros at the border
+    torch.testing.assert_close(out, (colours.float() / 255).view(-1, 3, 1, 1).expand_as(out), atol=1e-5, rtol=0)
+
+
 def test_colour_primitives_equal_torchvision_per_sample():
     torch.manual_seed(0)
     images, factors = torch.rand(6, 3, 9, 9), torch.rand(6) - 0.5
@@ -91,11 +140,11 @@ def test_gaussian_blur_keeps_constants_and_small_sigma_is_identity():
 
 
 @pytest.mark.parametrize("preset", ["mocov2", "crop_flip", "npid", "simclr"])
-def test_a_moco_step_runs_with_the_device_pipeline(preset):
+def test_a_moco_step_runs_with_the_gpu_pipeline(preset):
     from methods import MoCoV2
     from methods.momentum import MomentumSpec
 
-    datamodule = digits({"query": {"preset": preset}, "key": {"preset": preset}}, batch_size=16, pipeline="device")
+    datamodule = digits({"query": {"preset": preset}, "key": {"preset": preset}}, batch_size=16, pipeline="gpu")
     batch = datamodule.augment_on_device(next(iter(datamodule.train_dataloader())))
     assert batch["views"]["query"].shape == (16, 3, 32, 32) and batch["views"]["query"].dtype == torch.float32
     model = MoCoV2(backbone=TINY_BACKBONE, projector=TINY_PROJECTOR, queue_size=64, momentum=MomentumSpec(shuffle_bn=False), knn_k=0)
@@ -103,6 +152,6 @@ def test_a_moco_step_runs_with_the_device_pipeline(preset):
     assert torch.isfinite(loss)
 
 
-def test_evaluation_presets_refuse_the_device_pipeline():
+def test_evaluation_presets_refuse_the_gpu_pipeline():
     with pytest.raises(ValueError, match="runs per image only"):
-        digits({"image": {"preset": "crop_pad_flip"}}, pipeline="device")
+        digits({"image": {"preset": "crop_pad_flip"}}, pipeline="gpu")

@@ -271,8 +271,10 @@ def test_tiny_imagenet_reads_the_original_layout_as_is(tmp_path):
     check_batches(datamodule, 64, 200)
     assert len(datamodule.splits["train"]) == 200 and len(datamodule.splits["val"]) == 8
     assert datamodule.splits["val"].labels == list(range(8))
-    device = TinyImageNetDataModule(root=str(tmp_path), batch_size=4, num_workers=0, views=VIEWS, pipeline="device")
-    assert next(iter(device.train_dataloader()))["image"].shape == (4, 3, 64, 64)  # one size: raw batches work
+    device = TinyImageNetDataModule(root=str(tmp_path), batch_size=4, num_workers=0, views=VIEWS, pipeline="gpu")
+    assert device.resident and device.images_on_device(next(iter(device.train_dataloader())))[0].shape == (4, 3, 64, 64)  # one size: resident
+    streamed = TinyImageNetDataModule(root=str(tmp_path), batch_size=4, num_workers=0, views=VIEWS, pipeline="gpu", resident=False)
+    assert next(iter(streamed.train_dataloader()))["image"].shape == (4, 3, 64, 64)  # one size: raw batches work
 
 
 def test_a_missing_tiny_imagenet_validation_image_is_reported_with_its_path(tmp_path):
@@ -302,9 +304,14 @@ def test_image_folder_and_unlabeled_folder_serve_users_own_images(tmp_path):
     assert len(monitored.val_dataloader()[1].dataset) == 6  # the labelled training images are the kNN bank
 
 
-def test_image_folders_of_varying_sizes_refuse_the_device_pipeline(tmp_path):
-    with pytest.raises(ValueError, match="data.pipeline: device needs images of one size, and ImageFolderDataModule's vary"):
-        ImageFolderDataModule(root=str(tmp_path), views=VIEWS, pipeline="device")
+def test_image_folders_of_varying_sizes_draw_their_views_on_the_device(tmp_path):
+    for split in ("train", "val"):
+        for index, name in enumerate(("cat", "dog", "owl", "emu")):
+            save_image(tmp_path / split / name / f"{index}.jpg", (12 + 9 * index, 30 - 5 * index))
+    datamodule = ImageFolderDataModule(root=str(tmp_path), batch_size=4, num_workers=0, views=VIEWS, image_size=24, pipeline="gpu")
+    batch = datamodule.augment_on_device(next(iter(datamodule.train_dataloader())))
+    assert batch["views"]["query"].shape == (4, 3, 24, 24) and batch["views"]["key"].shape == (4, 2, 3, 24, 24)
+    assert sorted(batch["label"].tolist()) == [0, 1, 2, 3]
 
 
 def write_split_files(root: Path, train_labels: list[int], val_labels: list[int]) -> tuple[Path, Path]:

@@ -88,3 +88,58 @@ def test_optimizer_factory_builds_each_kind():
     assert isinstance(build_optimizer(groups(), OptimizerSpec(name="sgd"), 0.1), torch.optim.SGD)
     assert isinstance(build_optimizer(groups(), OptimizerSpec(name="lars"), 0.1), LARS)
     assert isinstance(build_optimizer(groups(), OptimizerSpec(name="adamw"), 0.1), torch.optim.AdamW)
+
+
+def lars_reference_step(params: list[torch.Tensor], grads: list[torch.Tensor], buffers: list[torch.Tensor], lr, momentum, weight_decay, eta, exclude):
+    """LARS one parameter at a time, as the update rule is written (the optimizer runs it multi-tensor)."""
+    for param, grad, buffer in zip(params, grads, buffers):
+        update = grad + weight_decay * param
+        if not exclude and param.norm() > 0 and update.norm() > 0:
+            update = update * eta * param.norm() / update.norm()
+        buffer.mul_(momentum).add_(update)
+        param.sub_(lr * buffer)
+
+
+def test_multi_tensor_lars_equals_the_per_parameter_rule_with_weight_decay_and_zero_norms():
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(4, 3), (5,), (2, 2, 3)]
+    start = [torch.randn(shape, generator=generator) for shape in shapes]
+    start[1].zero_()  # ||p|| = 0: trust ratio 1
+    grads = [[torch.randn(shape, generator=generator) for shape in shapes] for _ in range(3)]
+    for exclude in (False, True):
+        params = [nn.Parameter(tensor.clone()) for tensor in start]
+        optimizer = LARS([{"params": params, "weight_decay": 1e-2, "lars_exclude": exclude}], lr=0.5, momentum=0.9, trust_coefficient=0.02)
+        expected, buffers = [tensor.clone() for tensor in start], [torch.zeros(shape) for shape in shapes]
+        for step_grads in grads:
+            for param, grad in zip(params, step_grads):
+                param.grad = grad.clone()
+            optimizer.step()
+            lars_reference_step(expected, step_grads, buffers, 0.5, 0.9, 1e-2, 0.02, exclude)
+        for param, reference in zip(params, expected):
+            torch.testing.assert_close(param.detach(), reference)
+
+
+@pytest.mark.parametrize("name", ["sgd", "adamw"])
+def test_fused_optimizers_take_the_same_steps_and_are_chosen_only_for_cuda_parameters_by_default(name):
+    def train(fused):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 2))  # no BatchNorm: Adam would scale up the rounding noise of gradients it cancels
+        optimizer = build_optimizer(parameter_groups(model.named_parameters(), OptimizerSpec(name=name, weight_decay=1e-3, fused=fused)), OptimizerSpec(name=name, fused=fused), 0.05)
+        inputs = torch.randn(16, 6, generator=torch.Generator().manual_seed(1))
+        for _ in range(3):
+            optimizer.zero_grad()
+            model(inputs).square().mean().backward()
+            optimizer.step()
+        return model, optimizer
+
+    fused_model, fused_optimizer = train(True)
+    default_model, default_optimizer = train(None)
+    assert fused_optimizer.defaults["fused"] and not default_optimizer.defaults["fused"]  # CPU parameters: not fused by default
+    for fused_param, param in zip(fused_model.parameters(), default_model.parameters()):
+        torch.testing.assert_close(fused_param, param, rtol=1e-5, atol=1e-6)
+
+
+def test_lars_refuses_to_be_fused_with_the_way_out():
+    groups = parameter_groups(nn.Linear(2, 2).named_parameters(), OptimizerSpec())
+    with pytest.raises(ValueError, match="optimizer.fused: true, but LARS has no fused kernel .* set optimizer.fused: null"):
+        build_optimizer(groups, OptimizerSpec(name="lars", fused=True), 0.1)

@@ -26,7 +26,7 @@ def test_the_per_image_and_the_batched_family_take_the_same_parameters_with_the_
 def test_every_contrastive_preset_runs_per_image_and_on_a_batch(preset):
     assert build_view("v", {"preset": preset}, DEFAULTS)(IMAGE).shape == (3, 16, 16)
     batch = torch.from_numpy(np.asarray(IMAGE)).permute(2, 0, 1).expand(4, 3, 20, 24)
-    assert build_view("v", {"preset": preset}, DEFAULTS, pipeline="device")(batch).shape == (4, 3, 16, 16)
+    assert build_view("v", {"preset": preset}, DEFAULTS, pipeline="gpu")(batch).shape == (4, 3, 16, 16)
 
 
 def test_byol_pair_is_sces_asymmetric_imagenet_views():
@@ -84,9 +84,9 @@ def test_randaugment_is_pacos_randcls_view_with_timms_policy():
 
 
 @pytest.mark.parametrize("preset", ["autoaugment", "randaugment"])
-def test_policy_presets_refuse_the_device_pipeline(preset):
-    with pytest.raises(ValueError, match=f"view 'v': preset '{preset}' runs per image only; use data.pipeline: workers"):
-        build_view("v", {"preset": preset}, DEFAULTS, pipeline="device")
+def test_policy_presets_refuse_the_gpu_pipeline(preset):
+    with pytest.raises(ValueError, match=f"view 'v': preset '{preset}' runs per image only; use data.pipeline: cpu"):
+        build_view("v", {"preset": preset}, DEFAULTS, pipeline="gpu")
 
 
 def test_linear_training_view_can_resize_before_its_padded_crop():

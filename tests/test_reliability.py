@@ -80,7 +80,7 @@ def train(method: str, directory, ckpt_path=None, save_at_step=None):
     trainer = cpu_trainer(directory, max_steps=TOTAL_STEPS, limit_train_batches=BATCHES_PER_EPOCH, limit_val_batches=0,
                           enable_checkpointing=save_at_step is not None, callbacks=callbacks)
     model = build()
-    trainer.fit(model, digits(views, batch_size=8, pipeline="device"), ckpt_path=ckpt_path)
+    trainer.fit(model, digits(views, batch_size=8, pipeline="gpu"), ckpt_path=ckpt_path)
     return trainer, model, indices.seen
 
 
@@ -161,7 +161,7 @@ def test_sigterm_saves_the_step_it_interrupts_as_last_ckpt_and_the_run_resumes_e
     interrupted = cpu_trainer(directory, max_steps=TOTAL_STEPS, limit_train_batches=BATCHES_PER_EPOCH, limit_val_batches=0,
                               enable_checkpointing=True, callbacks=callbacks)
     with pytest.raises(SIGTERMException):  # Lightning finishes the batch, then stops
-        interrupted.fit(build(), digits(views, batch_size=8, pipeline="device"))
+        interrupted.fit(build(), digits(views, batch_size=8, pipeline="gpu"))
     last = directory / "last.ckpt"
     assert torch.load(last, weights_only=True)["global_step"] == signal_step + 1  # the interrupted step is in it
     resumed, resumed_model, resumed_seen = train("moco", tmp_path / "resumed", ckpt_path=last)
@@ -186,7 +186,7 @@ def test_sigusr1_under_slurm_checkpoints_the_step_it_interrupts_and_the_requeued
     job = tmp_path / "job"
     callbacks = [RandomStateCheckpoint(), PreemptionSignals(), SignalAtStep(signal.SIGUSR1, 2)]
     cpu_trainer(job, max_steps=TOTAL_STEPS, limit_train_batches=BATCHES_PER_EPOCH, limit_val_batches=0, callbacks=callbacks).fit(
-        build(), digits(views, batch_size=8, pipeline="device"))  # Lightning trains on until Slurm ends the job
+        build(), digits(views, batch_size=8, pipeline="gpu"))  # Lightning trains on until Slurm ends the job
     assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n"
     assert torch.load(job / "hpc_ckpt_1.ckpt", weights_only=True)["global_step"] == 3  # the interrupted step, finished
     requeued, requeued_model, requeued_seen = train("moco", job)
@@ -376,7 +376,7 @@ def train_with_nan(monkeypatch, tmp_path, bad_steps, guard: NonFiniteLossGuard, 
     trainer = cpu_trainer(tmp_path, max_steps=steps, limit_val_batches=0, callbacks=[guard, Weights()])
     model = build()
     try:
-        trainer.fit(model, digits(views, batch_size=8, pipeline="device"))
+        trainer.fit(model, digits(views, batch_size=8, pipeline="gpu"))
     finally:
         weights.append(model.backbone.conv1[0].weight.detach().clone())
     return trainer, weights

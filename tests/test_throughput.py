@@ -29,11 +29,11 @@ def test_both_pipelines_train_and_their_table_reports_throughput_flops_and_ratio
             "--warmup", "1", "--num-workers", "0", "--out", str(out), "--", *TINY]
     assert throughput.main(argv) == 0
     table = capsys.readouterr().out
-    rows = re.findall(r"^\| (workers|device) \| 0 \| 16 \| ([\d,]+) \| (\d+)% \| ([\d.]+) \| n/a \| n/a \|$", table, re.MULTILINE)
-    assert [row[0] for row in rows] == ["workers", "device"]
+    rows = re.findall(r"^\| (cpu|gpu) \| 0 \| 16 \| ([\d,]+) \| (\d+)% \| ([\d.]+) \| n/a \| n/a \| n/a \|$", table, re.MULTILINE)
+    assert [row[0] for row in rows] == ["cpu", "gpu"]
     assert all(float(row[1].replace(",", "")) > 0 and float(row[3]) > 0 for row in rows)
     assert rows[0][3] == rows[1][3]  # the same model: the same FLOPs per image, whichever pipeline feeds it
-    assert re.search(r"ratio device / workers: \d+\.\d\dx", table)
+    assert re.search(r"ratio gpu / cpu: \d+\.\d\dx", table)
     assert table.endswith(out.read_text())  # after Lightning's own lines
 
 
@@ -44,3 +44,17 @@ def test_views_only_measures_each_view_and_their_sum_without_a_model(tmp_path, c
     rows = re.findall(r"^\| (weak|strong|weak \+ strong) \| ([\d,]+) \| ([\d,]+) \| ([\d,]+) \|$", capsys.readouterr().out, re.MULTILINE)
     assert [row[0] for row in rows] == ["weak", "strong", "weak + strong"]
     assert all(int(value.replace(",", "")) > 0 for row in rows for value in row[1:])
+
+
+def test_profile_writes_the_operator_table_of_the_timed_steps(tmp_path, capsys):
+    argv = ["--config", str(ROOT / "configs/sce_cifar10.yaml"), "--fake-data", "--fake-images", "160", "--steps", "5",
+            "--warmup", "1", "--num-workers", "0", "--pipelines", "gpu", "--profile", str(tmp_path), "--", *TINY]
+    assert throughput.main(argv) == 0
+    table = (tmp_path / "profile_gpu.txt").read_text()
+    assert "Self CPU" in table and "aten::convolution" in table  # the trunk's convolutions were profiled
+    assert not (tmp_path / "profile_cpu.txt").exists()
+
+
+def test_profile_needs_enough_timed_steps():
+    with pytest.raises(SystemExit, match="--profile needs --steps >= 5, got 2"):
+        throughput.main(["--config", str(ROOT / "configs/sce_cifar10.yaml"), "--steps", "2", "--profile", "/tmp/unused"])

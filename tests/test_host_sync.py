@@ -1,0 +1,99 @@
+"""No training step of any method reads a device value on the host (issue 11: no host-device
+synchronisation inside the step).
+
+On an accelerator, an operation whose result size or value the host needs (`.item()`, `bool(t)`,
+`nonzero`, boolean-mask indexing, `unique`, ...) makes the CPU wait for the GPU, so the next step's
+kernels are not queued while this one runs. On the CPU nothing waits, but the same operations are
+dispatched: a dispatch mode records them during real training steps, with the project's stack frame that
+issued them. (`torch.cuda.set_sync_debug_mode` checks the same on a GPU: benchmarks/throughput.py.)
+"""
+
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from datamodules import batched
+from methods import MethodBase, losses
+from methods.cli import ContrastlabCLI
+from tests.helpers import cpu_trainer
+
+ROOT = Path(__file__).parents[1]
+aten = torch.ops.aten
+HOST_READS = {
+    aten._local_scalar_dense,  # .item(), bool(), int(), float() of a tensor
+    aten.is_nonzero,
+    aten.equal,
+    aten.nonzero,
+    aten.argwhere,
+    aten.masked_select,
+    aten.unique_consecutive,
+    aten._unique2,
+    aten.unique_dim,
+    aten.bincount,  # its output size is the largest value
+    aten.repeat_interleave,  # with tensor repeats, the output size
+}
+PROJECT_FOLDERS = ("methods", "datamodules", "backbones")
+
+
+def boolean_indexing(func, args) -> bool:
+    """`x[mask]` and `x[mask] = v`: the result size depends on how many entries are true."""
+    if func.overloadpacket not in (aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_):
+        return False
+    indices = args[1] if len(args) > 1 else []
+    return any(isinstance(index, torch.Tensor) and index.dtype in (torch.bool, torch.uint8) for index in indices)
+
+
+class HostReads(TorchDispatchMode):
+    """Records every host-reading operation issued from the project's code, as 'file:line in function'."""
+
+    def __init__(self):
+        super().__init__()
+        self.found: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in HOST_READS or boolean_indexing(func, args):
+            stack = traceback.extract_stack()
+            frames = [frame for frame in stack if Path(frame.filename).parent.name in PROJECT_FOLDERS]
+            loading = any("torch/utils/data/" in frame.filename for frame in stack)  # in DataLoader workers, off the step
+            if frames and not loading:
+                frame = frames[-1]
+                self.found.append(f"{Path(frame.filename).parent.name}/{Path(frame.filename).name}:{frame.lineno} in {frame.name} ({func})")
+        return func(*args, **(kwargs or {}))
+
+
+class RecordSteps(Callback):
+    """Records host reads from the end of the first step (warm-up: lazy initialisations may read the host)
+    to the end of the last: the transfer hook, the view drawing, forward, backward, optimizer and momentum
+    updates of every later step."""
+
+    def __init__(self):
+        self.mode = HostReads()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if batch_idx == 0:
+            self.mode.__enter__()
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.mode.__exit__(None, None, None)
+
+
+TINY = ["--data.init_args.batch_size=16", "--data.init_args.num_workers=0", "--data.init_args.knn_bank=false"]
+CONFIGS = ["moco_digits", "sce_digits", "ressl_digits", "simclr_digits", "npid_digits", "jcl_digits", "supcon_digits",
+           "tcl_digits", "tcl_ssl_digits", "paco_digits_lt", "paco_ride_digits_lt", "ce_digits_lt", "balanced_softmax_digits_lt"]
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_training_steps_read_no_device_value_on_the_host(config, tmp_path, monkeypatch):
+    # the branches an accelerator takes: the losses check values and the hue jitter selects rows on CPU tensors only
+    for module in (losses, batched):
+        monkeypatch.setattr(module, "_host_reads_are_free", lambda tensor: False)
+    cli = ContrastlabCLI(MethodBase, args=["--config", str(ROOT / f"configs/{config}.yaml"), *TINY], run=False)
+    recorder = RecordSteps()
+    trainer = cpu_trainer(tmp_path, max_steps=3, limit_val_batches=0, callbacks=[recorder])
+    trainer.fit(cli.model, datamodule=cli.datamodule)
+    assert trainer.global_step == 3
+    assert sorted(set(recorder.mode.found)) == []
