@@ -11,6 +11,9 @@ one set for the whole batch, which is wrong for two-view contrastive learning):
 - grayscale (ITU-R 601 weights as torchvision), Gaussian blur with a per-sample sigma, solarisation,
   horizontal flip; then normalisation.
 
+Plain torch and torchvision operations (no kornia: it is not among the project's packages, and whether it
+would be faster here is unmeasured), each primitive tested against torchvision's per-image formula.
+
 Input: uint8 or float in [0, 1], either one (B, C, H, W) tensor or a list of B (C, H_i, W_i) images of any
 sizes (folders decoded on the device, `datamodules.encoded`). Output: float32 (B, C, size, size), normalised.
 """

@@ -10,9 +10,9 @@ import torch
 
 from datamodules import DigitsDataModule, DigitsLTDataModule
 from datamodules.base import RawImageDataset
+from helpers import cpu_trainer
 from methods import MethodBase
 from methods.cli import ContrastlabCLI
-from tests.helpers import cpu_trainer
 
 ROOT = Path(__file__).parents[1]
 VIEWS = {"query": {"preset": "mocov2"}, "key": {"preset": "mocov2"}}

@@ -17,9 +17,9 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from datamodules import batched
+from helpers import cpu_trainer
 from methods import MethodBase, losses
 from methods.cli import ContrastlabCLI
-from tests.helpers import cpu_trainer
 
 ROOT = Path(__file__).parents[1]
 aten = torch.ops.aten
