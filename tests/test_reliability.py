@@ -202,6 +202,7 @@ def test_sigusr1_under_slurm_checkpoints_the_step_it_interrupts_and_the_requeued
 def test_a_signalled_cli_run_exits_with_a_loadable_last_ckpt(signum, status, saved_step, tmp_path, capsys):
     run_dir = tmp_path / "run"
     handler = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Python ignores SIGINT when started in the background
     try:
         with pytest.raises(SystemExit) as exit_info:
             main_pretrain.cli_main(["fit", "--config", PRETRAIN_DIGITS, *TINY_RUN, "--trainer.max_epochs=3", "--trainer.limit_val_batches=0",
