@@ -26,6 +26,7 @@ process and through a DataLoader with K workers, and of the batched views on thi
 """
 
 import argparse
+import datetime
 import hashlib
 import pickle
 import sys
@@ -171,6 +172,13 @@ def training_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def environment() -> str:
+    """The date, device and versions a table was measured with (what benchmarks/README.md records beside it)."""
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {torch.get_num_threads()} threads"
+    return (f"measured {datetime.date.today().isoformat()} on {device}; torch {torch.__version__}, "
+            f"torchvision {torchvision.__version__}, Lightning {L.__version__}")
+
+
 def views_table(config: str, images: int, overrides: list[str]) -> str:
     """Images/s of every configured view alone and of all of them (what one training image costs)."""
     workers_data = build(config, "cpu", overrides).datamodule
@@ -239,6 +247,7 @@ def main(argv: list[str]) -> int:
             table = views_table(args.config, args.view_images, overrides)
         else:
             table = training_table([measure_training(args.config, pipeline, args.steps, args.warmup, overrides, args.profile) for pipeline in args.pipelines])
+    table = f"{environment()}\n\n{table}"
     print(table)
     if args.out:
         write_atomically(args.out, lambda partial: partial.write_text(table + "\n"))

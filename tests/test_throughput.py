@@ -8,6 +8,7 @@ ROOT = Path(__file__).parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
 import torchvision  # noqa: E402
 
 import throughput  # noqa: E402
@@ -35,6 +36,7 @@ def test_both_pipelines_train_and_their_table_reports_throughput_flops_and_ratio
     assert rows[0][3] == rows[1][3]  # the same model: the same FLOPs per image, whichever pipeline feeds it
     assert re.search(r"ratio gpu / cpu: \d+\.\d\dx", table)
     assert table.endswith(out.read_text())  # after Lightning's own lines
+    assert re.search(rf"^measured \d{{4}}-\d\d-\d\d on CPU, \d+ threads; torch {re.escape(torch.__version__)}, ", out.read_text())
 
 
 def test_views_only_measures_each_view_and_their_sum_without_a_model(tmp_path, capsys):
