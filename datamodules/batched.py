@@ -8,8 +8,8 @@ one set for the whole batch, which is wrong for two-view contrastive learning):
   fallback) vectorised, resampled with `roi_align` (bilinear, averaging when it shrinks);
 - ColorJitter: torchvision's tensor formulas for brightness, contrast, saturation and hue, each step
   clamped to [0, 1], in an order drawn per sample;
-- grayscale (ITU-R 601 weights as torchvision), Gaussian blur with a per-sample sigma, solarisation,
-  horizontal flip; then normalisation.
+- grayscale (ITU-R 601 weights as torchvision), PIL's Gaussian blur (three box blurs each way, as the
+  per-image pipeline's) with a per-sample sigma, solarisation, horizontal flip; then normalisation.
 
 Plain torch and torchvision operations (no kornia: it is not among the project's packages, and whether it
 would be faster here is unmeasured), each primitive tested against torchvision's per-image formula.
@@ -110,16 +110,30 @@ def adjust_hue(images: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     return torch.stack(channels, dim=1)
 
 
-def gaussian_blur(images: torch.Tensor, sigma: torch.Tensor, max_sigma: float) -> torch.Tensor:
-    """Separable Gaussian blur with one sigma per sample; kernel radius ceil(3 * max_sigma), reflect padding."""
+def blur_boxes(sigma: torch.Tensor, max_sigma: float, passes: int = 3) -> torch.Tensor:
+    """(B, K) box kernels of PIL's `GaussianBlur(radius=sigma)`, the blur of the per-image pipeline (MoCo
+    v2's loader): 2 l + 1 whole pixels and a fractional pixel `a` at each end, with the variance
+    sigma^2 / passes, so that `passes` of them approximate the Gaussian (Pillow's BoxBlur.c, after Gwosdek
+    et al. 2011). Sampling the Gaussian itself would be another blur: sigma = 0.3 would barely change an image."""
+    variance = sigma**2 / passes
+    whole = torch.floor((torch.sqrt(12 * variance + 1) - 1) / 2)
+    fraction = (2 * whole + 1) * (whole * (whole + 1) - 3 * variance) / (6 * (variance - (whole + 1) ** 2))
+    reach = math.floor((math.sqrt(12 * max_sigma**2 / passes + 1) - 1) / 2) + 1  # from the bound: no host read
+    distance = torch.arange(-reach, reach + 1, device=sigma.device, dtype=sigma.dtype).abs()
+    box = torch.where(distance <= whole[:, None], 1.0, torch.where(distance == whole[:, None] + 1, fraction[:, None], 0.0))
+    return box / (2 * (whole + fraction) + 1)[:, None]
+
+
+def gaussian_blur(images: torch.Tensor, sigma: torch.Tensor, max_sigma: float, passes: int = 3) -> torch.Tensor:
+    """PIL's Gaussian blur with one sigma per sample: `passes` box blurs along the rows, then along the
+    columns, each repeating the edge pixels outwards, as PIL does."""
     batch, channels, height, width = images.shape
-    radius = min(math.ceil(3 * max_sigma), height - 1, width - 1)
-    offsets = torch.arange(-radius, radius + 1, device=images.device, dtype=images.dtype)
-    kernel = torch.exp(-(offsets[None] ** 2) / (2 * sigma[:, None] ** 2))
-    kernel = (kernel / kernel.sum(dim=1, keepdim=True)).repeat_interleave(channels, dim=0)  # (B*C, 2r+1)
-    flat = F.pad(images.reshape(1, batch * channels, height, width), (radius, radius, radius, radius), mode="reflect")
-    flat = F.conv2d(flat, kernel[:, None, :, None], groups=batch * channels)
-    flat = F.conv2d(flat, kernel[:, None, None, :], groups=batch * channels)
+    box = blur_boxes(sigma.to(images.dtype), max_sigma, passes).repeat_interleave(channels, dim=0)  # (B*C, K)
+    reach = box.shape[1] // 2
+    flat = images.reshape(1, batch * channels, height, width)
+    for padding, kernel in (((reach, reach, 0, 0), box[:, None, None, :]), ((0, 0, reach, reach), box[:, None, :, None])):
+        for _ in range(passes):
+            flat = F.conv2d(F.pad(flat, padding, mode="replicate"), kernel, groups=batch * channels)
     return flat.reshape(batch, channels, height, width)
 
 

@@ -1,12 +1,17 @@
 """The batched (device) pipeline draws its parameters per sample and matches the per-image pipeline."""
 
+import colorsys
 import math
+import random
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image, ImageFilter
 from torchvision.transforms import v2 as T
 from torchvision.transforms.v2 import functional as TF
 
+import datamodules.transforms as presets
 from datamodules.batched import BatchedAugment, adjust_hue, crop_boxes, gaussian_blur, rgb_to_gray
 from helpers import TINY_BACKBONE, TINY_PROJECTOR, digits
 
@@ -137,6 +142,123 @@ def test_gaussian_blur_keeps_constants_and_small_sigma_is_identity():
     torch.testing.assert_close(gaussian_blur(constant, torch.tensor([0.5, 2.0]), 2.0), constant)
     images = torch.rand(2, 3, 12, 12)
     torch.testing.assert_close(gaussian_blur(images, torch.tensor([1e-3, 1e-3]), 2.0), images)
+
+
+def test_blur_is_pils_gaussian_blur_of_the_per_image_pipeline():
+    """PIL's blur (MoCo v2's, the `cpu` pipeline's): three box blurs of variance sigma^2 / 3 each way, edge
+    pixels repeated. Equal up to PIL's rounding to 8 bits after each pass (a sampled Gaussian kernel would
+    miss by 0.04 on average at sigma 0.3, by 0.1 at the borders with reflected edges)."""
+    image = torch.randint(0, 256, (3, 32, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    pil = Image.fromarray(image.permute(1, 2, 0).numpy())
+    for sigma in (0.1, 0.3, 0.5, 1.0, 1.5, 2.0):
+        expected = torch.from_numpy(np.array(pil.filter(ImageFilter.GaussianBlur(radius=sigma)))).permute(2, 0, 1) / 255
+        blurred = gaussian_blur(image[None] / 255, torch.tensor([sigma]), max_sigma=2.0)[0]
+        assert (blurred - expected).abs().max() < 3.5 / 255, sigma
+        assert (blurred - expected).abs().mean() < 1.2 / 255, sigma
+
+
+def draw_both_pipelines(image: torch.Tensor, count: int, size: int, **parameters) -> tuple[torch.Tensor, torch.Tensor]:
+    """`count` views of one uint8 (3, H, W) image from the batched pipeline (one batch) and from the
+    per-image PIL pipeline of `datamodules.transforms.augment` (one call per view), both in [0, 1]."""
+    torch.manual_seed(0)
+    random.seed(0)
+    batched = unnormalize(BatchedAugment(size, MEAN, STD, **parameters)(image.expand(count, -1, -1, -1)))
+    per_image = presets.augment(size, MEAN, STD, **parameters)
+    pil = Image.fromarray(image.permute(1, 2, 0).numpy())
+    return batched, unnormalize(torch.stack([per_image(pil) for _ in range(count)]))
+
+
+def constant_image(rgb, size: int = 8) -> torch.Tensor:
+    return torch.tensor(rgb, dtype=torch.uint8).view(3, 1, 1).expand(3, size, size).contiguous()
+
+
+def two_tone_image(size: int = 8) -> torch.Tensor:
+    """Dark left half, bright right half: its standard deviation measures contrast, its left half the flip."""
+    image = constant_image((64, 64, 64), size)
+    image[:, :, size // 2:] = 192
+    return image
+
+
+def channel_spread(views: torch.Tensor) -> torch.Tensor:
+    return (views.amax(dim=1) - views.amin(dim=1)).mean(dim=(1, 2))
+
+
+def hue_shift(views: torch.Tensor, base=(200, 100, 50)) -> torch.Tensor:
+    """Hue of each view's mean colour minus the base colour's hue, on the circle (-0.5, 0.5]."""
+    base_hue = colorsys.rgb_to_hsv(*(value / 255 for value in base))[0]
+    hues = torch.tensor([colorsys.rgb_to_hsv(*colour)[0] for colour in views.mean(dim=(2, 3)).tolist()])
+    return torch.remainder(hues - base_hue + 0.5, 1.0) - 0.5
+
+
+NOISE = torch.randint(0, 256, (3, 16, 16), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
+ORANGE, GRAY = constant_image((200, 100, 50)), constant_image((204, 204, 204))
+STRENGTHS = {  # image, the operation always applied (nothing else), a per-view statistic that it moves
+    "brightness": (constant_image((128, 128, 128)), dict(jitter=(0.4, 0.0, 0.0, 0.0), jitter_prob=1.0), lambda views: views.mean(dim=(1, 2, 3))),
+    "contrast": (two_tone_image(), dict(jitter=(0.0, 0.4, 0.0, 0.0), jitter_prob=1.0), lambda views: views.std(dim=(1, 2, 3))),
+    "saturation": (ORANGE, dict(jitter=(0.0, 0.0, 0.4, 0.0), jitter_prob=1.0), channel_spread),
+    "hue": (ORANGE, dict(jitter=(0.0, 0.0, 0.0, 0.1), jitter_prob=1.0), hue_shift),
+    "blur": (NOISE, dict(blur_prob=1.0), lambda views: (views - NOISE / 255).abs().mean(dim=(1, 2, 3))),
+}
+RATES = {  # image, the operation with its probability, a statistic that changes when it applies
+    "jitter": (ORANGE, dict(jitter=(0.4, 0.4, 0.4, 0.1)), lambda views: views.mean(dim=(2, 3))),
+    "grayscale": (ORANGE, dict(gray_prob=0.2), lambda views: views.mean(dim=(2, 3))),
+    "blur": (NOISE, dict(blur_prob=0.5), lambda views: views),
+    "solarisation": (GRAY, dict(solarize_prob=0.2), lambda views: views.mean(dim=(2, 3))),
+    "flip": (two_tone_image(), dict(flip=True), lambda views: views[..., 0]),
+}
+ALONE = dict(scale=(1.0, 1.0), ratio=(1.0, 1.0), jitter=(0.0, 0.0, 0.0, 0.0), gray_prob=0.0, flip=False)  # crop = whole image
+QUANTILES = torch.tensor([0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95])
+
+
+def assert_same_mean(first: torch.Tensor, second: torch.Tensor) -> None:
+    """Two-sample test of the means at 4 standard errors: fails for a real difference, not for noise."""
+    standard_error = math.sqrt(first.var() / len(first) + second.var() / len(second))
+    assert abs(first.mean() - second.mean()) < 4 * standard_error + 1e-6, (first.mean(), second.mean())
+
+
+@pytest.mark.parametrize("operation", STRENGTHS)
+def test_each_operation_draws_its_strength_as_the_per_image_pipeline(operation):
+    """How strongly an operation acts, over 2,000 views of one image: the quantiles of a statistic that it
+    moves agree with the per-image pipeline's (jitter factors, hue shift, blur sigma)."""
+    image, parameters, statistic = STRENGTHS[operation]
+    batched, per_image = (statistic(views) for views in draw_both_pipelines(image, 2000, image.shape[-1], **ALONE | parameters))
+    assert batched.std() > 0.02  # the statistic does see the operation
+    torch.testing.assert_close(batched.quantile(QUANTILES), per_image.quantile(QUANTILES), atol=0.02, rtol=0)
+
+
+@pytest.mark.parametrize("operation", RATES)
+def test_each_operation_is_applied_at_the_rate_of_the_per_image_pipeline(operation):
+    """How often an operation applies (jitter p=0.8, grayscale p=0.2, blur p=0.5, solarisation p=0.2,
+    flip p=0.5): the share of 4,000 views it changed is the per-image pipeline's, within noise."""
+    image, parameters, statistic = RATES[operation]
+    untouched = statistic(image[None] / 255)
+    batched, per_image = (
+        ((statistic(views) - untouched).abs().flatten(1).amax(dim=1) > 0.01).float()
+        for views in draw_both_pipelines(image, 4000, image.shape[-1], **ALONE | parameters)
+    )
+    assert 0.1 < batched.mean() < 0.9
+    assert_same_mean(batched, per_image)
+
+
+def test_presets_draw_views_distributed_as_the_per_image_pipeline():
+    """Whole presets (crop, jitter, grayscale, blur, solarisation, flip together) on a colour gradient with
+    a patch: brightness, contrast, saturation, left-right and red-blue balance of 2,000 views agree."""
+    ys, xs = torch.meshgrid(torch.linspace(0, 1, 32), torch.linspace(0, 1, 32), indexing="ij")
+    image = (torch.stack([xs, ys, 1 - (xs + ys) / 2]) * 255).round().to(torch.uint8)
+    image[:, 8:16, 8:16] = torch.tensor([250, 20, 120], dtype=torch.uint8).view(3, 1, 1)
+
+    def statistics(views: torch.Tensor) -> torch.Tensor:
+        return torch.stack([
+            views.mean(dim=(1, 2, 3)), views.std(dim=(1, 2, 3)), channel_spread(views),
+            views[..., :12].mean(dim=(1, 2, 3)) - views[..., 12:].mean(dim=(1, 2, 3)),
+            views[:, 0].mean(dim=(1, 2)) - views[:, 2].mean(dim=(1, 2)),
+        ], dim=1)
+
+    for preset in ("crop_flip", "mocov2", "simclr", "npid", "byol2", "paco_sim"):
+        batched, per_image = (statistics(views) for views in draw_both_pipelines(image, 2000, 24, **getattr(presets, preset)()))
+        quantile_gap = (batched.quantile(QUANTILES, dim=0) - per_image.quantile(QUANTILES, dim=0)).abs().max()
+        assert quantile_gap < 0.04, (preset, quantile_gap)
+        assert (batched.mean(dim=0) - per_image.mean(dim=0)).abs().max() < 0.02, preset
 
 
 @pytest.mark.parametrize("preset", ["mocov2", "crop_flip", "npid", "simclr"])
