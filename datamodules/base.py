@@ -277,7 +277,10 @@ class ContrastiveDataModule(L.LightningDataModule):
             num_workers=num_workers,
             pin_memory=self.pin_memory and torch.cuda.is_available(),
             persistent_workers=num_workers > 0,
-            generator=generator,
+            # a generator of the loader's own even for evaluation: creating an iterator then draws no number
+            # from the global generator that the training views draw from, so a validation (or a resume that
+            # skips one) does not change what the training draws
+            generator=generator if generator is not None else torch.Generator().manual_seed(0),
             collate_fn=collate_fn,
         )
 

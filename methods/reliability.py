@@ -33,6 +33,7 @@ from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
@@ -148,18 +149,22 @@ class LastCheckpointOnSigterm(Callback):
 
 
 class PreemptionSignals(Callback):
-    """Acts on a scheduler's signals at the end of a training step, on every process at the same step.
+    """Acts on a scheduler's signals between two batches, on every process at the same batch.
 
     Lightning's own handlers act inside the signal handler: on the requeue signal under Slurm (SIGUSR1,
     `sbatch --signal=SIGUSR1@90`) it writes `hpc_ckpt_<n>.ckpt` and runs `scontrol requeue` at once, which
     can be inside a step (after the step enqueued its keys, before its optimizer step: the requeued run
     would enqueue them twice); on SIGTERM it broadcasts from inside the handler, a collective that can pair
     with another collective of a process that is elsewhere, and the processes then wait on each other.
-    Here a signal only marks the request; after each step the processes agree in one all-reduce, then
-    Lightning's own code runs the same step on all of them: its checkpoint-and-requeue for the requeue
-    signal, its stop for SIGTERM (it raises `SIGTERMException` at the end of the step, and
-    `LastCheckpointOnSigterm` writes `last.ckpt`). A signal that arrives during validation is acted on
-    after the next training step."""
+    Here a signal only marks the request; after each training step, and after each validation batch
+    of a fit (a kNN monitor over a large bank can outlast Slurm's 90 s of notice), the processes agree in
+    one all-reduce, then all of them act at the same batch: Lightning's own checkpoint-and-requeue for the
+    requeue signal; for SIGTERM, Lightning's own stop at the end of a training step (it raises
+    `SIGTERMException`), and the same exception at once during validation, which Lightning's loops do
+    not check. `LastCheckpointOnSigterm` then writes `last.ckpt`. A run resumed from a checkpoint written
+    during validation goes on with the next training step: Lightning skips the rest of that validation (its
+    metrics are missing from the logs); the training is the uninterrupted run's, since validation draws no
+    random number from the generator the training draws from (`datamodules.base`)."""
 
     def __init__(self):
         self.requested = {signal.SIGTERM: False, signal.SIGUSR1: False}
@@ -179,7 +184,8 @@ class PreemptionSignals(Callback):
             self.trainer.strategy.launcher.kill(signum)  # processes Lightning started itself get it too
         self.requested[signal.SIGTERM if signum == signal.SIGTERM else signal.SIGUSR1] = True
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+    def _agreed_requests(self, trainer, pl_module) -> tuple[bool, bool]:
+        """(stop, requeue), true on every process when one of them received the signal."""
         stop, requeue = self.requested[signal.SIGTERM], self.requested[signal.SIGUSR1]
         if trainer.world_size > 1:  # one all-reduce (Lightning's DDP loop synchronises every step anyway)
             flags = torch.tensor([stop, requeue], dtype=torch.float32, device=pl_module.device)
@@ -187,8 +193,18 @@ class PreemptionSignals(Callback):
         if requeue:
             self.requested[signal.SIGUSR1] = False
             trainer._signal_connector._slurm_sigusr_handler_fn(self.requeue_signal, None)  # hpc checkpoint and requeue
-        if stop:
+        return stop, requeue
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self._agreed_requests(trainer, pl_module)[0]:
             trainer._signal_connector.received_sigterm = True  # Lightning stops at the end of this step
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        if trainer.state.fn != TrainerFn.FITTING or trainer.sanity_checking:
+            return  # a validate run has nothing to save; the sanity check comes before the handlers
+        if self._agreed_requests(trainer, pl_module)[0]:
+            trainer._signal_connector.received_sigterm = True
+            raise SIGTERMException()
 
 
 class SameDirectoryCheckpointIO(TorchCheckpointIO):

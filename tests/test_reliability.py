@@ -169,10 +169,65 @@ def test_sigterm_saves_the_step_it_interrupts_as_last_ckpt_and_the_run_resumes_e
     assert resumed_seen == straight_seen[signal_step + 1 :]
 
 
-def test_sigusr1_under_slurm_checkpoints_the_step_it_interrupts_and_the_requeued_job_resumes_exactly(tmp_path, monkeypatch):
-    """Slurm's `--signal=SIGUSR1@90`: Lightning writes hpc_ckpt_1.ckpt and requeues the job (a fake `scontrol`
-    here); the requeued job, started in the same directory without --ckpt_path, resumes from it."""
-    straight, straight_model, straight_seen = train("moco", tmp_path / "straight")
+class SignalInValidation(Callback):
+    """Sends this process a signal as the first validation batch of a fit ends; counts the validation
+    batches and the training batches after the first validation batch."""
+
+    def __init__(self, signum: int | None = None):
+        self.signum, self.validation_batches, self.training_batches_after = signum, 0, 0
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        self.validation_batches += 1
+        if self.signum is not None and self.validation_batches == 1:
+            os.kill(os.getpid(), self.signum)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.training_batches_after += self.validation_batches > 0
+
+
+def train_validating(directory, *callbacks, ckpt_path=None):
+    """`train` of MoCo v2 with a validation (2 batches of the validation split, 2 of the kNN bank) after
+    every epoch, and the signal callbacks of a run."""
+    L.seed_everything(0, verbose=False)
+    build, views = METHODS["moco"]
+    indices = BatchIndices()
+    callbacks = [RandomStateCheckpoint(), LastCheckpointOnSigterm(), PreemptionSignals(), ModelCheckpoint(directory, save_last=True), indices, *callbacks]
+    trainer = cpu_trainer(directory, max_steps=TOTAL_STEPS, limit_train_batches=BATCHES_PER_EPOCH, limit_val_batches=2,
+                          enable_checkpointing=True, callbacks=callbacks)
+    model = build()
+    trainer.fit(model, digits(views, batch_size=8, pipeline="gpu"), ckpt_path=ckpt_path)
+    return trainer, model, indices.seen
+
+
+def test_validation_draws_nothing_that_training_draws(tmp_path):
+    """The same run with and without validation trains to the same parameters: the evaluation loaders seed
+    their workers from generators of their own."""
+    _, validated_model, validated_seen = train_validating(tmp_path / "validated")
+    _, model, seen = train("moco", tmp_path / "not-validated")
+    assert validated_seen == seen
+    assert_identical(model.state_dict(), validated_model.state_dict(), "state_dict")
+
+
+def test_sigterm_during_validation_stops_at_the_next_validation_batch_and_the_run_resumes_exactly(tmp_path):
+    """A preemption's grace period can be shorter than a validation: the stop comes at the next validation
+    batch, not after the next training step; the resumed run skips the rest of that validation and trains
+    on exactly as the uninterrupted run."""
+    straight, straight_model, straight_seen = train_validating(tmp_path / "straight")
+    signalled = SignalInValidation(signal.SIGTERM)
+    with pytest.raises(SIGTERMException):
+        train_validating(tmp_path / "interrupted", signalled)
+    assert (signalled.validation_batches, signalled.training_batches_after) == (1, 0)  # stopped within validation
+    last = tmp_path / "interrupted" / "last.ckpt"
+    assert torch.load(last, weights_only=True)["global_step"] == BATCHES_PER_EPOCH
+    counted = SignalInValidation()
+    resumed, resumed_model, resumed_seen = train_validating(tmp_path / "resumed", counted, ckpt_path=last)
+    assert counted.validation_batches == 4  # epoch 1's validation only
+    assert resumed.global_step == TOTAL_STEPS and resumed_seen == straight_seen[BATCHES_PER_EPOCH:]
+    assert_identical(straight_model.state_dict(), resumed_model.state_dict(), "state_dict")
+
+
+def pretend_slurm_job(tmp_path, monkeypatch) -> None:
+    """Slurm's variables of job 4242 and a fake `scontrol` that appends its arguments to scontrol.log."""
     scontrol = tmp_path / "bin" / "scontrol"
     scontrol.parent.mkdir()
     scontrol.write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path / 'scontrol.log'}\n")
@@ -181,6 +236,22 @@ def test_sigusr1_under_slurm_checkpoints_the_step_it_interrupts_and_the_requeued
     for name, value in dict(SLURM_NTASKS="1", SLURM_JOB_NAME="pretrain", SLURM_JOB_ID="4242", SLURM_NODELIST="node1",
                             SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_NODEID="0").items():
         monkeypatch.setenv(name, value)
+
+
+def test_sigusr1_under_slurm_during_validation_checkpoints_and_requeues_before_the_next_training_step(tmp_path, monkeypatch):
+    pretend_slurm_job(tmp_path, monkeypatch)
+    signalled = SignalInValidation(signal.SIGUSR1)
+    train_validating(tmp_path / "job", signalled)  # Lightning trains on until Slurm ends the job
+    assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n"
+    hpc = torch.load(tmp_path / "job" / "hpc_ckpt_1.ckpt", weights_only=True)
+    assert hpc["global_step"] == BATCHES_PER_EPOCH  # written in the validation after epoch 0, before step 3
+
+
+def test_sigusr1_under_slurm_checkpoints_the_step_it_interrupts_and_the_requeued_job_resumes_exactly(tmp_path, monkeypatch):
+    """Slurm's `--signal=SIGUSR1@90`: Lightning writes hpc_ckpt_1.ckpt and requeues the job (a fake `scontrol`
+    here); the requeued job, started in the same directory without --ckpt_path, resumes from it."""
+    straight, straight_model, straight_seen = train("moco", tmp_path / "straight")
+    pretend_slurm_job(tmp_path, monkeypatch)
     L.seed_everything(0, verbose=False)
     build, views = METHODS["moco"]
     job = tmp_path / "job"
