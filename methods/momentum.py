@@ -78,6 +78,16 @@ class MomentumMixin:
         self.target_projector = self._frozen_copy(self.projector, split_bn=1)  # BatchNorm1d is never split
         self.__dict__["_momentum_pairs"] = [(self.backbone, self.target_backbone), (self.projector, self.target_projector)]
 
+    def on_fit_start(self) -> None:
+        super().on_fit_start()
+        # Lightning's `trainer.sync_batchnorm` converts every BatchNorm, the split ones too, when it sets up
+        if self.momentum_spec.split_bn > 1 and any(isinstance(m, nn.SyncBatchNorm) for m in self.target_backbone.modules()):
+            raise ValueError(
+                f"momentum.split_bn={self.momentum_spec.split_bn} (per-group BatchNorm statistics in the momentum trunk) "
+                "cannot run with trainer.sync_batchnorm=true (statistics of the whole global batch): set one of them "
+                "(multi-GPU runs shuffle across processes instead: momentum.shuffle_bn)"
+            )
+
     @staticmethod
     def _frozen_copy(online: nn.Module, split_bn: int) -> nn.Module:
         target = copy.deepcopy(online)

@@ -8,15 +8,18 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
+from methods import MoCoV2
 from methods.momentum import (
     KeyQueue,
     MemoryBank,
+    MomentumSpec,
     SplitBatchNorm2d,
     convert_to_split_batchnorm,
     distributed_shuffled_forward,
     ema_update_,
     momentum_at,
 )
+from helpers import TINY_BACKBONE, TINY_PROJECTOR
 
 
 # ------------------------------------------------------------------ EMA and its schedules
@@ -208,3 +211,16 @@ def test_split_batchnorm_gives_the_same_result_on_channels_last_input():
     x = torch.randn(4, 3, 5, 5)
     expected = split(x)
     torch.testing.assert_close(split(x.contiguous(memory_format=torch.channels_last)), expected)
+
+
+@pytest.mark.parametrize("split_bn", [1, 2])
+def test_split_batchnorm_under_sync_batchnorm_is_refused_naming_both(split_bn):
+    """`trainer.sync_batchnorm` replaces every BatchNorm by SyncBatchNorm (torch's conversion, which Lightning
+    applies before `on_fit_start`): the split groups would silently become the whole global batch."""
+    model = MoCoV2(backbone=TINY_BACKBONE, projector=TINY_PROJECTOR, queue_size=64, momentum=MomentumSpec(split_bn=split_bn), knn_k=0)
+    nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    if split_bn == 1:
+        model.on_fit_start()  # SCE's ImageNet recipe: SyncBN, no shuffle
+    else:
+        with pytest.raises(ValueError, match="momentum.split_bn=2 .* trainer.sync_batchnorm=true"):
+            model.on_fit_start()

@@ -5,7 +5,7 @@ import torch
 
 from backbones import MLPSpec
 from methods import SCE, MoCoV2, ReSSL
-from methods.losses import info_nce, ressl_loss, sce_loss
+from methods.losses import ressl_loss, sce_loss
 from methods.momentum import MomentumSpec
 from methods.optim import RampSpec
 from helpers import TINY_BACKBONE, TINY_PROJECTOR, cpu_trainer, digits, fixed_batch_loss
