@@ -184,8 +184,8 @@ class PreemptionSignals(Callback):
             self.trainer.strategy.launcher.kill(signum)  # processes Lightning started itself get it too
         self.requested[signal.SIGTERM if signum == signal.SIGTERM else signal.SIGUSR1] = True
 
-    def _agreed_requests(self, trainer, pl_module) -> tuple[bool, bool]:
-        """(stop, requeue), true on every process when one of them received the signal."""
+    def _agreed_stop(self, trainer, pl_module) -> bool:
+        """Runs the requeue if any process received its signal; whether any process received SIGTERM."""
         stop, requeue = self.requested[signal.SIGTERM], self.requested[signal.SIGUSR1]
         if trainer.world_size > 1:  # one all-reduce (Lightning's DDP loop synchronises every step anyway)
             flags = torch.tensor([stop, requeue], dtype=torch.float32, device=pl_module.device)
@@ -193,16 +193,16 @@ class PreemptionSignals(Callback):
         if requeue:
             self.requested[signal.SIGUSR1] = False
             trainer._signal_connector._slurm_sigusr_handler_fn(self.requeue_signal, None)  # hpc checkpoint and requeue
-        return stop, requeue
+        return stop
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if self._agreed_requests(trainer, pl_module)[0]:
+        if self._agreed_stop(trainer, pl_module):
             trainer._signal_connector.received_sigterm = True  # Lightning stops at the end of this step
 
     def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
         if trainer.state.fn != TrainerFn.FITTING or trainer.sanity_checking:
             return  # a validate run has nothing to save; the sanity check comes before the handlers
-        if self._agreed_requests(trainer, pl_module)[0]:
+        if self._agreed_stop(trainer, pl_module):
             trainer._signal_connector.received_sigterm = True
             raise SIGTERMException()
 
