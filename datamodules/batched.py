@@ -78,8 +78,9 @@ def _unit_range(images: torch.Tensor) -> torch.Tensor:
 
 
 def rgb_to_gray(images: torch.Tensor) -> torch.Tensor:
-    weights = images.new_tensor(GRAY_WEIGHTS).view(1, 3, 1, 1)
-    return (images * weights).sum(dim=1, keepdim=True)
+    # weights as Python numbers, torchvision's formula: a weight tensor made here would be a blocking host-to-device copy
+    red, green, blue = images.unbind(1)
+    return (GRAY_WEIGHTS[0] * red + GRAY_WEIGHTS[1] * green + GRAY_WEIGHTS[2] * blue).unsqueeze(1)
 
 
 def _blend(images: torch.Tensor, other: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
@@ -234,4 +235,6 @@ class BatchedAugment:
             images = torch.where(self._chance(self.solarize_prob, batch, device).view(-1, 1, 1, 1), solarized, images)
         if self.flip:
             images = torch.where(self._chance(0.5, batch, device).view(-1, 1, 1, 1), images.flip(-1), images)
-        return (images - self.mean.to(device)) / self.std.to(device)
+        if self.mean.device != device:  # moved once: a blocking host-to-device copy per batch would wait for the GPU
+            self.mean, self.std = self.mean.to(device), self.std.to(device)
+        return (images - self.mean) / self.std

@@ -5,7 +5,10 @@ On an accelerator, an operation whose result size or value the host needs (`.ite
 `nonzero`, boolean-mask indexing, `unique`, ...) makes the CPU wait for the GPU, so the next step's
 kernels are not queued while this one runs. On the CPU nothing waits, but the same operations are
 dispatched: a dispatch mode records them during real training steps, with the project's stack frame that
-issued them. (`torch.cuda.set_sync_debug_mode` checks the same on a GPU: benchmarks/throughput.py.)
+issued them. The same holds for a tensor the project's code makes from host data during a step
+(`torch.tensor(data, device=...)`, `x.new_tensor(data)`): on an accelerator that is a blocking host-to-device
+copy, which waits for the queued work. (`torch.cuda.set_sync_debug_mode` checks all of this on a GPU:
+benchmarks/throughput.py.)
 """
 
 import traceback
@@ -47,15 +50,25 @@ def boolean_indexing(func, args) -> bool:
     return any(isinstance(index, torch.Tensor) and index.dtype in (torch.bool, torch.uint8) for index in indices)
 
 
+def made_from_host_data_by_the_project(func) -> bool:
+    """`torch.tensor(data)` or `x.new_tensor(data)` called by the project's code itself (the numbers a method
+    logs with `self.log` are made tensors by Lightning)."""
+    if func.overloadpacket is not aten.lift_fresh:
+        return False
+    caller = [frame for frame in traceback.extract_stack()[:-2] if "/torch/" not in frame.filename][-1]
+    return Path(caller.filename).parent.name in PROJECT_FOLDERS
+
+
 class HostReads(TorchDispatchMode):
-    """Records every host-reading operation issued from the project's code, as 'file:line in function'."""
+    """Records every host-reading operation (and tensor made from host data) issued from the project's code,
+    as 'file:line in function'."""
 
     def __init__(self):
         super().__init__()
         self.found: list[str] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket in HOST_READS or boolean_indexing(func, args):
+        if func.overloadpacket in HOST_READS or boolean_indexing(func, args) or made_from_host_data_by_the_project(func):
             stack = traceback.extract_stack()
             frames = [frame for frame in stack if Path(frame.filename).parent.name in PROJECT_FOLDERS]
             loading = any("torch/utils/data/" in frame.filename for frame in stack)  # in DataLoader workers, off the step
