@@ -374,6 +374,7 @@ def contrastive_loss(
     temperature: float,
     num_hard: int | None = None,
     exclude: Tensor | None = None,
+    log_eps: float = 0.0,
 ) -> Tensor:
     """Wang & Liu (CVPR 2021): the ordinary contrastive loss, or with ``num_hard=n`` their hard loss.
 
@@ -381,11 +382,15 @@ def contrastive_loss(
     denominator (the paper's formula; the author code's top-n over the whole bank can drop the positive).
     ``exclude`` (B,) or (B, E) names, per anchor, rows of ``negatives`` to drop, e.g. its own memory-bank
     entry (NPID), or itself and its other view when the negatives are the batch (SimCLR).
+    ``log_eps`` > 0 gives -log(p + log_eps) per anchor instead of -log p: the author code's guard
+    (1e-7 in every loss of its ``objective.py``), which caps the loss near 16.1 and scales the gradient
+    by p / (p + log_eps).
     """
     _check_query_key_bank(query, positive, negatives, key_name="positive", bank_name="negatives")
     _check_temperature("temperature", temperature)
     if num_hard is not None and num_hard < 1:
         raise ValueError(f"num_hard must be >= 1, got {num_hard}")
+    _check_nonnegative("log_eps", log_eps)
     negative_logits = query @ negatives.T / temperature
     if exclude is not None:
         columns = exclude.long().view(len(exclude), -1)
@@ -395,4 +400,7 @@ def contrastive_loss(
     if num_hard is not None and num_hard < negative_logits.shape[1]:
         negative_logits = negative_logits.topk(num_hard, dim=1).values
     positive_logit = (query * positive).sum(dim=1) / temperature
-    return _positive_nll(positive_logit, negative_logits).mean()
+    nll = _positive_nll(positive_logit, negative_logits)
+    if log_eps > 0:  # -log(p + eps) = -logaddexp(log p, log eps), without forming p
+        nll = -torch.logaddexp(-nll, torch.full_like(nll, math.log(log_eps)))
+    return nll.mean()

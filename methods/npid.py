@@ -8,6 +8,7 @@ covers the whole bank (7.1). With `loss: hard`, only the `num_hard` most similar
 denominator (their hard contrastive loss). After the loss, the bank entries of the batch move towards
 the new embeddings with momentum 0.5 (7.2). The bank holds one entry per training image; its size is
 read from the DataModule at setup, or from the checkpoint when a trained model is loaded.
+`log_eps: 1.0e-7` is the author code's -log(p + 1e-7) (its `objective.py`, both losses); 0 is -log p.
 """
 
 from typing import Literal
@@ -27,6 +28,7 @@ class NPID(PretrainMethod):
         loss: Literal["ordinary", "hard"] = "ordinary",
         num_hard: int = 4095,
         bank_momentum: float = 0.5,
+        log_eps: float = 0.0,
         **kwargs,
     ):
         """
@@ -36,6 +38,8 @@ class NPID(PretrainMethod):
             num_hard: negatives the hard loss keeps per anchor. The author code keeps the top 4,096 of
                 the whole 50,000-entry CIFAR bank, the anchor's own entry included, i.e. 4,095 negatives.
             bank_momentum: m in v_i <- normalize(m v_i + (1 - m) f(x_i)) (0.5 in NPID and Wang & Liu).
+            log_eps: the loss is -log(p + log_eps) per image; the author code's 1e-7 caps it near 16.1
+                and scales the gradient by p / (p + 1e-7) (large at small tau and early in training).
             **kwargs: the PretrainMethod arguments (backbone, projector, optimizer, schedule, ...).
         """
         super().__init__(**kwargs)
@@ -46,9 +50,12 @@ class NPID(PretrainMethod):
             raise ValueError(f"num_hard must be >= 1, got {num_hard}")
         if not 0.0 <= bank_momentum < 1.0:
             raise ValueError(f"bank_momentum must lie in [0, 1), got {bank_momentum}")
+        if not log_eps >= 0:
+            raise ValueError(f"log_eps must be >= 0, got {log_eps}")
         self.temperature = temperature
         self.num_hard = num_hard if loss == "hard" else None
         self.bank_momentum = bank_momentum
+        self.log_eps = log_eps
         self.bank: MemoryBank | None = None
 
     def build_bank(self, size: int) -> None:
@@ -70,6 +77,8 @@ class NPID(PretrainMethod):
         features, embedding = self.embed(batch["views"]["image"])
         index = batch["index"]
         bank = self.bank.read()  # the entries before this step's update
-        loss = contrastive_loss(embedding, bank[index], bank, self.temperature, num_hard=self.num_hard, exclude=index)
+        loss = contrastive_loss(
+            embedding, bank[index], bank, self.temperature, num_hard=self.num_hard, exclude=index, log_eps=self.log_eps
+        )
         self.bank.update(self.gather(index), self.gather(embedding), self.bank_momentum)
         return loss, features

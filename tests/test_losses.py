@@ -417,6 +417,20 @@ def test_hard_loss_with_num_hard_at_least_bank_size_equals_ordinary_loss():
     assert_close(contrastive_loss(q, pos, bank, 0.5, num_hard=len(bank) + 3), ordinary, tol=1e-12)
 
 
+def test_guarded_contrastive_loss_scales_the_gradient_by_p_over_p_plus_eps():
+    q, pos, bank = moco_inputs(21)
+    q.requires_grad_(True)
+    plain = contrastive_loss(q, pos, bank, 0.05)
+    (plain_grad,) = torch.autograd.grad(plain, q)
+    guarded = contrastive_loss(q, pos, bank, 0.05, log_eps=0.01)
+    (guarded_grad,) = torch.autograd.grad(guarded, q)
+    positive = (q * pos).sum(1) / 0.05
+    p = torch.exp(positive - torch.cat([positive[:, None], q @ bank.T / 0.05], 1).logsumexp(1))
+    assert_close(guarded, -(p + 0.01).log().mean(), tol=1e-12)
+    assert_close(guarded_grad, plain_grad * (p / (p + 0.01))[:, None], tol=1e-12)
+    assert not torch.allclose(guarded_grad, plain_grad)
+
+
 def negative_penalty(query, positive, bank, tau):
     """Wang & Liu's r_i: the share of each negative in the gradient (|dL/ds_ij| is proportional to ||dL/dn_j||)."""
     bank = bank.clone().requires_grad_()

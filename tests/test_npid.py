@@ -71,6 +71,38 @@ def test_hard_loss_with_num_hard_at_least_the_bank_size_equals_the_ordinary_loss
     assert results["hardest5"][0] < results["ordinary"][0] - 0.1  # fewer negatives: a smaller denominator
 
 
+def author_code_loss(embedding, bank, index, temperature, n_background=None):
+    """WangFeng18/UnsupervisedLearningCodes objective.py, PointLoss and HardNegativePointLoss, in plain
+    tensor operations: -(p + 1e-7).log().mean(), p = exp(s_i / t) / (sum of exp(s / t) over the bank, or
+    over its n_background most similar entries)."""
+    similarities = torch.exp(embedding @ bank.T / temperature)
+    positive = similarities[torch.arange(len(index)), index]
+    background = similarities if n_background is None else similarities.topk(n_background, dim=1).values
+    return -(positive / background.sum(dim=1) + 1e-7).log().mean()
+
+
+@pytest.mark.parametrize("loss, temperature, noise", [("ordinary", 0.07, 3.0), ("ordinary", 0.5, 3.0), ("hard", 0.07, 0.05)])
+def test_loss_with_the_author_guard_equals_minus_log_of_p_plus_1e7(loss, temperature, noise):
+    model = tiny_npid(temperature=temperature, loss=loss, num_hard=7, log_eps=1e-7).double()
+    batch = first_batch()
+    batch["views"]["image"] = batch["views"]["image"].double()
+    index = batch["index"]
+    embedding = embedding_of(model, batch)
+    # the own bank entry a noisy copy of the embedding: at noise 3 as far as the rest (p small, as early in
+    # training, where the guard matters most); at 0.05 the most similar entry, which the author's hard loss
+    # needs to keep it among its top 8 (own entry + 7 negatives, our num_hard 7)
+    noisy = embedding + noise * torch.randn(embedding.shape, generator=torch.Generator().manual_seed(0), dtype=embedding.dtype)
+    model.bank.entries[index] = F.normalize(noisy, dim=1)
+    bank = model.bank.read()
+    if loss == "hard":
+        assert torch.equal((embedding @ bank.T).argmax(dim=1), index)
+    step_loss, _ = model.contrastive_step(batch)
+    expected = author_code_loss(embedding, bank, index, temperature, n_background=8 if loss == "hard" else None)
+    torch.testing.assert_close(step_loss, expected, rtol=1e-12, atol=1e-12)
+    unguarded = contrastive_loss(embedding, bank[index], bank, temperature, num_hard=model.num_hard, exclude=index)
+    assert (unguarded - step_loss).abs() > 1e-9  # the guard is not a no-op on these inputs
+
+
 def test_bank_is_sized_from_the_training_split_and_survives_a_checkpoint(tmp_path):
     model = NPID(backbone=TINY_BACKBONE, projector=TINY_PROJECTOR, knn_k=0)
     datamodule = digits(NPID_VIEWS, batch_size=32)
@@ -96,6 +128,7 @@ def test_setup_without_a_datamodule_is_refused(tmp_path):
         ({"loss": "hard", "num_hard": 0}, "num_hard must be >= 1, got 0"),
         ({"bank_momentum": 1.0}, r"bank_momentum must lie in \[0, 1\), got 1.0"),
         ({"temperature": 0.0}, "temperature must be > 0, got 0.0"),
+        ({"log_eps": -1e-7}, "log_eps must be >= 0, got -1e-07"),
     ],
 )
 def test_bad_settings_are_refused(options, message):
