@@ -27,8 +27,10 @@ class OptimizerSpec:
     nesterov: bool = False  # SGD
     betas: tuple[float, float] = (0.9, 0.999)  # AdamW
     trust_coefficient: float = 0.001  # LARS eta
-    # No weight decay, and no LARS adaptation, for biases and normalisation parameters (ndim <= 1).
-    exclude_bias_and_norm: bool = True
+    # No weight decay, and no LARS adaptation, for biases and normalisation parameters (ndim <= 1). Off by
+    # default, as torch's optimizers and the official runs that build `SGD(model.parameters(), ...)`
+    # (MoCo, PaCo, SupCon); each config states its grouping in its header (tests/test_configs.py).
+    exclude_bias_and_norm: bool = False
     # One kernel per step for all parameters (torch's fused SGD / AdamW): None uses it where every parameter is
     # on a CUDA device (LARS is always multi-tensor, `torch._foreach_*`), true asks for it anywhere torch has it.
     fused: bool | None = None
@@ -68,7 +70,7 @@ class RampSpec:
 
 def parameter_groups(named_params: Iterable[tuple[str, torch.nn.Parameter]], spec: OptimizerSpec) -> list[dict]:
     """Split trainable parameters into a decayed group and, with `exclude_bias_and_norm`, a group of
-    biases and norm parameters (ndim <= 1) without weight decay or LARS adaptation (SCE, ReSSL)."""
+    biases and norm parameters (ndim <= 1) without weight decay or LARS adaptation."""
     decayed, excluded = [], []
     for _, param in named_params:
         if not param.requires_grad:

@@ -48,14 +48,14 @@ def test_learning_rate_scaling_by_global_batch(scaling, expected):
     assert OptimizerSpec(lr=0.06, lr_scaling=scaling).effective_lr(512) == pytest.approx(expected)
 
 
-def test_biases_and_norm_parameters_get_no_weight_decay():
+def test_every_parameter_is_decayed_unless_biases_and_norm_parameters_are_excluded():
     model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2, bias=False))
-    groups = parameter_groups(model.named_parameters(), OptimizerSpec(weight_decay=5e-4))
+    everything = parameter_groups(model.named_parameters(), OptimizerSpec(weight_decay=5e-4))  # torch's default
+    assert len(everything) == 1 and len(everything[0]["params"]) == 5 and everything[0]["weight_decay"] == 5e-4
+    groups = parameter_groups(model.named_parameters(), OptimizerSpec(weight_decay=5e-4, exclude_bias_and_norm=True))
     decayed, excluded = groups
     assert [p.shape for p in decayed["params"]] == [(4, 3), (2, 4)] and decayed["weight_decay"] == 5e-4
     assert len(excluded["params"]) == 3 and excluded["weight_decay"] == 0.0 and excluded["lars_exclude"]
-    everything = parameter_groups(model.named_parameters(), OptimizerSpec(exclude_bias_and_norm=False))
-    assert len(everything) == 1 and len(everything[0]["params"]) == 5
 
 
 def test_frozen_parameters_are_left_out_of_the_groups():
