@@ -176,9 +176,10 @@ AUTOAUGMENT_POLICIES = {policy.value.lower(): policy for policy in T.AutoAugment
 
 def autoaugment(size: int, mean, std, padding: int = 4, policy: str = "imagenet", cutout: int = 0) -> T.Compose:
     """TCL's supervised pipeline (`--augment autoaug` of its train.py; spec_supervised 4.4): resize to
-    size x size, RandomCrop(size, padding) + flip + AutoAugment (torchvision's policies: imagenet,
-    cifar10, svhn). TCL's `AutoAugment()` class is not in its snapshot: which policy it is is UNVERIFIED
-    (imagenet by default). `policy: cifar10, cutout: 16` is PaCo's CIFAR-LT query view (spec_supervised 3.5)."""
+    size x size, RandomCrop(size, padding) + flip + AutoAugment (torchvision's policies: imagenet, the
+    default as in torchvision, cifar10, svhn). TCL's `data_augmentation/auto_augment.py` is the CIFAR-10
+    policy (its 25 sub-policies are torchvision's `AutoAugmentPolicy.CIFAR10`), so TCL's configs set
+    `policy: cifar10`. `policy: cifar10, cutout: 16` is PaCo's CIFAR-LT query view (spec_supervised 3.5)."""
     if policy not in AUTOAUGMENT_POLICIES:
         raise ValueError(f"autoaugment policy must be one of {sorted(AUTOAUGMENT_POLICIES)}, got {policy!r}")
     return T.Compose(
