@@ -37,6 +37,11 @@ from methods.momentum import KeyQueue, MomentumMixin, MomentumSpec
 from methods.optim import OptimizerSpec, ScheduleSpec, configure_optimization, parameter_groups
 
 
+def tau_normalised(weight: torch.Tensor, tau: float) -> torch.Tensor:
+    """Kang et al.'s tau-normalised classifier weights w_k / ||w_k||^tau (rows are classes)."""
+    return weight / weight.norm(dim=1, keepdim=True).pow(tau)
+
+
 class LongTailClassifier(MethodBase):
     def __init__(
         self,
@@ -192,8 +197,7 @@ class CrossEntropy(LongTailClassifier):
     def classify(self, images):
         if not self.tau_norm:
             return super().classify(images)
-        weight = self.classifier.weight
-        return self.backbone(images) @ (weight / weight.norm(dim=1, keepdim=True).pow(self.tau_norm)).T
+        return self.backbone(images) @ tau_normalised(self.classifier.weight, self.tau_norm).T
 
 
 class SupervisedMoCoMixin(MomentumMixin):
