@@ -173,7 +173,7 @@ def full_timm_test_resnet() -> tuple[nn.Module, nn.Module]:
 
 def official_case(format: str):
     """(the checkpoint object, the source trunk, the backbone to give, or None to infer it)."""
-    if format in ("moco", "jcl"):
+    if format == "moco":
         trunk = torchvision_trunk()
         return moco_file(trunk), trunk, None
     if format == "sce":
@@ -195,8 +195,8 @@ def official_case(format: str):
     return model.state_dict(), trunk, BackboneSpec("timm:test_resnet")
 
 
-CASES = ["moco", "jcl", "sce", "paco", "supcon", "supcon_one_gpu", "npid", "npid_imagenet", "torchvision", "timm"]
-DETECTED = {"jcl": "moco", "supcon_one_gpu": "supcon", "npid_imagenet": "npid"}  # JCL writes MoCo's layout
+CASES = ["moco", "sce", "paco", "supcon", "supcon_one_gpu", "npid", "npid_imagenet", "torchvision", "timm"]
+DETECTED = {"supcon_one_gpu": "supcon", "npid_imagenet": "npid"}
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -212,9 +212,11 @@ def test_an_official_checkpoint_loads_strictly_and_gives_the_source_trunk_featur
 
 
 def test_jcl_is_read_as_the_moco_layout_it_is(tmp_path):
+    """caiqi/Joint-Contrastive-Learning builds and saves its model as MoCo's main_moco.py does."""
     trunk = torchvision_trunk()
     path = tmp_path / "checkpoint_0199.pth.tar"
     torch.save(moco_file(trunk), path)
+    assert detect_format(read_checkpoint(path, "test"), None, "test") == "moco"
     probe = LinearProbe(pretrained_ckpt=str(path), pretrained_format="jcl")
     with torch.no_grad():
         assert torch.equal(probe.backbone(IMAGES), trunk(IMAGES))
