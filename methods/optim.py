@@ -48,6 +48,13 @@ class ScheduleSpec:
     gamma: float = 0.1
     final_lr_fraction: float = 0.0  # where cosine ends, as a fraction of the peak lr
     unit: Literal["step", "epoch"] = "step"  # `epoch` holds the lr constant within an epoch (MoCo --cos)
+    # The schedule runs this many epochs late, holding its first value meanwhile: TCL's train.py sets the lr
+    # after each epoch from the 0-based epoch index, so its first two epochs both run at the peak.
+    lag_epochs: int = 0
+
+    def __post_init__(self):
+        if self.lag_epochs < 0:
+            raise ValueError(f"schedule.lag_epochs must be >= 0, got {self.lag_epochs}")
 
 
 @dataclass
@@ -96,6 +103,7 @@ def build_optimizer(groups: list[dict], spec: OptimizerSpec, lr: float) -> Optim
 
 def lr_factor(step: int, steps_per_epoch: int, total_steps: int, spec: ScheduleSpec) -> float:
     """Multiplier of the peak learning rate at optimizer step `step` (0-based)."""
+    step = max(step - spec.lag_epochs * steps_per_epoch, 0)
     if spec.unit == "epoch":
         epoch = step // steps_per_epoch
         if epoch < spec.warmup_epochs:  # lr (e + 1) / W in epoch e, as PaCo's adjust_learning_rate
