@@ -133,6 +133,41 @@ def test_multi_tensor_lars_equals_the_per_parameter_rule_with_weight_decay_and_z
             torch.testing.assert_close(param.detach(), reference)
 
 
+def solo_learn_lars_step(params, grads, buffers, lr, momentum, weight_decay, eta):
+    """solo-learn's LARS (solo/utils/lars.py) with clip_lr and exclude_bias_n_norm, one parameter at a
+    time as written there: 1-d parameters take the plain gradient, no weight decay."""
+    for param, grad, buffer in zip(params, grads, buffers):
+        update = grad
+        if param.ndim != 1 and param.norm() != 0 and grad.norm() != 0:
+            lars_lr = eta * param.norm() / (grad.norm() + param.norm() * weight_decay + 1e-8)
+            update = (grad + weight_decay * param) * min(lars_lr / lr, 1)
+        buffer.mul_(momentum).add_(update)
+        param.sub_(lr * buffer)
+
+
+def test_lars_with_norm_sum_and_clipped_rate_is_solo_learns_optimizer():
+    generator = torch.Generator().manual_seed(1)
+    shapes = [(4, 3), (5,), (2, 2, 3)]
+    start = [torch.randn(shape, generator=generator) for shape in shapes]
+    params = [nn.Parameter(tensor.clone()) for tensor in start]
+    # weight decay 0.5, so that ||g + wd p|| and ||g|| + wd ||p|| differ visibly
+    spec = OptimizerSpec(name="lars", weight_decay=0.5, momentum=0.9, trust_coefficient=0.02, exclude_bias_and_norm=True,
+                         lars_trust_denominator="norm_sum", lars_clip_lr=True)
+    optimizer = build_optimizer(parameter_groups([(str(i), p) for i, p in enumerate(params)], spec), spec, lr=0.4)
+    expected, buffers = [tensor.clone() for tensor in start], [torch.zeros(shape) for shape in shapes]
+    # the ratio is at most eta / wd = 0.04: below the lr 0.4 (not clipped), above the lr 0.01 (clipped: SGD at the lr)
+    for lr, scale in ((0.4, 1e-3), (0.4, 1.0), (0.01, 1.0)):
+        grads = [scale * torch.randn(shape, generator=generator) for shape in shapes]
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        for param, grad in zip(params, grads):
+            param.grad = grad.clone()
+        optimizer.step()
+        solo_learn_lars_step(expected, grads, buffers, lr, 0.9, 0.5, 0.02)
+    for param, reference in zip(params, expected):
+        torch.testing.assert_close(param.detach(), reference)
+
+
 @pytest.mark.parametrize("name", ["sgd", "adamw"])
 def test_fused_optimizers_take_the_same_steps_and_are_chosen_only_for_cuda_parameters_by_default(name):
     def train(fused):
