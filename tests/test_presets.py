@@ -101,3 +101,11 @@ def test_policy_presets_refuse_the_gpu_pipeline(preset):
 def test_linear_training_view_can_resize_before_its_padded_crop():
     stl_like = Image.fromarray(np.zeros((96, 96, 3), dtype=np.uint8))
     assert build_view("image", {"preset": "crop_pad_flip", "resize": 64}, DEFAULTS | {"size": 64})(stl_like).shape == (3, 64, 64)
+
+
+def test_evaluation_view_given_a_pair_resizes_the_whole_image_without_cropping():
+    squashed = build_view("eval_view", {"preset": "center", "resize": [16, 16]}, DEFAULTS)(IMAGE)  # 20 x 24 image
+    whole_image = build_view("eval_view", {"preset": "center"}, DEFAULTS)(IMAGE.resize((16, 16), Image.BILINEAR))
+    cropped = build_view("eval_view", {"preset": "center", "resize": 16}, DEFAULTS)(IMAGE)
+    torch.testing.assert_close(squashed, whole_image)
+    assert not torch.allclose(squashed, cropped)
