@@ -53,11 +53,17 @@ class ScheduleSpec:
     gamma: float = 0.1
     final_lr_fraction: float = 0.0  # where cosine ends, as a fraction of the peak lr
     unit: Literal["step", "epoch"] = "step"  # `epoch` holds the lr constant within an epoch (MoCo --cos)
-    # The schedule runs this many epochs late, holding its first value meanwhile: TCL's train.py sets the lr
-    # after each epoch from the 0-based epoch index, so its first two epochs both run at the peak.
+    # The cosine starts this many epochs before the warm-up ends: PaCo's adjust_learning_rate decays with
+    # (e - W + 1) / (E - W + 1), i.e. 1 here, so its first epoch after the warm-up is already below the peak.
+    cosine_offset_epochs: int = 0
+    # The whole schedule runs this many epochs late, holding its first value meanwhile (the cosine keeps its
+    # length): TCL's train.py sets the lr after each epoch from the 0-based epoch index, so epoch e trains at
+    # the cosine of e - 1 over E epochs and its first two epochs both run at the peak.
     lag_epochs: int = 0
 
     def __post_init__(self):
+        if not 0 <= self.cosine_offset_epochs <= self.warmup_epochs:
+            raise ValueError(f"schedule.cosine_offset_epochs must lie in [0, warmup_epochs = {self.warmup_epochs}], got {self.cosine_offset_epochs}")
         if self.lag_epochs < 0:
             raise ValueError(f"schedule.lag_epochs must be >= 0, got {self.lag_epochs}")
 
@@ -124,7 +130,8 @@ def lr_factor(step: int, steps_per_epoch: int, total_steps: int, spec: ScheduleS
         return 1.0
     if spec.decay == "step":
         return spec.gamma ** sum(step >= milestone * steps_per_epoch for milestone in spec.milestones)
-    progress = (step - warmup_steps) / max(total_steps - warmup_steps, 1)
+    cosine_start = warmup_steps - spec.cosine_offset_epochs * steps_per_epoch
+    progress = (step - cosine_start) / max(total_steps - cosine_start, 1)
     cosine = 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
     return spec.final_lr_fraction + (1.0 - spec.final_lr_fraction) * cosine
 

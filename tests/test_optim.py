@@ -50,6 +50,26 @@ def test_negative_lag_is_refused_naming_the_value():
         ScheduleSpec(lag_epochs=-1)
 
 
+@pytest.mark.parametrize("warmup, epochs", [(5, 30), (10, 400)])  # PaCo's Places-LT and ImageNet-LT/iNat runs
+def test_cosine_offset_gives_pacos_adjust_learning_rate(warmup, epochs):
+    def paco(epoch):  # PaCo/LT/paco_lt.py adjust_learning_rate with --cos, as a fraction of args.lr
+        if epoch < warmup:
+            return (epoch + 1) / warmup
+        return 0.5 * (1.0 + math.cos(math.pi * (epoch - warmup + 1) / (epochs - warmup + 1)))
+
+    steps_per_epoch = 3
+    spec = ScheduleSpec(warmup_epochs=warmup, decay="cosine", unit="epoch", cosine_offset_epochs=1)
+    ours = [lr_factor(step, steps_per_epoch, epochs * steps_per_epoch, spec) for step in range(epochs * steps_per_epoch)]
+    assert ours == pytest.approx([paco(step // steps_per_epoch) for step in range(epochs * steps_per_epoch)], abs=1e-12)
+    without = ScheduleSpec(warmup_epochs=warmup, decay="cosine", unit="epoch")
+    assert lr_factor(warmup * steps_per_epoch, steps_per_epoch, epochs * steps_per_epoch, without) == 1.0 > ours[warmup * steps_per_epoch]
+
+
+def test_cosine_offset_beyond_the_warmup_is_refused():
+    with pytest.raises(ValueError, match="cosine_offset_epochs must lie in \\[0, warmup_epochs = 2\\], got 3"):
+        ScheduleSpec(warmup_epochs=2, cosine_offset_epochs=3)
+
+
 def test_step_decay_multiplies_by_gamma_at_each_milestone_epoch():
     spec = ScheduleSpec(decay="step", milestones=[60, 80], gamma=0.1)
     assert [lr_factor(epoch * 5, 5, 500, spec) for epoch in (0, 59, 60, 79, 80, 99)] == pytest.approx(

@@ -83,6 +83,15 @@ def test_randaugment_is_pacos_randcls_view_with_timms_policy():
         build_view("v", {"preset": "randaugment", "strength": 1.0}, DEFAULTS)
 
 
+def test_randaugment_fills_with_the_dataset_mean_unless_a_fill_colour_is_given():
+    def fill_colours(view):
+        return {op.kwargs["fillcolor"] for op in view.transforms[-2].ops}
+
+    assert fill_colours(build_view("v", {"preset": "randaugment"}, DEFAULTS)) == {(128, 102, 76)}
+    imagenet_mean = [0.485, 0.456, 0.406]  # PaCo's rgb_mean, on iNat as well
+    assert fill_colours(build_view("v", {"preset": "randaugment", "fill": imagenet_mean}, DEFAULTS)) == {(124, 116, 104)}
+
+
 @pytest.mark.parametrize("preset", ["autoaugment", "randaugment"])
 def test_policy_presets_refuse_the_gpu_pipeline(preset):
     with pytest.raises(ValueError, match=f"view 'v': preset '{preset}' runs per image only; use data.pipeline: cpu"):
