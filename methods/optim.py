@@ -56,8 +56,9 @@ class ScheduleSpec:
     # The cosine starts this many epochs before the warm-up ends: PaCo's adjust_learning_rate decays with
     # (e - W + 1) / (E - W + 1), i.e. 1 here, so its first epoch after the warm-up is already below the peak.
     cosine_offset_epochs: int = 0
-    # The schedule runs this many epochs late, holding its first value meanwhile: TCL's train.py sets the lr
-    # after each epoch from the 0-based epoch index, so its first two epochs both run at the peak.
+    # The whole schedule runs this many epochs late, holding its first value meanwhile (the cosine keeps its
+    # length): TCL's train.py sets the lr after each epoch from the 0-based epoch index, so epoch e trains at
+    # the cosine of e - 1 over E epochs and its first two epochs both run at the peak.
     lag_epochs: int = 0
 
     def __post_init__(self):

@@ -36,6 +36,20 @@ def test_per_epoch_warmup_is_pacos_e_plus_one_over_w_then_its_step_decay():
     assert factors == pytest.approx([0.1, 0.5, 1.0, 1.0, 1.0, 0.1, 0.1, 0.01, 0.01])
 
 
+def test_lagged_schedule_is_tcls_adjust_learning_rate_called_after_each_epoch():
+    # TCL train.py: epoch e (0-based) trains at the lr set after epoch e - 1, i.e. the cosine of epoch
+    # max(e - 1, 0): eta_min + (lr - eta_min) (1 + cos(pi k / E)) / 2 with eta_min = lr 0.1^3, E = 100
+    spec = ScheduleSpec(decay="cosine", final_lr_fraction=0.001, unit="epoch", lag_epochs=1)
+    official = lambda k: 0.001 + 0.999 * (1 + math.cos(math.pi * k / 100)) / 2  # noqa: E731
+    for epoch in (0, 1, 2, 50, 99):
+        assert lr_factor(epoch * 7 + 6, 7, 700, spec) == pytest.approx(official(max(epoch - 1, 0)))
+
+
+def test_negative_lag_is_refused_naming_the_value():
+    with pytest.raises(ValueError, match="schedule.lag_epochs must be >= 0, got -1"):
+        ScheduleSpec(lag_epochs=-1)
+
+
 @pytest.mark.parametrize("warmup, epochs", [(5, 30), (10, 400)])  # PaCo's Places-LT and ImageNet-LT/iNat runs
 def test_cosine_offset_gives_pacos_adjust_learning_rate(warmup, epochs):
     def paco(epoch):  # PaCo/LT/paco_lt.py adjust_learning_rate with --cos, as a fraction of args.lr
@@ -54,20 +68,6 @@ def test_cosine_offset_gives_pacos_adjust_learning_rate(warmup, epochs):
 def test_cosine_offset_beyond_the_warmup_is_refused():
     with pytest.raises(ValueError, match="cosine_offset_epochs must lie in \\[0, warmup_epochs = 2\\], got 3"):
         ScheduleSpec(warmup_epochs=2, cosine_offset_epochs=3)
-
-
-def test_lagged_schedule_is_tcls_adjust_learning_rate_called_after_each_epoch():
-    # TCL train.py: epoch e (0-based) trains at the lr set after epoch e - 1, i.e. the cosine of epoch
-    # max(e - 1, 0): eta_min + (lr - eta_min) (1 + cos(pi k / E)) / 2 with eta_min = lr 0.1^3, E = 100
-    spec = ScheduleSpec(decay="cosine", final_lr_fraction=0.001, unit="epoch", lag_epochs=1)
-    official = lambda k: 0.001 + 0.999 * (1 + math.cos(math.pi * k / 100)) / 2  # noqa: E731
-    for epoch in (0, 1, 2, 50, 99):
-        assert lr_factor(epoch * 7 + 6, 7, 700, spec) == pytest.approx(official(max(epoch - 1, 0)))
-
-
-def test_negative_lag_is_refused_naming_the_value():
-    with pytest.raises(ValueError, match="schedule.lag_epochs must be >= 0, got -1"):
-        ScheduleSpec(lag_epochs=-1)
 
 
 def test_step_decay_multiplies_by_gamma_at_each_milestone_epoch():
