@@ -194,17 +194,20 @@ def autoaugment(size: int, mean, std, padding: int = 4, policy: str = "imagenet"
     )
 
 
-def randaugment(size: int, mean, std, num_ops: int = 2, magnitude: int = 10, magnitude_std: float = 0.5, **family) -> T.Compose:
+def randaugment(
+    size: int, mean, std, num_ops: int = 2, magnitude: int = 10, magnitude_std: float = 0.5, fill=None, **family
+) -> T.Compose:
     """PaCo's `randcls` query view (ImageNet-LT, iNat, ImageNet; spec_supervised 3.5): crop (0.08-1),
     flip, jitter (0.4, 0.4, 0.4, 0) always, then RandAugment `rand-n{num_ops}-m{magnitude}-mstd{magnitude_std}`
     with timm's implementation (PaCo's `randaugment.py` is a copy of it), translations up to 45% of the
-    size, fill colour the dataset mean. `gray_prob: 0.2, blur_prob: 0.5` gives `randclsstack` (ResNeXt
+    size, fill colour `fill` (RGB in [0, 1]; default the dataset mean: PaCo fills with the ImageNet mean on
+    every dataset, iNat included). `gray_prob: 0.2, blur_prob: 0.5` gives `randclsstack` (ResNeXt
     runs), `num_ops: 3` the ResNeXt-101 one. Other `augment` parameters are accepted as overrides."""
     family = dict(scale=(0.08, 1.0), jitter=(0.4, 0.4, 0.4, 0.0), jitter_prob=1.0, gray_prob=0.0) | family
     base = augment(size, mean, std, **family)
     policy = rand_augment_transform(
         f"rand-n{num_ops}-m{magnitude}-mstd{magnitude_std}",
-        {"translate_const": int(size * 0.45), "img_mean": tuple(min(255, round(255 * value)) for value in mean)},
+        {"translate_const": int(size * 0.45), "img_mean": tuple(min(255, round(255 * value)) for value in (mean if fill is None else fill))},
     )
     return T.Compose([*base.transforms[:-1], policy, base.transforms[-1]])
 
@@ -216,9 +219,11 @@ def crop_pad_flip(size: int, mean, std, padding: int = 4, resize: int | None = N
     return T.Compose([*([T.Resize(resize)] if resize else []), T.RandomCrop(size, padding=padding), T.RandomHorizontalFlip(), ToNormalizedTensor(mean, std)])
 
 
-def center(size: int, mean, std, resize: int | None = None) -> T.Compose:
+def center(size: int, mean, std, resize: int | list[int] | None = None) -> T.Compose:
     """Evaluation view: resize the short side to `resize` (default: `size`, i.e. no crop margin for
-    small datasets; 256 for 224 px ImageNet) then center-crop `size` (SCE seed D)."""
+    small datasets; 256 for 224 px ImageNet) then center-crop `size` (SCE seed D). A pair `[h, w]`
+    resizes the whole image to exactly h x w, aspect ratio not kept (TCL's ImageNet-100 test view,
+    `Resize((224, 224))` in its train.py), so `[size, size]` crops nothing."""
     return T.Compose([T.Resize(resize or size), T.CenterCrop(size), ToNormalizedTensor(mean, std)])
 
 

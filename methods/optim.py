@@ -27,6 +27,11 @@ class OptimizerSpec:
     nesterov: bool = False  # SGD
     betas: tuple[float, float] = (0.9, 0.999)  # AdamW
     trust_coefficient: float = 0.001  # LARS eta
+    # LARS's trust ratio eta ||p|| / ||g + wd p|| (`update_norm`, SCE/BYOL) or eta ||p|| / (||g|| + wd ||p||)
+    # (`norm_sum`, solo-learn's solo/utils/lars.py, from pl_bolts); `lars_clip_lr` divides the ratio by the lr
+    # and caps it at 1 (solo-learn's clip_lr), so a layer's step rate is min(ratio, lr).
+    lars_trust_denominator: Literal["update_norm", "norm_sum"] = "update_norm"
+    lars_clip_lr: bool = False
     # No weight decay, and no LARS adaptation, for biases and normalisation parameters (ndim <= 1). Off by
     # default, as torch's optimizers and the official runs that build `SGD(model.parameters(), ...)`
     # (MoCo, PaCo, SupCon); each config states its grouping in its header (tests/test_configs.py).
@@ -48,6 +53,19 @@ class ScheduleSpec:
     gamma: float = 0.1
     final_lr_fraction: float = 0.0  # where cosine ends, as a fraction of the peak lr
     unit: Literal["step", "epoch"] = "step"  # `epoch` holds the lr constant within an epoch (MoCo --cos)
+    # The cosine starts this many epochs before the warm-up ends: PaCo's adjust_learning_rate decays with
+    # (e - W + 1) / (E - W + 1), i.e. 1 here, so its first epoch after the warm-up is already below the peak.
+    cosine_offset_epochs: int = 0
+    # The whole schedule runs this many epochs late, holding its first value meanwhile (the cosine keeps its
+    # length): TCL's train.py sets the lr after each epoch from the 0-based epoch index, so epoch e trains at
+    # the cosine of e - 1 over E epochs and its first two epochs both run at the peak.
+    lag_epochs: int = 0
+
+    def __post_init__(self):
+        if not 0 <= self.cosine_offset_epochs <= self.warmup_epochs:
+            raise ValueError(f"schedule.cosine_offset_epochs must lie in [0, warmup_epochs = {self.warmup_epochs}], got {self.cosine_offset_epochs}")
+        if self.lag_epochs < 0:
+            raise ValueError(f"schedule.lag_epochs must be >= 0, got {self.lag_epochs}")
 
 
 @dataclass
@@ -86,7 +104,10 @@ def build_optimizer(groups: list[dict], spec: OptimizerSpec, lr: float) -> Optim
     if spec.name == "lars":
         if spec.fused:
             raise ValueError("optimizer.fused: true, but LARS has no fused kernel (it runs multi-tensor); set optimizer.fused: null")
-        return LARS(groups, lr=lr, momentum=spec.momentum, trust_coefficient=spec.trust_coefficient)
+        return LARS(
+            groups, lr=lr, momentum=spec.momentum, trust_coefficient=spec.trust_coefficient,
+            trust_denominator=spec.lars_trust_denominator, clip_lr=spec.lars_clip_lr,
+        )
     on_cuda = all(param.is_cuda for group in groups for param in group["params"])
     fused = spec.fused if spec.fused is not None else on_cuda
     if spec.name == "sgd":
@@ -96,6 +117,7 @@ def build_optimizer(groups: list[dict], spec: OptimizerSpec, lr: float) -> Optim
 
 def lr_factor(step: int, steps_per_epoch: int, total_steps: int, spec: ScheduleSpec) -> float:
     """Multiplier of the peak learning rate at optimizer step `step` (0-based)."""
+    step = max(step - spec.lag_epochs * steps_per_epoch, 0)
     if spec.unit == "epoch":
         epoch = step // steps_per_epoch
         if epoch < spec.warmup_epochs:  # lr (e + 1) / W in epoch e, as PaCo's adjust_learning_rate
@@ -108,7 +130,8 @@ def lr_factor(step: int, steps_per_epoch: int, total_steps: int, spec: ScheduleS
         return 1.0
     if spec.decay == "step":
         return spec.gamma ** sum(step >= milestone * steps_per_epoch for milestone in spec.milestones)
-    progress = (step - warmup_steps) / max(total_steps - warmup_steps, 1)
+    cosine_start = warmup_steps - spec.cosine_offset_epochs * steps_per_epoch
+    progress = (step - cosine_start) / max(total_steps - cosine_start, 1)
     cosine = 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
     return spec.final_lr_fraction + (1.0 - spec.final_lr_fraction) * cosine
 
@@ -130,12 +153,20 @@ def configure_optimization(trainer, groups: list[dict], optimizer_spec: Optimize
 
 
 class LARS(Optimizer):
-    """SGD with momentum and layer-wise adaptive rate scaling (You et al. 2017), in the form used by
-    SCE/BYOL: for a group without `lars_exclude`, the update g + wd * p is rescaled by
-    trust_coefficient * ||p|| / ||g + wd * p|| (1 where a norm is 0); excluded groups are plain SGD."""
+    """SGD with momentum and layer-wise adaptive rate scaling (You et al. 2017), by default in the form used
+    by SCE/BYOL: for a group without `lars_exclude`, the update g + wd * p is rescaled by
+    trust_coefficient * ||p|| / ||g + wd * p|| (1 where a norm is 0); excluded groups are plain SGD.
+    `trust_denominator="norm_sum"` and `clip_lr=True` give solo-learn's form (OptimizerSpec)."""
 
-    def __init__(self, params, lr: float, momentum: float = 0.9, trust_coefficient: float = 0.001):
-        super().__init__(params, dict(lr=lr, momentum=momentum, trust_coefficient=trust_coefficient, weight_decay=0.0))
+    def __init__(
+        self, params, lr: float, momentum: float = 0.9, trust_coefficient: float = 0.001,
+        trust_denominator: str = "update_norm", clip_lr: bool = False,
+    ):
+        if trust_denominator not in ("update_norm", "norm_sum"):
+            raise ValueError(f"optimizer.lars_trust_denominator must be 'update_norm' or 'norm_sum', got {trust_denominator!r}")
+        defaults = dict(lr=lr, momentum=momentum, trust_coefficient=trust_coefficient, weight_decay=0.0,
+                        trust_denominator=trust_denominator, clip_lr=clip_lr)
+        super().__init__(params, defaults)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -149,9 +180,17 @@ class LARS(Optimizer):
                 continue
             updates = torch._foreach_add([param.grad for param in params], params, alpha=group["weight_decay"])
             if not group.get("lars_exclude", False):
-                param_norms, update_norms = torch.stack(torch._foreach_norm(params)), torch.stack(torch._foreach_norm(updates))
-                ratio = group["trust_coefficient"] * param_norms / update_norms
-                trust = torch.where((param_norms > 0) & (update_norms > 0), ratio, torch.ones_like(ratio))
+                param_norms = torch.stack(torch._foreach_norm(params))
+                if group["trust_denominator"] == "norm_sum":  # solo-learn: its eps 1e-8 included
+                    grad_norms = torch.stack(torch._foreach_norm([param.grad for param in params]))
+                    denominators, defined = grad_norms + group["weight_decay"] * param_norms + 1e-8, grad_norms > 0
+                else:
+                    denominators = torch.stack(torch._foreach_norm(updates))
+                    defined = denominators > 0
+                ratio = group["trust_coefficient"] * param_norms / denominators
+                if group["clip_lr"]:
+                    ratio = (ratio / group["lr"]).clamp(max=1.0)
+                trust = torch.where((param_norms > 0) & defined, ratio, torch.ones_like(ratio))
                 torch._foreach_mul_(updates, list(trust.unbind()))
             buffers = [self.state[param].setdefault("momentum_buffer", torch.zeros_like(param)) for param in params]
             torch._foreach_mul_(buffers, group["momentum"])

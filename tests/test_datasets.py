@@ -33,6 +33,7 @@ from datamodules import (
     UnlabeledFolderDataModule,
 )
 from datamodules.imagenet import IMAGENET100_WNIDS
+from datamodules.transforms import MultipleViews
 
 ROOT = Path(__file__).parents[1]
 SCE_SEED = Path("/work/shared/seeds/sce_supplementary.txt")
@@ -429,23 +430,24 @@ def test_every_shipped_config_builds_its_views_on_a_fake_copy_of_its_dataset(con
     assert evaluation["image"].shape[1] == 3 and evaluation["label"].max() < datamodule.num_classes
 
 
-CIFAR_AUTOAUGMENT_CONFIGS = [
+TCL_AUTOAUGMENT_CONFIGS = [
     config for config in FILE_CONFIGS
-    if config_data(config)[0] in (CIFAR10DataModule, CIFAR100DataModule)
+    if config_data(config)[0] in (CIFAR10DataModule, CIFAR100DataModule, ImageNet100DataModule)
     and any(view["preset"] == "autoaugment" for view in config_data(config)[1]["views"].values())
 ]
 
 
-@pytest.mark.parametrize("config", CIFAR_AUTOAUGMENT_CONFIGS, ids=[config.name for config in CIFAR_AUTOAUGMENT_CONFIGS])
-def test_cifar_configs_apply_the_cifar10_autoaugment_policy(config, tmp_path, monkeypatch):
-    """TCL's data_augmentation/auto_augment.py (the AutoAugment its CIFAR runs use) is the CIFAR-10 policy."""
+@pytest.mark.parametrize("config", TCL_AUTOAUGMENT_CONFIGS, ids=[config.name for config in TCL_AUTOAUGMENT_CONFIGS])
+def test_cifar_and_imagenet100_configs_apply_the_cifar10_autoaugment_policy(config, tmp_path, monkeypatch):
+    """TCL's data_augmentation/auto_augment.py (the AutoAugment of its CIFAR and ImageNet-100 runs, train.py)
+    is the CIFAR-10 policy."""
     datamodule_class, init_args = config_data(config)
     root = FAKE_DATASETS[datamodule_class](tmp_path, monkeypatch)
     datamodule = datamodule_class(**(init_args | {"root": str(root), "num_workers": 0}))
     policies = [
         step.policy
         for view in datamodule.views.values()
-        for step in getattr(view, "transform", view).transforms
+        for step in (view.transform if isinstance(view, MultipleViews) else view).transforms
         if isinstance(step, torchvision.transforms.v2.AutoAugment)
     ]
     assert policies and all(policy == torchvision.transforms.v2.AutoAugmentPolicy.CIFAR10 for policy in policies)

@@ -36,6 +36,40 @@ def test_per_epoch_warmup_is_pacos_e_plus_one_over_w_then_its_step_decay():
     assert factors == pytest.approx([0.1, 0.5, 1.0, 1.0, 1.0, 0.1, 0.1, 0.01, 0.01])
 
 
+def test_lagged_schedule_is_tcls_adjust_learning_rate_called_after_each_epoch():
+    # TCL train.py: epoch e (0-based) trains at the lr set after epoch e - 1, i.e. the cosine of epoch
+    # max(e - 1, 0): eta_min + (lr - eta_min) (1 + cos(pi k / E)) / 2 with eta_min = lr 0.1^3, E = 100
+    spec = ScheduleSpec(decay="cosine", final_lr_fraction=0.001, unit="epoch", lag_epochs=1)
+    official = lambda k: 0.001 + 0.999 * (1 + math.cos(math.pi * k / 100)) / 2  # noqa: E731
+    for epoch in (0, 1, 2, 50, 99):
+        assert lr_factor(epoch * 7 + 6, 7, 700, spec) == pytest.approx(official(max(epoch - 1, 0)))
+
+
+def test_negative_lag_is_refused_naming_the_value():
+    with pytest.raises(ValueError, match="schedule.lag_epochs must be >= 0, got -1"):
+        ScheduleSpec(lag_epochs=-1)
+
+
+@pytest.mark.parametrize("warmup, epochs", [(5, 30), (10, 400)])  # PaCo's Places-LT and ImageNet-LT/iNat runs
+def test_cosine_offset_gives_pacos_adjust_learning_rate(warmup, epochs):
+    def paco(epoch):  # PaCo/LT/paco_lt.py adjust_learning_rate with --cos, as a fraction of args.lr
+        if epoch < warmup:
+            return (epoch + 1) / warmup
+        return 0.5 * (1.0 + math.cos(math.pi * (epoch - warmup + 1) / (epochs - warmup + 1)))
+
+    steps_per_epoch = 3
+    spec = ScheduleSpec(warmup_epochs=warmup, decay="cosine", unit="epoch", cosine_offset_epochs=1)
+    ours = [lr_factor(step, steps_per_epoch, epochs * steps_per_epoch, spec) for step in range(epochs * steps_per_epoch)]
+    assert ours == pytest.approx([paco(step // steps_per_epoch) for step in range(epochs * steps_per_epoch)], abs=1e-12)
+    without = ScheduleSpec(warmup_epochs=warmup, decay="cosine", unit="epoch")
+    assert lr_factor(warmup * steps_per_epoch, steps_per_epoch, epochs * steps_per_epoch, without) == 1.0 > ours[warmup * steps_per_epoch]
+
+
+def test_cosine_offset_beyond_the_warmup_is_refused():
+    with pytest.raises(ValueError, match="cosine_offset_epochs must lie in \\[0, warmup_epochs = 2\\], got 3"):
+        ScheduleSpec(warmup_epochs=2, cosine_offset_epochs=3)
+
+
 def test_step_decay_multiplies_by_gamma_at_each_milestone_epoch():
     spec = ScheduleSpec(decay="step", milestones=[60, 80], gamma=0.1)
     assert [lr_factor(epoch * 5, 5, 500, spec) for epoch in (0, 59, 60, 79, 80, 99)] == pytest.approx(
@@ -117,6 +151,41 @@ def test_multi_tensor_lars_equals_the_per_parameter_rule_with_weight_decay_and_z
             lars_reference_step(expected, step_grads, buffers, 0.5, 0.9, 1e-2, 0.02, exclude)
         for param, reference in zip(params, expected):
             torch.testing.assert_close(param.detach(), reference)
+
+
+def solo_learn_lars_step(params, grads, buffers, lr, momentum, weight_decay, eta):
+    """solo-learn's LARS (solo/utils/lars.py) with clip_lr and exclude_bias_n_norm, one parameter at a
+    time as written there: 1-d parameters take the plain gradient, no weight decay."""
+    for param, grad, buffer in zip(params, grads, buffers):
+        update = grad
+        if param.ndim != 1 and param.norm() != 0 and grad.norm() != 0:
+            lars_lr = eta * param.norm() / (grad.norm() + param.norm() * weight_decay + 1e-8)
+            update = (grad + weight_decay * param) * min(lars_lr / lr, 1)
+        buffer.mul_(momentum).add_(update)
+        param.sub_(lr * buffer)
+
+
+def test_lars_with_norm_sum_and_clipped_rate_is_solo_learns_optimizer():
+    generator = torch.Generator().manual_seed(1)
+    shapes = [(4, 3), (5,), (2, 2, 3)]
+    start = [torch.randn(shape, generator=generator) for shape in shapes]
+    params = [nn.Parameter(tensor.clone()) for tensor in start]
+    # weight decay 0.5, so that ||g + wd p|| and ||g|| + wd ||p|| differ visibly
+    spec = OptimizerSpec(name="lars", weight_decay=0.5, momentum=0.9, trust_coefficient=0.02, exclude_bias_and_norm=True,
+                         lars_trust_denominator="norm_sum", lars_clip_lr=True)
+    optimizer = build_optimizer(parameter_groups([(str(i), p) for i, p in enumerate(params)], spec), spec, lr=0.4)
+    expected, buffers = [tensor.clone() for tensor in start], [torch.zeros(shape) for shape in shapes]
+    # the ratio is at most eta / wd = 0.04: below the lr 0.4 (not clipped), above the lr 0.01 (clipped: SGD at the lr)
+    for lr, scale in ((0.4, 1e-3), (0.4, 1.0), (0.01, 1.0)):
+        grads = [scale * torch.randn(shape, generator=generator) for shape in shapes]
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        for param, grad in zip(params, grads):
+            param.grad = grad.clone()
+        optimizer.step()
+        solo_learn_lars_step(expected, grads, buffers, lr, 0.9, 0.5, 0.02)
+    for param, reference in zip(params, expected):
+        torch.testing.assert_close(param.detach(), reference)
 
 
 @pytest.mark.parametrize("name", ["sgd", "adamw"])

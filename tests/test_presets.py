@@ -83,6 +83,15 @@ def test_randaugment_is_pacos_randcls_view_with_timms_policy():
         build_view("v", {"preset": "randaugment", "strength": 1.0}, DEFAULTS)
 
 
+def test_randaugment_fills_with_the_dataset_mean_unless_a_fill_colour_is_given():
+    def fill_colours(view):
+        return {op.kwargs["fillcolor"] for op in view.transforms[-2].ops}
+
+    assert fill_colours(build_view("v", {"preset": "randaugment"}, DEFAULTS)) == {(128, 102, 76)}
+    imagenet_mean = [0.485, 0.456, 0.406]  # PaCo's rgb_mean, on iNat as well
+    assert fill_colours(build_view("v", {"preset": "randaugment", "fill": imagenet_mean}, DEFAULTS)) == {(124, 116, 104)}
+
+
 @pytest.mark.parametrize("preset", ["autoaugment", "randaugment"])
 def test_policy_presets_refuse_the_gpu_pipeline(preset):
     with pytest.raises(ValueError, match=f"view 'v': preset '{preset}' runs per image only; use data.pipeline: cpu"):
@@ -92,3 +101,11 @@ def test_policy_presets_refuse_the_gpu_pipeline(preset):
 def test_linear_training_view_can_resize_before_its_padded_crop():
     stl_like = Image.fromarray(np.zeros((96, 96, 3), dtype=np.uint8))
     assert build_view("image", {"preset": "crop_pad_flip", "resize": 64}, DEFAULTS | {"size": 64})(stl_like).shape == (3, 64, 64)
+
+
+def test_evaluation_view_given_a_pair_resizes_the_whole_image_without_cropping():
+    squashed = build_view("eval_view", {"preset": "center", "resize": [16, 16]}, DEFAULTS)(IMAGE)  # 20 x 24 image
+    whole_image = build_view("eval_view", {"preset": "center"}, DEFAULTS)(IMAGE.resize((16, 16), Image.BILINEAR))
+    cropped = build_view("eval_view", {"preset": "center", "resize": 16}, DEFAULTS)(IMAGE)
+    torch.testing.assert_close(squashed, whole_image)
+    assert not torch.allclose(squashed, cropped)

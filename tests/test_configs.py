@@ -1,0 +1,84 @@
+"""Every shipped config states, in its header, the precision and the weight-decay grouping of the
+official run it follows, and trains that way.
+
+The header lines have a fixed form, so that they can be checked here:
+
+    # Precision: 32-true -- <the official file that says so, or why this value>
+    # Weight decay: every parameter -- <source>
+    # Weight decay: not on biases and normalisation parameters -- <source>
+    # Weight decay: none -- <source>
+"""
+
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import yaml
+
+import methods
+
+ROOT = Path(__file__).parents[1]
+CONFIGS = sorted(ROOT.glob("configs/*.yaml"))
+PRECISION_LINE = re.compile(r"^# Precision: (\S+) -- \S", re.MULTILINE)
+WEIGHT_DECAY_LINE = re.compile(r"^# Weight decay: (every parameter|not on biases and normalisation parameters|none) -- \S", re.MULTILINE)
+
+
+def header(config: Path) -> str:
+    lines = config.read_text().splitlines()
+    return "\n".join(line for line in lines[: next(i for i, line in enumerate(lines) if not line.startswith("#"))])
+
+
+def stated(pattern: re.Pattern, config: Path) -> str:
+    found = pattern.findall(header(config))
+    assert len(found) == 1, f"{config.name}: the header must have exactly one line of the form {pattern.pattern!r}"
+    return found[0]
+
+
+def build_model(config: Path):
+    """The config's model as the CLI builds it (nested specs given as dicts), with its own trunk, randomly
+    initialised; a linear stage gets a random ResNet-18, since only its linear layer trains."""
+    model = yaml.safe_load(config.read_text())["model"]
+    init_args = dict(model.get("init_args", {}))
+    if model["class_path"] == "methods.LinearProbe":
+        init_args |= {"random_init": True, "backbone": {"name": "resnet18"}}
+    if "weights" in init_args.get("backbone", {}):  # the grouping does not depend on the values (no download here)
+        init_args["backbone"] = init_args["backbone"] | {"weights": None}
+    return getattr(methods, model["class_path"].rsplit(".", 1)[-1])(**init_args)
+
+
+def trained_parameter_groups(model) -> list[dict]:
+    """The optimizer's parameter groups, from the model's own `configure_optimizers`, without the online
+    probe of a pretraining method (a monitor outside the paper's run, never decayed)."""
+    trainer = SimpleNamespace(
+        datamodule=SimpleNamespace(batch_size=256), world_size=1, accumulate_grad_batches=1,
+        estimated_stepping_batches=100, num_training_batches=10, print=lambda *args: None,
+    )
+    model.trainer = trainer  # configure_optimization reads only these numbers
+    optimizer = model.configure_optimizers()["optimizer"]
+    online_probe = {id(param) for param in getattr(model, "probe", []).parameters()} if isinstance(model, methods.PretrainMethod) else set()
+    return [
+        {"weight_decay": group["weight_decay"], "params": [param for param in group["params"] if id(param) not in online_probe]}
+        for group in optimizer.param_groups
+    ]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=[config.name for config in CONFIGS])
+def test_precision_is_the_one_the_header_states(config):
+    precision = yaml.safe_load(config.read_text())["trainer"].get("precision", "32-true")
+    assert str(precision) == stated(PRECISION_LINE, config)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=[config.name for config in CONFIGS])
+def test_weight_decay_reaches_the_parameters_the_header_states(config):
+    grouping = stated(WEIGHT_DECAY_LINE, config)
+    groups = trained_parameter_groups(build_model(config))
+    decayed = [param for group in groups if group["weight_decay"] > 0 for param in group["params"]]
+    undecayed = [param for group in groups if group["weight_decay"] == 0 for param in group["params"]]
+    assert decayed or undecayed
+    if grouping == "none":
+        assert not decayed
+    elif grouping == "every parameter":
+        assert not undecayed
+    else:
+        assert all(param.ndim > 1 for param in decayed) and all(param.ndim <= 1 for param in undecayed) and decayed and undecayed
