@@ -3,11 +3,14 @@
     uv run python -m analysis runs/npid_digits/checkpoints/last.ckpt --config configs/npid_digits.yaml
     uv run python -m analysis CKPT --config configs/npid_cifar10.yaml --split test --out runs/analysis/npid \\
         -- --data.init_args.root /datasets/cifar10
+    uv run python -m analysis moco_v2_800ep_pretrain.pth.tar --format moco --config configs/moco_imagenet100.yaml ...
 
 The method (class and hyperparameters, hence its temperature) comes from the checkpoint, which
 `main_pretrain.py` wrote; the data (split, views, evaluation view) from the pretraining config, with
-the CLI overrides given after `--`. Writes OUT/metrics.json, OUT/local_separation.png and
-OUT/negative_entropy.png, OUT being `<run>/analysis` unless `--out` says otherwise.
+the CLI overrides given after `--`. A published checkpoint (`--format`, `interop.official`) gives the
+trunk and projection head of the config's method, which must be built as the official code builds them
+(overrides after `--`). Writes OUT/metrics.json, OUT/local_separation.png and OUT/negative_entropy.png,
+OUT being `<run>/analysis` unless `--out` says otherwise.
 """
 
 import argparse
@@ -19,6 +22,7 @@ from pathlib import Path
 import torch
 
 from analysis.representation import analyse
+from interop import FORMATS, load_official_encoder
 from methods import PretrainMethod
 from methods.cli import ContrastlabCLI
 from methods.reliability import write_atomically
@@ -41,7 +45,8 @@ def main(argv: list[str]) -> int:
     overrides = argv[argv.index("--") + 1 :] if "--" in argv else []
     own = argv[: argv.index("--")] if "--" in argv else argv
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("checkpoint", type=Path, help="a main_pretrain.py checkpoint")
+    parser.add_argument("checkpoint", type=Path, help="a main_pretrain.py checkpoint, or a published one (--format)")
+    parser.add_argument("--format", choices=FORMATS, help="the checkpoint's layout (default: read from its keys)")
     parser.add_argument("--config", required=True, help="the pretraining config (for the data)")
     parser.add_argument("--split", default="val", help="the DataModule split to analyse")
     parser.add_argument("--max-samples", type=int, default=2048, help="images analysed (a fixed random subset)")
@@ -53,10 +58,10 @@ def main(argv: list[str]) -> int:
     if not args.checkpoint.is_file():
         raise SystemExit(f"error: checkpoint {str(args.checkpoint)!r} is not an existing file")
     try:
-        model = load_method(args.checkpoint).to(args.device)
-        datamodule = ContrastlabCLI(
-            PretrainMethod, args=["--config", args.config, "--trainer.logger=false", *overrides], run=False
-        ).datamodule
+        cli = ContrastlabCLI(PretrainMethod, args=["--config", args.config, "--trainer.logger=false", *overrides], run=False)
+        official = load_official_encoder(cli.model, args.checkpoint, args.format)  # None: a contrastlab checkpoint
+        model = (cli.model if official else load_method(args.checkpoint)).to(args.device)
+        datamodule = cli.datamodule
         report = analyse(model, datamodule, args.split, args.view, args.temperature, args.max_samples)
     except ValueError as error:
         raise SystemExit(f"error: {error}") from None
@@ -64,7 +69,7 @@ def main(argv: list[str]) -> int:
     out = args.out or args.checkpoint.resolve().parent.parent / "analysis"
     title = f"{type(model).__name__}, {Path(args.config).stem}, {args.split}"
     figures = report.write_figures(out, title=title)
-    record = {"checkpoint": str(args.checkpoint), "split": args.split, "samples": len(report.positive), **report.scalars()}
+    record = {"checkpoint": str(args.checkpoint), "format": official or "contrastlab", "split": args.split, "samples": len(report.positive), **report.scalars()}
     write_atomically(out / "metrics.json", lambda partial: partial.write_text(json.dumps(record, indent=1)))
     print(json.dumps(record, indent=1))
     print("figures: " + ", ".join(str(path) for path in figures.values()))

@@ -194,11 +194,13 @@ def load_weights_file(trunk: nn.Module, path: str, name: str) -> None:
 
 def load_state_strictly(trunk: nn.Module, state: dict, source: str, target: str) -> None:
     """`trunk.load_state_dict(state)` with one ValueError `"<source> does not match|fit <target>: ..."`
-    that lists the first missing and unexpected keys or the shape mismatch."""
-    try:
-        incompatible = trunk.load_state_dict(state, strict=False)
-    except RuntimeError as error:  # same keys, different shapes
-        raise ValueError(f"{source} does not fit {target}: {error}") from None
+    that lists the first missing and unexpected keys or the first tensors of another shape."""
+    own = trunk.state_dict()
+    misfits = [key for key in own.keys() & state.keys() if own[key].shape != state[key].shape]
+    if misfits:
+        shapes = [f"{key} {list(state[key].shape)} (here {list(own[key].shape)})" for key in sorted(misfits)[:5]]
+        raise ValueError(f"{source} does not fit {target}: {len(misfits)} tensors of another shape: {', '.join(shapes)}")
+    incompatible = trunk.load_state_dict(state, strict=False)
     if incompatible.missing_keys or incompatible.unexpected_keys:
         raise ValueError(
             f"{source} does not match {target}: missing keys {incompatible.missing_keys[:5]}, "

@@ -20,6 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from backbones import BackboneSpec, load_state_strictly
+from interop import official_trunk
 from methods.base import PretrainMethod
 from methods.config import as_spec, save_plain_hyperparameters
 from methods.evaluation import EvaluationMixin
@@ -60,6 +61,7 @@ class LinearProbe(CheckpointRecord, EvaluationMixin, L.LightningModule):
     def __init__(
         self,
         pretrained_ckpt: str | None = None,
+        pretrained_format: str | None = None,
         backbone: BackboneSpec | None = None,
         random_init: bool = False,
         num_classes: int = 10,
@@ -71,6 +73,8 @@ class LinearProbe(CheckpointRecord, EvaluationMixin, L.LightningModule):
         """
         Args:
             pretrained_ckpt: the pretraining checkpoint whose `backbone.*` weights are probed.
+            pretrained_format: `contrastlab`, or the official layout of a published checkpoint (`moco`, `sce`,
+                `paco`, `supcon`, `jcl`, `npid`, `torchvision`, `timm`; `interop.official`); by default read from its keys.
             backbone: the trunk; by default the one recorded in the checkpoint.
             random_init: probe a randomly initialised trunk instead (a baseline); needs `backbone`
                 and no checkpoint.
@@ -82,7 +86,7 @@ class LinearProbe(CheckpointRecord, EvaluationMixin, L.LightningModule):
         save_plain_hyperparameters(self)
         if random_init == (pretrained_ckpt is not None):
             raise ValueError("give exactly one of model.pretrained_ckpt (a pretraining checkpoint) or model.random_init: true")
-        state, stored_spec = load_backbone_state(pretrained_ckpt) if pretrained_ckpt else (None, None)
+        state, stored_spec = (official_trunk(pretrained_ckpt, pretrained_format, backbone) or load_backbone_state(pretrained_ckpt)) if pretrained_ckpt else (None, None)
         if backbone is None and stored_spec is None:
             raise ValueError("model.backbone is required when the checkpoint does not record its backbone")
         spec = as_spec(BackboneSpec, backbone if backbone is not None else stored_spec)

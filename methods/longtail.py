@@ -16,6 +16,10 @@ Kang et al. (ICLR 2020), a post-hoc rescaling of the trained weights, w_k / ||w_
 (their `tau_normalization` code), chosen on the validation split:
 
     python main_pretrain.py validate --config configs/ce_cifar100_lt.yaml --ckpt_path runs/ce_cifar100_lt/checkpoints/last.ckpt --model.init_args.tau_norm 1.0
+
+A published model is evaluated the same way from its own file (`interop.official`: PaCo's releases, a
+torchvision or timm classifier), e.g. `validate --config configs/paco_imagenet_lt.yaml
+--model.init_args.pretrained_ckpt paco_r50.pth`.
 """
 
 from typing import Literal
@@ -25,11 +29,17 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from backbones import BackboneSpec, MLPSpec
+from interop import load_official_classifier
 from methods.base import CompileSpec, MethodBase
 from methods.config import as_spec, save_plain_hyperparameters
 from methods.evaluation import shot_accuracies
 from methods.momentum import KeyQueue, MomentumMixin, MomentumSpec
 from methods.optim import OptimizerSpec, ScheduleSpec, configure_optimization, parameter_groups
+
+
+def tau_normalised(weight: torch.Tensor, tau: float) -> torch.Tensor:
+    """Kang et al.'s tau-normalised classifier weights w_k / ||w_k||^tau (rows are classes)."""
+    return weight / weight.norm(dim=1, keepdim=True).pow(tau)
 
 
 class LongTailClassifier(MethodBase):
@@ -44,6 +54,8 @@ class LongTailClassifier(MethodBase):
         few_shot_below: int = 20,
         channels_last: bool = False,
         compile: CompileSpec | None = None,
+        pretrained_ckpt: str | None = None,
+        pretrained_format: str | None = None,
     ):
         """
         Args:
@@ -55,13 +67,18 @@ class LongTailClassifier(MethodBase):
             many_shot_above, few_shot_below: the group bounds in training images per class (100, 20).
             channels_last: channels-last memory layout for convolutions.
             compile: `torch.compile` the trunks (`methods.base.CompileSpec`; null: eager).
+            pretrained_ckpt, pretrained_format: a published classifier whose trunk and classifier replace the
+                initial ones, e.g. a PaCo release (`interop.official`; format read from its keys by default).
         """
         super().__init__()
         save_plain_hyperparameters(self)
         if not 0 < few_shot_below <= many_shot_above:
             raise ValueError(f"need 0 < few_shot_below <= many_shot_above, got {few_shot_below}, {many_shot_above}")
-        self.backbone, self.feature_dim = as_spec(BackboneSpec, backbone).build()
+        backbone = as_spec(BackboneSpec, backbone)
+        self.backbone, self.feature_dim = backbone.build()
         self.classifier = nn.Linear(self.feature_dim, num_classes)
+        if pretrained_ckpt is not None:
+            load_official_classifier(self.backbone, self.classifier, pretrained_ckpt, pretrained_format, backbone)
         if trainable_convs is not None:
             self._freeze_convs_outside(trainable_convs)
         self.register_buffer("class_counts", torch.zeros(num_classes, dtype=torch.long))
@@ -180,8 +197,7 @@ class CrossEntropy(LongTailClassifier):
     def classify(self, images):
         if not self.tau_norm:
             return super().classify(images)
-        weight = self.classifier.weight
-        return self.backbone(images) @ (weight / weight.norm(dim=1, keepdim=True).pow(self.tau_norm)).T
+        return self.backbone(images) @ tau_normalised(self.classifier.weight, self.tau_norm).T
 
 
 class SupervisedMoCoMixin(MomentumMixin):

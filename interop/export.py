@@ -1,0 +1,249 @@
+"""Export the trunk of a contrastlab checkpoint for use elsewhere, with a JSON record of where it came from.
+
+    python -m interop.export runs/moco_cifar10/checkpoints/last.ckpt --format torchvision
+    python -m interop.export runs/sce_imagenet/checkpoints/last.ckpt --format detectron2 --out exports/sce_r50
+    python -m interop.export runs/ce_cifar100_lt/checkpoints/last.ckpt --format torchvision --tau-norm 1.0
+
+formats:
+  torchvision  the trunk as the state dict of torchvision's ResNet / ResNeXt of the backbone's name, in
+               <out>.pth and <out>.safetensors; without the classifier `fc` (set `model.fc = nn.Identity()`
+               before a strict load), except for a long-tail classifier, whose classifier is `fc`. A
+               small-input trunk has a 3x3 stride-1 `conv1` and no max-pool: <out>.json says how to build it.
+  timm         the same for a `timm:<name>` backbone, loadable by `timm.create_model(name, num_classes=0)`
+               or `pretrained_cfg_overlay=dict(file=...)`.
+  detectron2   <out>.pkl in the format of MoCo's detection/convert-pretrain-to-detectron2.py: {"model":
+               numpy arrays under detectron2's ResNet names (stem.*, res2-res5, BatchNorm as
+               convN.norm, the projection shortcut as shortcut / shortcut.norm), "__author__",
+               "matching_heuristics": True}; torchvision ResNets / ResNeXts with the ImageNet stem only.
+
+The online encoder is exported by default: it is the one every paper's own evaluation uses (MoCo's and
+JCL's main_lincls.py load `encoder_q`, SCE's linear evaluation `trunk`, ReSSL's linear_eval.py
+`encoder_q`, PaCo predicts with `encoder_q` and its centres). `--encoder momentum` exports the EMA copy.
+A long-tail classifier's classifier is exported as `validate` predicts with it: PaCo's centres (bias
+included), and the tau-normalised weights without bias when the model's `tau_norm` (or `--tau-norm`) is > 0.
+"""
+
+import argparse
+import hashlib
+import dataclasses
+import importlib
+import json
+import pickle
+import re
+import sys
+from pathlib import Path
+
+import torch
+import torchvision
+
+from backbones import BackboneSpec, load_state_strictly
+from backbones.factory import TORCHVISION_BUILDERS
+from interop.official import layout_of
+from methods import LinearProbe, LongTailClassifier, PretrainMethod
+from methods.config import as_spec
+from methods.longtail import tau_normalised
+from methods.reliability import RECORD_KEY, VERSION, checked_record, write_atomically
+
+EXPORT_FORMATS = ("torchvision", "timm", "detectron2")
+ENCODER_PREFIXES = {"online": "backbone.", "momentum": "target_backbone."}
+
+
+def export(checkpoint_path: Path, format: str, out: Path | None = None, encoder: str = "online", tau_norm: float | None = None) -> list[Path]:
+    """Write the export files of `checkpoint_path` (a pretraining or long-tail checkpoint) and the JSON record; return their paths."""
+    source = f"checkpoint {str(checkpoint_path)!r}"
+    checkpoint, method_class = _read_contrastlab(checkpoint_path, source)
+    hyperparameters = checkpoint.get("hyper_parameters", {})
+    spec = as_spec(BackboneSpec, hyperparameters["backbone"])
+    _check_exportable(spec, format, source)
+    trunk, feature_dim = _checked_trunk(checkpoint["state_dict"], spec, encoder, source)
+    is_classifier = issubclass(method_class, LongTailClassifier)
+    if tau_norm is not None and not is_classifier:
+        raise ValueError(f"--tau-norm applies to a long-tail classifier's classifier; {source} holds a {method_class.__name__}")
+    if is_classifier and encoder != "online":
+        raise ValueError(f"{source}: a long-tail classifier predicts with its online trunk (PaCo's inference uses encoder_q); export --encoder online")
+    tau = (tau_norm if tau_norm is not None else hyperparameters.get("tau_norm", 0.0)) if is_classifier else None
+    classifier = _classifier(checkpoint["state_dict"], tau) if is_classifier and format != "detectron2" else None
+
+    out = out or checkpoint_path.resolve().parent.parent / "export" / f"{checkpoint_path.stem}_{format}{'' if encoder == 'online' else '_' + encoder}"
+    classifier_prefix = _classifier_prefix(spec, format, source) if classifier else None
+    if format == "detectron2":
+        files = [out.with_name(out.name + ".pkl")]
+        weights = {"model": {detectron2_name(key): value.numpy() for key, value in trunk.items()}, "__author__": "contrastlab", "matching_heuristics": True}
+        write_atomically(files[0], lambda partial: partial.write_bytes(pickle.dumps(weights)))
+    else:
+        state = trunk | ({classifier_prefix + key: value for key, value in classifier.items()} if classifier else {})
+        files = [out.with_name(out.name + ".pth"), out.with_name(out.name + ".safetensors")]
+        write_atomically(files[0], lambda partial: torch.save(state, partial))
+        write_atomically(files[1], lambda partial: _save_safetensors(state, partial))
+
+    record = {
+        "format": format,
+        "files": [file.name for file in files],
+        "checkpoint": str(checkpoint_path),
+        "method": f"{method_class.__module__}.{method_class.__qualname__}",
+        "encoder": encoder,
+        "trunk": {"name": spec.name, "small_input": spec.small_input, "kwargs": spec.kwargs, "feature_dim": feature_dim},
+        "classifier": None if classifier is None else {"num_classes": len(classifier["weight"]), "tau_norm": tau, "keys": f"{classifier_prefix}*"},
+        "load": _how_to_load(spec, format, files[-1].name, None if classifier is None else len(classifier["weight"])),
+        **data_facts(checkpoint.get(RECORD_KEY, {}).get("config")),
+        "epoch": checkpoint.get("epoch"),
+        "step": checkpoint.get("global_step"),
+        "config_sha256": config_hash(checkpoint.get(RECORD_KEY, {}).get("config")),
+        "contrastlab_version": VERSION,
+    }
+    if format == "detectron2":
+        record["detectron2_config"] = detectron2_config(spec, record["normalisation"])
+    json_path = out.with_name(out.name + ".json")
+    write_atomically(json_path, lambda partial: partial.write_text(json.dumps(record, indent=1)))
+    return [*files, json_path]
+
+
+def _save_safetensors(state: dict[str, torch.Tensor], path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file(state, str(path), metadata={"format": "pt"})
+
+
+def _read_contrastlab(path: Path, source: str) -> tuple[dict, type]:
+    if not path.is_file():
+        raise ValueError(f"{source} is not an existing file")
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # a truncated or foreign file: say which file, not a pickle traceback
+        raise ValueError(f"{source} could not be read as a checkpoint: {error}") from None
+    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+        raise ValueError(f"{source} is not a contrastlab checkpoint (no Lightning state_dict); a published one is read by interop.official")
+    record = checked_record(checkpoint, source) or {}
+    class_path = record.get("module") or checkpoint.get("hyper_parameters", {}).get("_class_path")
+    if class_path is None:
+        raise ValueError(f"{source} does not name the class that wrote it")
+    module_name, _, class_name = class_path.rpartition(".")
+    method_class = getattr(importlib.import_module(module_name), class_name)
+    if issubclass(method_class, LinearProbe) or not issubclass(method_class, (PretrainMethod, LongTailClassifier)):
+        raise ValueError(
+            f"{source} holds a {class_path}: export a pretraining or long-tail checkpoint (a linear probe's trunk is "
+            "the pretraining checkpoint's)"
+        )
+    return checkpoint, method_class
+
+
+def _check_exportable(spec: BackboneSpec, format: str, source: str) -> None:
+    if format == "timm":
+        if not spec.name.startswith("timm:"):
+            raise ValueError(f"{source}: backbone {spec.name!r} is not a timm model; export it with --format torchvision (timm's {spec.name} has the same names)")
+    elif spec.name not in TORCHVISION_BUILDERS:
+        raise ValueError(f"{source}: backbone {spec.name!r} is not a torchvision ResNet / ResNeXt, which --format {format} writes")
+    elif format == "detectron2" and spec.small_input:
+        raise ValueError(f"{source}: backbone {spec.name!r} has the small-input stem (3x3, no max-pool); detectron2's ResNet stem is 7x7 stride 2 with max-pool")
+
+
+def _checked_trunk(state: dict, spec: BackboneSpec, encoder: str, source: str) -> tuple[dict[str, torch.Tensor], int]:
+    """The trunk's weights, checked by a strict load into the trunk the backbone spec builds."""
+    prefix = ENCODER_PREFIXES[encoder]
+    trunk = {key.removeprefix(prefix): value for key, value in state.items() if key.startswith(prefix)}
+    if not trunk:
+        raise ValueError(f"{source} has no {encoder} encoder ('{prefix}*'): only the methods with a momentum encoder have one")
+    module, feature_dim = dataclasses.replace(spec, weights=None).build()
+    load_state_strictly(module, trunk, source, f"backbone {spec.name!r} (small_input={spec.small_input})")
+    return {key: value.detach().contiguous().clone() for key, value in trunk.items()}, feature_dim  # channels-last runs too
+
+
+def _classifier(state: dict, tau: float) -> dict[str, torch.Tensor]:
+    """The prediction layer of `LongTailClassifier.classify` / `CrossEntropy.classify` as an nn.Linear's weights."""
+    weight, bias = state["classifier.weight"], state["classifier.bias"]
+    if tau:
+        weight, bias = tau_normalised(weight, tau), torch.zeros_like(bias)
+    return {"weight": weight.contiguous().clone(), "bias": bias.clone()}
+
+
+def _classifier_prefix(spec: BackboneSpec, format: str, source: str) -> str:
+    if format == "torchvision":
+        return "fc."
+    prefixes = layout_of("timm", spec.name, source).classifier
+    if not prefixes:
+        raise ValueError(f"{source}: timm does not name the classifier of {spec.name!r} (pretrained_cfg 'classifier')")
+    return prefixes[0]
+
+
+def detectron2_name(key: str) -> str:
+    """A torchvision ResNet trunk key under detectron2's name, by the renaming rules of MoCo's converter."""
+    key = key if key.startswith("layer") else f"stem.{key}"
+    key = re.sub(r"layer(\d)", lambda match: f"res{int(match[1]) + 1}", key)
+    key = re.sub(r"bn(\d)", r"conv\1.norm", key)
+    return key.replace("downsample.0", "shortcut").replace("downsample.1", "shortcut.norm")
+
+
+def detectron2_config(spec: BackboneSpec, normalisation: dict | None) -> dict:
+    """The detectron2 settings these weights need, as MoCo's detection configs set them: torchvision puts the
+    stride in the 3x3 convolution, and the images are RGB normalised as in training (pixel scale 0-255)."""
+    depth, groups, width = re.fullmatch(r"res(?:net|next)(\d+)(?:_(\d+)x(\d+)d)?", spec.name).groups()
+    settings = {"MODEL.RESNETS.DEPTH": int(depth), "MODEL.RESNETS.STRIDE_IN_1X1": False, "INPUT.FORMAT": "RGB"}
+    if groups:
+        settings |= {"MODEL.RESNETS.NUM_GROUPS": int(groups), "MODEL.RESNETS.WIDTH_PER_GROUP": int(width)}
+    if int(depth) < 50:  # basic blocks: detectron2 requires 64 channels after res2 for R18/R34
+        settings["MODEL.RESNETS.RES2_OUT_CHANNELS"] = 64
+    if normalisation:
+        settings |= {"MODEL.PIXEL_MEAN": [round(255 * m, 3) for m in normalisation["mean"]], "MODEL.PIXEL_STD": [round(255 * s, 3) for s in normalisation["std"]]}
+    return settings
+
+
+def _how_to_load(spec: BackboneSpec, format: str, file: str, num_classes: int | None) -> str:
+    """Python that builds the exported model outside contrastlab and loads the file strictly."""
+    if format == "detectron2":
+        return f"detectron2: MODEL.WEIGHTS {file} with the settings of detectron2_config"
+    if format == "timm":
+        return (
+            f"model = timm.create_model({spec.name.removeprefix('timm:')!r}, num_classes={num_classes or 0}); "
+            f"model.load_state_dict(safetensors.torch.load_file({file!r}), strict=True)"
+        )
+    arguments = [f"{key}={value!r}" for key, value in spec.kwargs.items()] + ([f"num_classes={num_classes}"] if num_classes else [])
+    if spec.name in torchvision.models.list_models():
+        builder = f"torchvision.models.{spec.name}({', '.join(arguments)})"
+    else:  # resnext101_32x4d, which torchvision does not name (backbones.factory)
+        arguments = ["torchvision.models.resnet.Bottleneck", "[3, 4, 23, 3]", "groups=32", "width_per_group=4", *arguments]
+        builder = f"torchvision.models.resnet.ResNet({', '.join(arguments)})"
+    steps = [f"model = {builder}"]
+    if spec.small_input:
+        steps += ["model.conv1 = torch.nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)", "model.maxpool = torch.nn.Identity()"]
+    if not num_classes:
+        steps.append("model.fc = torch.nn.Identity()")
+    steps.append(f"model.load_state_dict(safetensors.torch.load_file({file!r}), strict=True)")
+    return "; ".join(steps)
+
+
+def data_facts(config: dict | None) -> dict:
+    """Dataset, image size and normalisation of the run, from its resolved config (null without one)."""
+    data = (config or {}).get("data") or {}
+    if "class_path" not in data:
+        return {"dataset": None, "image_size": None, "normalisation": None}
+    module_name, _, class_name = data["class_path"].rpartition(".")
+    data_class = getattr(importlib.import_module(module_name), class_name)
+    init_args = data.get("init_args") or {}
+    value = lambda name: init_args.get(name, getattr(data_class, name, None))  # noqa: E731  (folders take them as arguments)
+    normalisation = {"mean": list(value("mean")), "std": list(value("std"))} if value("mean") is not None else None
+    return {"dataset": data["class_path"], "image_size": value("image_size"), "normalisation": normalisation}
+
+
+def config_hash(config: dict | None) -> str | None:
+    """sha256 of the resolved config stored in the checkpoint, as JSON with sorted keys."""
+    return None if config is None else hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m interop.export", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint", type=Path, help="a main_pretrain.py checkpoint (pretraining or long-tail)")
+    parser.add_argument("--format", required=True, choices=EXPORT_FORMATS, help="what to write (see formats above)")
+    parser.add_argument("--encoder", choices=tuple(ENCODER_PREFIXES), default="online", help="which trunk (default: online, the one the papers evaluate)")
+    parser.add_argument("--tau-norm", type=float, help="tau of the classifier's normalisation (default: the model's tau_norm)")
+    parser.add_argument("--out", type=Path, help="path of the files without suffix (default: <run>/export/<checkpoint>_<format>)")
+    args = parser.parse_args(argv)
+    try:
+        written = export(args.checkpoint, args.format, args.out, args.encoder, args.tau_norm)
+    except ValueError as error:
+        raise SystemExit(f"error: {error}") from None
+    print("\n".join(str(path) for path in written))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

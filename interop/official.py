@@ -1,0 +1,228 @@
+"""Checkpoints as the papers' official code writes them: where each part lives, under which names.
+
+Every layout below is read from the repository's own model definition and its load or convert code:
+
+| format | file | trunk | head(s) | classifier |
+|---|---|---|---|---|
+| `moco` | facebookresearch/moco `main_moco.py`: `{"state_dict", "arch", "epoch", "optimizer"}` | `module.encoder_q.*` without `fc.*` (`main_lincls.py` keeps exactly these) | `module.encoder_q.fc.*` (`moco/builder.py`: the MLP replaces `fc`) | - |
+| `jcl` | caiqi/Joint-Contrastive-Learning: MoCo's layout (`moco/moco_unlimit_key_default.py`, `main_lincls.py`) | as `moco` | as `moco` | - |
+| `sce` | CEA-LIST/SCE: a Lightning checkpoint, `state_dict` | `trunk.*` (`utils/checkpoints.py`: the linear evaluation takes `^trunk\\.`; torchvision ResNet, `fc` an Identity) | `projector.layers.*`, `predictor.layers.*` (`models/heads/mlp.py`) | - |
+| `paco` | dvlab-research/Parametric-Contrastive-Learning `PaCo/LT/paco_lt.py`: `{"state_dict", "arch", "epoch", "acc", "optimizer"}` | `module.encoder_q.*` without `fc.*` (`moco/builder.py`) | `module.encoder_q.fc.*` | the centres `module.linear.*` (`_inference`: `linear` on the pooled `encoder_q` feature) |
+| `supcon` | HobbitLong/SupContrast `util.py` `save_model`: `{"model", "opt", "optimizer", "epoch"}` | `encoder.*`, or `encoder.module.*` after `main_supcon.py`'s DataParallel; blocks name their projection shortcut `shortcut` (`networks/resnet_big.py`), torchvision `downsample` | `head.*` | - |
+| `npid` | WangFeng18/UnsupervisedLearningCodes `main.py` / `run.py`: `{"state_dict", "optimizer", "epoch", "memory_banks", "neigh"}`, the network wrapped in DataParallel | `module.*` without the head; CIFAR nets (`models/resnet_cifar.py`) name the shortcut `shortcut` | `module.linear.*` (CIFAR) or `module.fc.*` (`models/resnet.py`) | - |
+| `torchvision` | a plain state dict (`torch.save(model.state_dict())`, or `.safetensors`) | every key but `fc.*` | - | `fc.*` |
+| `timm` | a plain state dict of `timm.create_model(name)` | every key but the classifier's | - | the model's `pretrained_cfg["classifier"]` |
+
+The architectures are torchvision's: SupContrast's and WangFeng18's CIFAR ResNets are torchvision's ResNet
+with the small-input stem (3x3 stride-1 convolution, no max-pool; `backbones.build_backbone(..., small_input=True)`),
+the same blocks under other names (WangFeng18's `avg_pool2d(out, 4)` is the global average at 32 px).
+"""
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from backbones import BACKBONE_NAMES, BackboneSpec, load_state_strictly
+from interop.files import is_state_dict, read_checkpoint
+
+FORMATS = ("contrastlab", "moco", "sce", "paco", "supcon", "jcl", "npid", "torchvision", "timm")
+LIGHTNING_KEY = "pytorch-lightning_version"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where an official checkpoint keeps each part; prefixes are tried in order, the first present is used."""
+
+    container: str | None  # the checkpoint entry that holds the state dict (None: the file is the state dict)
+    trunk: tuple[str, ...]
+    not_trunk: tuple[str, ...] = ()  # prefixes, after the trunk's, of keys that are a head or the classifier
+    renames: tuple[tuple[str, str], ...] = ()  # to torchvision's module names
+    heads: dict[str, tuple[str, ...]] = field(default_factory=dict)  # contrastlab head -> its prefixes
+    classifier: tuple[str, ...] = ()
+
+
+MOCO = Layout("state_dict", ("module.encoder_q.",), not_trunk=("fc.",), heads={"projector": ("module.encoder_q.fc.",)})
+LAYOUTS = {
+    "moco": MOCO,
+    "jcl": MOCO,
+    "sce": Layout("state_dict", ("trunk.",), heads={"projector": ("projector.layers.",), "predictor": ("predictor.layers.",)}),
+    "paco": replace(MOCO, classifier=("module.linear.",)),
+    "supcon": Layout("model", ("encoder.module.", "encoder."), renames=(("shortcut.", "downsample."),), heads={"projector": ("head.",)}),
+    "npid": Layout(
+        "state_dict", ("module.",), not_trunk=("linear.", "fc."), renames=(("shortcut.", "downsample."),),
+        heads={"projector": ("module.linear.", "module.fc.")},
+    ),  # fmt: skip
+    "torchvision": Layout(None, ("",), not_trunk=("fc.",), classifier=("fc.",)),
+}
+
+
+@dataclass
+class OfficialWeights:
+    """An official checkpoint in contrastlab's names: the trunk as `backbones.build_backbone` builds it,
+    the projection heads as `backbones.build_mlp` numbers its layers, the classifier as an `nn.Linear`."""
+
+    format: str
+    trunk: dict[str, torch.Tensor]
+    heads: dict[str, dict[str, torch.Tensor]]
+    classifier: dict[str, torch.Tensor] | None
+
+
+def check_format(format: str | None, key: str) -> None:
+    if format is not None and format not in FORMATS:
+        raise ValueError(f"{key} {format!r} is not a known checkpoint format; choose one of {', '.join(FORMATS)}")
+
+
+def detect_format(checkpoint: Any, backbone_name: str | None, source: str) -> str:
+    """The layout of a loaded checkpoint, from its keys (JCL's is MoCo's: detected as `moco`)."""
+    if is_state_dict(checkpoint):
+        return "timm" if (backbone_name or "").startswith("timm:") else "torchvision"
+    entries = checkpoint if isinstance(checkpoint, dict) else {}
+    keys = entries.get("state_dict") if isinstance(entries.get("state_dict"), dict) else {}
+    if LIGHTNING_KEY in entries and any(key.startswith("backbone.") for key in keys):
+        return "contrastlab"
+    if any(key.startswith("module.encoder_q.") for key in keys):
+        return "paco" if "module.linear.weight" in keys else "moco"
+    if LIGHTNING_KEY in entries and any(key.startswith("trunk.") for key in keys):
+        return "sce"
+    if "module.conv1.weight" in keys:
+        return "npid"
+    if isinstance(entries.get("model"), dict) and any(key.startswith("encoder.") for key in entries["model"]):
+        return "supcon"
+    found = list(keys or entries)[:5]
+    raise ValueError(
+        f"{source} is in no known format: it holds no 'backbone.*' weights (a contrastlab checkpoint) and none of the "
+        f"official layouts (interop.official); its keys begin {found}: give its format, one of {', '.join(FORMATS)}"
+    )
+
+
+def layout_of(format: str, backbone_name: str | None, source: str) -> Layout:
+    if format != "timm":
+        return LAYOUTS[format]
+    if not (backbone_name or "").startswith("timm:"):
+        raise ValueError(f"{source} (format timm): give the timm trunk it holds as model.backbone (name 'timm:<model_name>')")
+    from timm.models import get_pretrained_cfg_value  # lazily: timm is only needed for timm trunks
+
+    classifiers = get_pretrained_cfg_value(backbone_name.removeprefix("timm:"), "classifier") or ()
+    prefixes = tuple(f"{name}." for name in ((classifiers,) if isinstance(classifiers, str) else classifiers))
+    return Layout(None, ("",), not_trunk=prefixes, classifier=prefixes[:1])
+
+
+def convert(checkpoint: Any, format: str, backbone_name: str | None, source: str) -> OfficialWeights:
+    """The parts of a checkpoint in `format`, renamed to contrastlab's names (no tensor is changed)."""
+    layout = layout_of(format, backbone_name, source)
+    state = checkpoint if layout.container is None else (checkpoint.get(layout.container) if isinstance(checkpoint, dict) else None)
+    where = "" if layout.container is None else f" under {layout.container!r}"
+    if not is_state_dict(state):
+        raise ValueError(f"{source} (format {format}) holds no state dict{where}")
+    prefix = next((prefix for prefix in layout.trunk if any(key.startswith(prefix) for key in state)), None)
+    if prefix is None:
+        raise ValueError(f"{source} (format {format}) holds no '{layout.trunk[0]}*' weights{where}; its keys begin {list(state)[:5]}")
+    trunk = {}
+    for key, value in state.items():
+        name = key.removeprefix(prefix)
+        if key.startswith(prefix) and not name.startswith(layout.not_trunk):
+            for old, new in layout.renames:
+                name = name.replace(old, new)
+            trunk[name] = value
+    heads = {role: _as_sequential(_part(state, prefixes)) for role, prefixes in layout.heads.items()}
+    return OfficialWeights(format, trunk, {role: head for role, head in heads.items() if head}, _part(state, layout.classifier) or None)
+
+
+def _part(state: dict[str, torch.Tensor], prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    for prefix in prefixes:
+        part = {key.removeprefix(prefix): value for key, value in state.items() if key.startswith(prefix)}
+        if part:
+            return part
+    return {}
+
+
+def _as_sequential(head: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A head that is one bare Linear (MoCo v1's `fc`, NPID's `linear`) is layer 0 of a one-layer MLP."""
+    return {f"0.{key}": value for key, value in head.items()} if set(head) == {"weight", "bias"} else head
+
+
+def infer_backbone(trunk: dict[str, torch.Tensor], source: str) -> BackboneSpec:
+    """The torchvision ResNet/ResNeXt (either stem) or CIFAR ResNet whose names these weights carry, by
+    torchvision's naming: depth from the blocks per stage (2 or 3 convolutions each), groups and width per
+    group from the first 3x3 convolution. The strict load that follows checks every key and shape."""
+    if "conv1.weight" not in trunk:
+        raise ValueError(f"{source}: its trunk is not a ResNet (no 'conv1.weight'); give model.backbone")
+    stages = [len({key.split(".")[1] for key in trunk if key.startswith(f"layer{stage}.")}) for stage in (1, 2, 3, 4)]
+    bottleneck = "layer1.0.conv3.weight" in trunk
+    stem_width, _, kernel, _ = trunk["conv1.weight"].shape
+    if not bottleneck and stages[3] == 0:  # three stages, option-A shortcuts: LDAM-DRW's CIFAR ResNet
+        spec = BackboneSpec(f"cifar_resnet{2 * sum(stages) + 2}", kwargs={} if stem_width == 16 else {"base_width": stem_width})
+    else:
+        depth = (3 if bottleneck else 2) * sum(stages) + 2
+        width, width_per_group = trunk["layer1.0.conv2.weight"].shape[:2]
+        groups = width // width_per_group
+        name = f"resnet{depth}" if groups == 1 else f"resnext{depth}_{groups}x{width_per_group}d"
+        spec = BackboneSpec(name, small_input=kernel == 3)
+    if spec.name not in BACKBONE_NAMES:
+        raise ValueError(
+            f"{source}: its trunk ({'bottleneck' if bottleneck else 'basic'} blocks {stages}, read as {spec.name!r}) is "
+            "no backbone contrastlab builds; give model.backbone"
+        )
+    return spec
+
+
+# ----------------------------------------------------------------- what the stages call
+def read_official(path: str, format: str | None, backbone_name: str | None, source: str) -> OfficialWeights | None:
+    """The official checkpoint at `path` in contrastlab's names, or None when it is a contrastlab checkpoint."""
+    if format == "contrastlab":
+        return None
+    checkpoint = read_checkpoint(path, source)
+    format = format or detect_format(checkpoint, backbone_name, source)
+    return None if format == "contrastlab" else convert(checkpoint, format, backbone_name, source)
+
+
+def official_trunk(path: str, format: str | None, backbone: BackboneSpec | dict | None) -> tuple[dict, BackboneSpec] | None:
+    """The linear stage's trunk weights and spec (`backbone`, else inferred from the weights) from an official
+    checkpoint; None when `path` is a contrastlab checkpoint, which the linear stage reads itself."""
+    check_format(format, "model.pretrained_format")
+    backbone_name = _name(backbone)
+    weights = read_official(path, format, backbone_name, f"model.pretrained_ckpt {path!r}")
+    if weights is None:
+        return None
+    return weights.trunk, backbone if backbone is not None else infer_backbone(weights.trunk, f"model.pretrained_ckpt {path!r}")
+
+
+def load_official_classifier(trunk: torch.nn.Module, classifier: torch.nn.Module, path: str, format: str | None, backbone: BackboneSpec) -> None:
+    """Load a long-tail classifier's trunk and classifier (PaCo's centres, a torchvision/timm `fc`) strictly."""
+    check_format(format, "model.pretrained_format")
+    source = f"model.pretrained_ckpt {path!r}"
+    weights = read_official(path, format, backbone.name, source)
+    if weights is None:
+        raise ValueError(f"{source} is a contrastlab checkpoint: evaluate or resume it with --ckpt_path")
+    if weights.classifier is None:
+        raise ValueError(
+            f"{source} (format {weights.format}) holds no classifier (PaCo's centres, a torchvision or timm fc): "
+            "probe its trunk with main_linear.py"
+        )
+    load_state_strictly(trunk, weights.trunk, source, f"backbone {backbone.name!r} (small_input={backbone.small_input})")
+    load_state_strictly(classifier, weights.classifier, source, f"the classifier (nn.Linear {classifier.in_features} -> {classifier.out_features})")
+
+
+def load_official_encoder(model, path: Path, format: str | None) -> str | None:
+    """Load an official checkpoint's trunk and projection head(s) into a pretraining method (`backbone`,
+    `projector`, and `predictor` where the official code has one) strictly; return the format read, or
+    None (nothing loaded) when `path` is a contrastlab checkpoint."""
+    source = f"checkpoint {str(path)!r}"
+    spec = BackboneSpec(**model.hparams["backbone"])
+    weights = read_official(str(path), format, spec.name, source)
+    if weights is None:
+        return None
+    if "projector" not in weights.heads:
+        raise ValueError(f"{source} (format {weights.format}) holds no projection head: the analysis measures the projector's output")
+    load_state_strictly(model.backbone, weights.trunk, source, f"backbone {spec.name!r} (small_input={spec.small_input})")
+    for role, head in weights.heads.items():
+        load_state_strictly(getattr(model, role), head, source, f"the {role} of {type(model).__name__} as configured")
+    return weights.format
+
+
+def _name(backbone: BackboneSpec | dict | None) -> str | None:
+    if backbone is None:
+        return None
+    return backbone.name if isinstance(backbone, BackboneSpec) else backbone.get("name")

@@ -1,0 +1,277 @@
+"""Trunks out of contrastlab (`python -m interop.export`): each export is loaded strictly by the library it
+targets, built there as a user would build it, and gives contrastlab's features or predictions bit for bit."""
+
+import hashlib
+import json
+import pickle
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import pytest
+import timm
+import torch
+import torch.nn as nn
+import torchvision
+from safetensors.torch import load_file
+
+import main_linear
+import main_pretrain
+from backbones import BackboneSpec
+from helpers import TINY_PROJECTOR
+from interop.export import export, main as export_command
+from methods import CrossEntropy, LinearProbe, MoCoV2, PaCo, SimCLR
+from methods.longtail import tau_normalised
+
+ROOT = Path(__file__).parents[1]
+IMAGES = torch.rand(2, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+
+
+def randomised(module: nn.Module, seed: int = 2) -> nn.Module:
+    """BatchNorm statistics and affine parameters away from their initial values (they are exported too)."""
+    generator = torch.Generator().manual_seed(seed)
+    for child in module.modules():
+        if isinstance(child, nn.BatchNorm2d):
+            child.running_mean.copy_(torch.randn(child.num_features, generator=generator) * 0.1)
+            child.running_var.copy_(torch.rand(child.num_features, generator=generator) + 0.5)
+            child.weight.data.copy_(torch.rand(child.num_features, generator=generator) + 0.5)
+            child.bias.data.copy_(torch.randn(child.num_features, generator=generator) * 0.1)
+    return module
+
+
+def saved(model: L.LightningModule, path: Path) -> Path:
+    """A Lightning checkpoint of `model` as the trainer writes it (hyperparameters and contrastlab record included)."""
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.strategy.connect(model)
+    trainer.save_checkpoint(path)
+    return path
+
+
+def moco(backbone: BackboneSpec) -> MoCoV2:
+    model = MoCoV2(backbone=backbone, projector=TINY_PROJECTOR, queue_size=64, knn_k=0)
+    randomised(model.backbone)
+    randomised(model.target_backbone, seed=3)  # the momentum encoder differs from the online one
+    return model
+
+
+def torchvision_model(name: str, small_input: bool, num_classes: int | None = None) -> nn.Module:
+    """The torchvision model of the name, built as the README says (small stem: 3x3 conv1, no max-pool)."""
+    model = getattr(torchvision.models, name)(**({"num_classes": num_classes} if num_classes else {}))
+    if small_input:
+        model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
+        model.maxpool = nn.Identity()
+    if num_classes is None:
+        model.fc = nn.Identity()
+    return model
+
+
+@pytest.mark.parametrize("name, small_input", [("resnet18", True), ("resnet50", False), ("resnext50_32x4d", False)])
+def test_an_exported_trunk_loads_strictly_into_torchvision_and_gives_the_same_features(name, small_input, tmp_path, monkeypatch):
+    model = SimCLR(backbone=BackboneSpec(name, small_input=small_input), projector=TINY_PROJECTOR, knn_k=0)
+    randomised(model.backbone)
+    files = export(saved(model, tmp_path / "last.ckpt"), "torchvision", tmp_path / "export" / "trunk")
+    assert [file.name for file in files] == ["trunk.pth", "trunk.safetensors", "trunk.json"]
+    image = IMAGES[:1]  # a deterministic CPU convolution costs per image
+    with torch.no_grad():
+        expected = model.backbone.eval()(image)
+        for state in (torch.load(files[0], weights_only=True), load_file(files[1])):
+            exported = torchvision_model(name, small_input)
+            exported.load_state_dict(state, strict=True)
+            assert torch.equal(exported.eval()(image), expected)
+        recipe = {"torch": torch, "torchvision": torchvision, "safetensors": __import__("safetensors.torch")}
+        monkeypatch.chdir(files[0].parent)
+        exec(json.loads(files[2].read_text())["load"], recipe)  # the record's own instructions
+        assert torch.equal(recipe["model"].eval()(image), expected)
+
+
+def test_an_exported_timm_trunk_loads_strictly_into_timm_and_gives_the_same_features(tmp_path):
+    model = moco(BackboneSpec("timm:test_resnet"))
+    pth, safetensors, record = export(saved(model, tmp_path / "last.ckpt"), "timm", tmp_path / "trunk")
+    with torch.no_grad():
+        expected = model.backbone.eval()(IMAGES)
+        for state in (torch.load(pth, weights_only=True), load_file(safetensors)):
+            exported = timm.create_model("test_resnet", num_classes=0)
+            exported.load_state_dict(state, strict=True)
+            assert torch.equal(exported.eval()(IMAGES), expected)
+        overlaid = timm.create_model("test_resnet", pretrained=True, pretrained_cfg_overlay={"file": str(safetensors)}, num_classes=0)
+        assert torch.equal(overlaid.eval()(IMAGES), expected)
+    assert json.loads(record.read_text())["trunk"] == {"name": "timm:test_resnet", "small_input": False, "kwargs": {}, "feature_dim": 96}
+
+
+def test_the_momentum_encoder_is_exported_on_request_and_refused_where_there_is_none(tmp_path):
+    model = moco(BackboneSpec("resnet18", small_input=True))
+    checkpoint = saved(model, tmp_path / "moco.ckpt")
+    online = torch.load(export(checkpoint, "torchvision", tmp_path / "online")[0], weights_only=True)
+    momentum = torch.load(export(checkpoint, "torchvision", tmp_path / "momentum", encoder="momentum")[0], weights_only=True)
+    assert all(torch.equal(momentum[key], value) for key, value in model.target_backbone.state_dict().items())
+    assert not torch.equal(online["bn1.running_mean"], momentum["bn1.running_mean"])
+    simclr = saved(SimCLR(backbone=BackboneSpec("resnet18", small_input=True), projector=TINY_PROJECTOR, knn_k=0), tmp_path / "simclr.ckpt")
+    with pytest.raises(ValueError, match="has no momentum encoder \\('target_backbone.\\*'\\)"):
+        export(simclr, "torchvision", tmp_path / "simclr", encoder="momentum")
+
+
+def moco_converter(state: dict) -> dict:
+    """facebookresearch/moco detection/convert-pretrain-to-detectron2.py, its renaming rules applied to a MoCo state dict."""
+    converted = {}
+    for key, value in state.items():
+        if not key.startswith("module.encoder_q."):
+            continue
+        key = key.replace("module.encoder_q.", "")
+        if "layer" not in key:
+            key = "stem." + key
+        for t in [1, 2, 3, 4]:
+            key = key.replace(f"layer{t}", f"res{t + 1}")
+        for t in [1, 2, 3]:
+            key = key.replace(f"bn{t}", f"conv{t}.norm")
+        key = key.replace("downsample.0", "shortcut").replace("downsample.1", "shortcut.norm")
+        converted[key] = value.numpy()
+    return {"model": converted, "__author__": "MOCO", "matching_heuristics": True}
+
+
+def test_detectron2_export_has_the_keys_and_shapes_that_moco_s_converter_writes_for_a_resnet50(tmp_path):
+    trunk = torchvision.models.resnet50()
+    trunk.fc = nn.Identity()  # the trunk: the converter would carry a MoCo head along as stem.fc.*, which detectron2 leaves unused
+    expected = moco_converter({f"module.encoder_q.{key}": value for key, value in trunk.state_dict().items()})["model"]
+
+    model = moco(BackboneSpec("resnet50"))
+    pkl, record = export(saved(model, tmp_path / "last.ckpt"), "detectron2", tmp_path / "r50")
+    exported = pickle.loads(pkl.read_bytes())
+    assert set(exported) == {"model", "__author__", "matching_heuristics"} and exported["matching_heuristics"] is True
+    assert {key: value.shape for key, value in exported["model"].items()} == {key: value.shape for key, value in expected.items()}
+    assert all(isinstance(value, np.ndarray) for value in exported["model"].values())
+    online = model.backbone.state_dict()
+    assert np.array_equal(exported["model"]["res5.2.conv3.norm.running_var"], online["layer4.2.bn3.running_var"].numpy())
+    assert np.array_equal(exported["model"]["stem.conv1.weight"], online["conv1.weight"].numpy())
+    settings = json.loads(record.read_text())["detectron2_config"]
+    assert settings["MODEL.RESNETS.DEPTH"] == 50 and settings["MODEL.RESNETS.STRIDE_IN_1X1"] is False and settings["INPUT.FORMAT"] == "RGB"
+
+
+def spread(classifier: nn.Linear, features: torch.Tensor) -> None:
+    """Centres under which the two images fall in classes 0 and 1, with or without tau-normalisation: a random
+    trunk's features share a large mean m, so centre i is image i's deviation from it made orthogonal to m
+    (the other image's deviation is its opposite), and every other centre is -m, which no image is close to."""
+    mean = features.mean(dim=0)
+    unit_mean = mean / mean.norm()
+    deviations = features - mean
+    with torch.no_grad():
+        classifier.weight.copy_(-unit_mean.expand_as(classifier.weight))
+        classifier.weight[: len(features)] = deviations - (deviations @ unit_mean)[:, None] * unit_mean
+        classifier.bias.zero_()
+
+
+@pytest.mark.parametrize("model_class, tau_norm", [(CrossEntropy, 0.0), (CrossEntropy, 1.0), (PaCo, None)])
+def test_an_exported_long_tail_classifier_predicts_the_classes_validate_predicts(model_class, tau_norm, tmp_path):
+    options = {"tau_norm": tau_norm} if model_class is CrossEntropy else {"projector": TINY_PROJECTOR, "queue_size": 64}
+    model = model_class(backbone=BackboneSpec("resnet18", small_input=True), num_classes=10, **options)
+    randomised(model.backbone).eval()
+    with torch.no_grad():
+        spread(model.classifier, model.backbone(IMAGES))
+        expected = model.classify(IMAGES).argmax(dim=1)
+    assert expected.tolist() == [0, 1]
+    pth, _, record = export(saved(model, tmp_path / "last.ckpt"), "torchvision", tmp_path / "classifier")
+    exported = torchvision_model("resnet18", small_input=True, num_classes=10)
+    exported.load_state_dict(torch.load(pth, weights_only=True), strict=True)
+    with torch.no_grad():
+        assert torch.equal(exported.eval()(IMAGES).argmax(dim=1), expected)
+    assert json.loads(record.read_text())["classifier"] == {"num_classes": 10, "tau_norm": tau_norm or 0.0, "keys": "fc.*"}
+    reimported = CrossEntropy(backbone=BackboneSpec("resnet18", small_input=True), num_classes=10, pretrained_ckpt=str(pth)).eval()
+    with torch.no_grad():
+        assert torch.equal(reimported.classify(IMAGES).argmax(dim=1), expected)  # and back, as a torchvision classifier
+
+
+def test_tau_normalisation_is_applied_to_paco_s_centres_when_asked(tmp_path):
+    model = PaCo(backbone=BackboneSpec("resnet18", small_input=True), num_classes=10, projector=TINY_PROJECTOR, queue_size=64)
+    randomised(model.backbone).eval()
+    with torch.no_grad():
+        features = model.backbone(IMAGES)
+        spread(model.classifier, features)
+        expected = (features @ tau_normalised(model.classifier.weight, 1.0).T).argmax(dim=1)
+    assert expected.tolist() == [0, 1]
+    pth = export(saved(model, tmp_path / "last.ckpt"), "torchvision", tmp_path / "tau", tau_norm=1.0)[0]
+    state = torch.load(pth, weights_only=True)
+    assert torch.equal(state["fc.bias"], torch.zeros(10)) and torch.equal(state["fc.weight"], tau_normalised(model.classifier.weight, 1.0))
+    exported = torchvision_model("resnet18", small_input=True, num_classes=10)
+    exported.load_state_dict(state, strict=True)
+    with torch.no_grad():
+        assert torch.equal(exported.eval()(IMAGES).argmax(dim=1), expected)
+
+
+# ----------------------------------------------------------------- the command, on runs of the shipped configs
+@pytest.fixture(scope="module")
+def digits_run(tmp_path_factory):
+    """A MoCo v2 run of configs/moco_digits.yaml (timm:test_resnet), two steps, written by main_pretrain.py."""
+    run_dir = tmp_path_factory.mktemp("moco_digits")
+    main_pretrain.cli_main([
+        "fit", "--config", str(ROOT / "configs/moco_digits.yaml"), "--trainer.max_epochs=1", "--trainer.limit_train_batches=2",
+        "--trainer.limit_val_batches=0", "--trainer.logger=false", "--trainer.enable_progress_bar=false",
+        "--data.init_args.batch_size=16", "--data.init_args.train_variants=1", "--data.init_args.eval_variants=1",
+        "--model.init_args.queue_size=64", f"--trainer.default_root_dir={run_dir}",
+    ])  # fmt: skip
+    return run_dir / "checkpoints" / "last.ckpt"
+
+
+def test_the_record_beside_the_export_says_where_it_came_from(digits_run, capsys):
+    assert export_command([str(digits_run), "--format", "timm"]) == 0
+    written = [Path(line) for line in capsys.readouterr().out.split()]
+    assert [path.name for path in written] == ["last_timm.pth", "last_timm.safetensors", "last_timm.json"]
+    assert written[0].parent == digits_run.parent.parent / "export"
+    record = json.loads(written[2].read_text())
+    config = torch.load(digits_run, weights_only=True)["contrastlab"]["config"]
+    assert record | {"checkpoint": None, "load": None} == {
+        "format": "timm",
+        "files": ["last_timm.pth", "last_timm.safetensors"],
+        "checkpoint": None,
+        "method": "methods.moco.MoCoV2",
+        "encoder": "online",
+        "trunk": {"name": "timm:test_resnet", "small_input": False, "kwargs": {}, "feature_dim": 96},
+        "classifier": None,
+        "load": None,
+        "dataset": "datamodules.DigitsDataModule",
+        "image_size": 32,
+        "normalisation": {"mean": [0.195, 0.2033, 0.1866], "std": [0.1783, 0.1546, 0.1607]},
+        "epoch": 1,
+        "step": 2,
+        "config_sha256": hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest(),
+        "contrastlab_version": record["contrastlab_version"],
+    }
+
+
+def test_the_linear_stage_on_an_exported_trunk_gives_the_probe_result_of_the_original_checkpoint(digits_run, tmp_path):
+    safetensors = export(digits_run, "timm", tmp_path / "trunk")[1]
+    results = []
+    for name, source in (("original", []), ("exported", ["--model.pretrained_format=timm", "--model.backbone.name=timm:test_resnet"])):
+        checkpoint = digits_run if name == "original" else safetensors
+        main_linear.cli_main([
+            "fit", "--config", str(ROOT / "configs/linear_digits.yaml"), f"--model.pretrained_ckpt={checkpoint}", *source,
+            "--trainer.max_epochs=1", "--trainer.limit_train_batches=3", "--trainer.limit_val_batches=2", "--trainer.logger=false",
+            "--trainer.enable_progress_bar=false", "--data.init_args.train_variants=1", "--data.init_args.eval_variants=1",
+            f"--trainer.default_root_dir={tmp_path / name}",
+        ])  # fmt: skip
+        metrics = json.loads((tmp_path / name / "results_val.json").read_text())["metrics"]
+        results.append({key: value for key, value in metrics.items() if key not in ("train/time_s", "train/images_per_s")})  # wall clock
+    assert {"val/probe_top1", "val/knn_top1", "train/loss"} <= set(results[0]) and results[0] == results[1]
+
+
+def test_the_command_lists_the_formats_and_ends_bad_input_with_one_error_line(digits_run, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        export_command(["--help"])
+    assert exit_info.value.code == 0
+    help_text = capsys.readouterr().out
+    assert all(f"  {format}  " in help_text for format in ("torchvision", "timm", "detectron2"))
+    official = tmp_path / "moco_v2.pth.tar"
+    torch.save({"state_dict": {"module.encoder_q.conv1.weight": torch.zeros(1)}}, official)
+    linear = saved(LinearProbe(random_init=True, backbone=BackboneSpec("resnet18")), tmp_path / "linear.ckpt")
+    for arguments, message in [
+        ([str(tmp_path / "none.ckpt"), "--format", "torchvision"], "none.ckpt' is not an existing file"),
+        ([str(official), "--format", "torchvision"], "is not a Lightning checkpoint and holds no contrastlab record"),
+        ([str(linear), "--format", "torchvision"], "holds a methods.linear.LinearProbe: export a pretraining or long-tail checkpoint"),
+        ([str(digits_run), "--format", "torchvision"], "backbone 'timm:test_resnet' is not a torchvision ResNet / ResNeXt"),
+        ([str(digits_run), "--format", "detectron2"], "backbone 'timm:test_resnet' is not a torchvision ResNet / ResNeXt"),
+        ([str(digits_run), "--format", "timm", "--tau-norm", "1"], "--tau-norm applies to a long-tail classifier's classifier"),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:
+            export_command(arguments)
+        assert str(exit_info.value).startswith("error: ") and message in str(exit_info.value) and "\n" not in str(exit_info.value)
+    small = saved(moco(BackboneSpec("resnet18", small_input=True)), tmp_path / "small.ckpt")
+    with pytest.raises(SystemExit, match="has the small-input stem .* detectron2's ResNet stem is 7x7"):
+        export_command([str(small), "--format", "detectron2"])

@@ -1,0 +1,375 @@
+"""Published checkpoints into contrastlab (`interop.official`): each official layout is built here from a
+torchvision / timm model renamed as the official code names it (the repositories' model definitions and
+save calls, see `interop.official`), then loaded by the linear stage, a long-tail classifier and the analysis."""
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+import torch.nn as nn
+import torchvision
+
+import main_linear
+import main_pretrain
+from analysis.__main__ import main as analyse_checkpoint
+from backbones import BackboneSpec
+from interop.files import read_checkpoint
+from interop.official import detect_format
+from methods import CrossEntropy, LinearProbe, PaCo
+
+ROOT = Path(__file__).parents[1]
+IMAGES = torch.rand(2, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+SMALL_RESNET18 = BackboneSpec("resnet18", small_input=True)
+
+
+class OptionsOfAnotherProject:
+    """A class the reading side cannot import, as SCE's OmegaConf hyperparameters or any project's own objects."""
+
+    def __init__(self, **options):
+        self.options = options
+
+
+def randomised(model: nn.Module) -> nn.Module:
+    """Eval mode, with BatchNorm statistics and affine parameters that are not their initial values."""
+    generator = torch.Generator().manual_seed(2)
+    for module in model.modules():
+        if isinstance(module, nn.BatchNorm2d):
+            module.running_mean.copy_(torch.randn(module.num_features, generator=generator) * 0.1)
+            module.running_var.copy_(torch.rand(module.num_features, generator=generator) + 0.5)
+            module.weight.data.copy_(torch.rand(module.num_features, generator=generator) + 0.5)
+            module.bias.data.copy_(torch.randn(module.num_features, generator=generator) * 0.1)
+    return model.eval()
+
+
+def torchvision_trunk(name: str = "resnet18", small_input: bool = True) -> nn.Module:
+    """A torchvision ResNet without its classifier; the small-input stem as SCE's `create_resnet` sets it."""
+    model = getattr(torchvision.models, name)()
+    if small_input:
+        model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
+        model.maxpool = nn.Identity()
+    model.fc = nn.Identity()
+    return randomised(model)
+
+
+def renamed(state: dict, prefix: str = "", **renames: str) -> dict:
+    out = {}
+    for key, value in state.items():
+        for old, new in renames.items():
+            key = key.replace(old, new)
+        out[prefix + key] = value.clone()
+    return out
+
+
+def head(*dims: int, generator_seed: int = 3) -> dict:
+    """Linear-ReLU-Linear weights as `nn.Sequential` numbers them (MoCo v2's fc, SupContrast's head)."""
+    generator = torch.Generator().manual_seed(generator_seed)
+    (d_in, d_hidden, d_out) = dims
+    return {
+        "0.weight": torch.randn(d_hidden, d_in, generator=generator), "0.bias": torch.randn(d_hidden, generator=generator),
+        "2.weight": torch.randn(d_out, d_hidden, generator=generator), "2.bias": torch.randn(d_out, generator=generator),
+    }  # fmt: skip
+
+
+def optimizer_state() -> dict:
+    return {"state": {}, "param_groups": [{"lr": 0.03, "momentum": 0.9, "params": [0, 1]}]}
+
+
+# ----------------------------------------------------------------- the official files
+def moco_file(trunk: nn.Module, arch: str = "resnet18") -> dict:
+    """facebookresearch/moco main_moco.py: DDP (`module.`), MoCo(encoder_q, encoder_k, queue), the v2 MLP as `fc`."""
+    state = trunk.state_dict()
+    return {
+        "epoch": 200,
+        "arch": arch,
+        "state_dict": renamed(state, "module.encoder_q.") | renamed(head(512, 512, 128), "module.encoder_q.fc.")
+        | renamed(state, "module.encoder_k.") | renamed(head(512, 512, 128), "module.encoder_k.fc.")
+        | {"module.queue": torch.randn(128, 64), "module.queue_ptr": torch.zeros(1, dtype=torch.long)},
+        "optimizer": optimizer_state(),
+    }
+
+
+def sce_file(trunk: nn.Module) -> dict:
+    """CEA-LIST/SCE: a Lightning checkpoint of the SCE module (`trunk`, `projector.layers` of MLPHead)."""
+    projector = {
+        "0.weight": torch.randn(512, 512), "1.weight": torch.rand(512), "1.bias": torch.randn(512),
+        "1.running_mean": torch.randn(512), "1.running_var": torch.rand(512) + 0.5, "1.num_batches_tracked": torch.tensor(7),
+        "3.weight": torch.randn(128, 512), "3.bias": torch.randn(128),
+    }  # fmt: skip
+    state = trunk.state_dict()
+    return {
+        "epoch": 199,
+        "global_step": 78000,
+        "pytorch-lightning_version": "1.5.10",
+        "state_dict": renamed(state, "trunk.") | renamed(projector, "projector.layers.")
+        | renamed(state, "momentum_trunk.") | renamed(projector, "momentum_projector.layers.")
+        | {"queue": torch.randn(128, 64), "queue_ptr": torch.zeros(1, dtype=torch.long)},
+        "hyper_parameters": {"trunk": OptionsOfAnotherProject(name="resnet18", small_input=True)},
+    }
+
+
+def paco_file(trunk: nn.Module, centres: nn.Linear) -> dict:
+    """PaCo/LT/paco_lt.py: DDP, MoCo(encoder_q, encoder_k, linear, linear_k, queue, queue_l), fc = Linear-BN-ReLU-Linear."""
+    state = trunk.state_dict()
+    mlp = {
+        "0.weight": torch.randn(512, 512), "0.bias": torch.randn(512), "1.weight": torch.rand(512), "1.bias": torch.randn(512),
+        "1.running_mean": torch.randn(512), "1.running_var": torch.rand(512) + 0.5, "1.num_batches_tracked": torch.tensor(3),
+        "3.weight": torch.randn(128, 512), "3.bias": torch.randn(128),
+    }  # fmt: skip
+    return {
+        "epoch": 400,
+        "arch": "resnet18",
+        "acc": 55.3,
+        "state_dict": renamed(state, "module.encoder_q.") | renamed(mlp, "module.encoder_q.fc.")
+        | renamed(state, "module.encoder_k.") | renamed(mlp, "module.encoder_k.fc.")
+        | renamed(centres.state_dict(), "module.linear.") | renamed(centres.state_dict(), "module.linear_k.")
+        | {"module.queue": torch.randn(64, 128), "module.queue_l": torch.randint(0, 10, (64,)), "module.queue_ptr": torch.zeros(1, dtype=torch.long)},
+        "optimizer": optimizer_state(),
+    }
+
+
+def supcon_file(trunk: nn.Module, data_parallel: bool = True) -> dict:
+    """SupContrast util.save_model: {opt, model, optimizer, epoch}; resnet_big names the shortcut `shortcut`;
+    main_supcon wraps `model.encoder` in DataParallel on several GPUs (`encoder.module.`)."""
+    prefix = "encoder.module." if data_parallel else "encoder."
+    return {
+        "opt": argparse.Namespace(model="resnet18", temp=0.1, method="SupCon"),
+        "model": renamed(trunk.state_dict(), prefix, downsample="shortcut") | renamed(head(512, 512, 128), "head."),
+        "optimizer": optimizer_state(),
+        "epoch": 1000,
+    }
+
+
+def npid_file(trunk: nn.Module, cifar: bool = True) -> dict:
+    """WangFeng18/UnsupervisedLearningCodes main.py: DataParallel (`module.`); models/resnet_cifar.py names the
+    shortcut `shortcut` and the head `linear`, models/resnet.py the head `fc`."""
+    state = renamed(trunk.state_dict(), "module.", **({"downsample": "shortcut"} if cifar else {}))
+    head_name = "module.linear." if cifar else "module.fc."
+    return {
+        "epoch": 200,
+        "state_dict": state | {f"{head_name}weight": torch.randn(128, 512), f"{head_name}bias": torch.randn(128)},
+        "optimizer": optimizer_state(),
+        "memory_banks": torch.randn(100, 128),
+        "neigh": torch.zeros(100, 1, dtype=torch.long),
+    }
+
+
+def full_torchvision_resnet18() -> tuple[nn.Module, nn.Module]:
+    model = randomised(torchvision.models.resnet18())
+    trunk = torchvision.models.resnet18()
+    trunk.load_state_dict(model.state_dict())
+    trunk.fc = nn.Identity()
+    return model, trunk.eval()
+
+
+def full_timm_test_resnet() -> tuple[nn.Module, nn.Module]:
+    model = randomised(timm.create_model("test_resnet"))
+    trunk = timm.create_model("test_resnet", num_classes=0)
+    trunk.load_state_dict({key: value for key, value in model.state_dict().items() if not key.startswith("fc.")})
+    return model, trunk.eval()
+
+
+def official_case(format: str):
+    """(the checkpoint object, the source trunk, the backbone to give, or None to infer it)."""
+    if format == "moco":
+        trunk = torchvision_trunk()
+        return moco_file(trunk), trunk, None
+    if format == "sce":
+        trunk = torchvision_trunk()
+        return sce_file(trunk), trunk, None
+    if format == "paco":
+        trunk = torchvision_trunk()
+        return paco_file(trunk, nn.Linear(512, 10)), trunk, None
+    if format in ("supcon", "supcon_one_gpu"):
+        trunk = torchvision_trunk()
+        return supcon_file(trunk, data_parallel=format == "supcon"), trunk, None
+    if format in ("npid", "npid_imagenet"):
+        trunk = torchvision_trunk(small_input=format == "npid")
+        return npid_file(trunk, cifar=format == "npid"), trunk, None
+    if format == "torchvision":
+        model, trunk = full_torchvision_resnet18()
+        return model.state_dict(), trunk, None
+    model, trunk = full_timm_test_resnet()
+    return model.state_dict(), trunk, BackboneSpec("timm:test_resnet")
+
+
+CASES = ["moco", "sce", "paco", "supcon", "supcon_one_gpu", "npid", "npid_imagenet", "torchvision", "timm"]
+DETECTED = {"supcon_one_gpu": "supcon", "npid_imagenet": "npid"}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_an_official_checkpoint_loads_strictly_and_gives_the_source_trunk_features(case, tmp_path):
+    checkpoint, source, backbone = official_case(case)
+    path = tmp_path / "official.pth"
+    torch.save(checkpoint, path)
+    format = DETECTED.get(case, case)
+    assert detect_format(read_checkpoint(path, "test"), backbone and backbone.name, "test") == format  # what no flag reads
+    probe = LinearProbe(pretrained_ckpt=str(path), pretrained_format=format, backbone=backbone)
+    with torch.no_grad():
+        assert torch.equal(probe.backbone(IMAGES), source(IMAGES))
+
+
+def test_jcl_is_read_as_the_moco_layout_it_is(tmp_path):
+    """caiqi/Joint-Contrastive-Learning builds and saves its model as MoCo's main_moco.py does."""
+    trunk = torchvision_trunk()
+    path = tmp_path / "checkpoint_0199.pth.tar"
+    torch.save(moco_file(trunk), path)
+    assert detect_format(read_checkpoint(path, "test"), None, "test") == "moco"
+    probe = LinearProbe(pretrained_ckpt=str(path), pretrained_format="jcl")
+    with torch.no_grad():
+        assert torch.equal(probe.backbone(IMAGES), trunk(IMAGES))
+
+
+def test_a_legacy_format_file_with_foreign_objects_is_read_without_running_them(tmp_path):
+    """The 2020 releases were written before torch's zip format; SupContrast's holds an argparse.Namespace."""
+    trunk = torchvision_trunk()
+    path = tmp_path / "supcon_last.pth"
+    torch.save(supcon_file(trunk), path, _use_new_zipfile_serialization=False)
+    probe = LinearProbe(pretrained_ckpt=str(path))
+    assert probe.hparams.backbone is None and probe.backbone.conv1.kernel_size == (3, 3)
+    with torch.no_grad():
+        assert torch.equal(probe.backbone(IMAGES), trunk(IMAGES))
+
+
+@pytest.mark.parametrize("suffix", [".pth", ".safetensors"])
+def test_torchvision_weights_are_read_from_pth_and_safetensors_files(suffix, tmp_path):
+    from safetensors.torch import save_file
+
+    model, trunk = full_torchvision_resnet18()
+    path = tmp_path / f"resnet18{suffix}"
+    (torch.save if suffix == ".pth" else save_file)(model.state_dict(), str(path))
+    probe = LinearProbe(pretrained_ckpt=str(path))
+    with torch.no_grad():
+        assert torch.equal(probe.backbone(IMAGES), trunk(IMAGES))
+
+
+@pytest.mark.parametrize("name, small_input", [("resnet18", True), ("resnet34", True), ("resnet50", False), ("resnext50_32x4d", False)])
+def test_the_trunk_is_read_from_the_names_and_shapes_of_the_weights(name, small_input, tmp_path):
+    weights = torchvision_trunk(name, small_input).state_dict()
+    path = tmp_path / "weights.pth"
+    torch.save(weights, path)
+    probe = LinearProbe(pretrained_ckpt=str(path), pretrained_format="torchvision")
+    assert probe.hparams.backbone is None  # nothing given: every key and shape matched the inferred trunk
+    loaded = probe.backbone.state_dict()
+    assert loaded.keys() == weights.keys() and all(torch.equal(loaded[key], weights[key]) for key in weights)
+
+
+def partial(checkpoint: dict) -> dict:
+    del checkpoint["state_dict"]["module.encoder_q.layer4.1.bn2.running_var"]
+    return checkpoint
+
+
+def with_extra_key(checkpoint: dict) -> dict:
+    checkpoint["state_dict"]["module.encoder_q.attnpool.weight"] = torch.zeros(3)
+    return checkpoint
+
+
+@pytest.mark.parametrize(
+    "make, format, backbone, message",
+    [
+        (lambda: partial(moco_file(torchvision_trunk())), "moco", None, r"missing keys \['layer4.1.bn2.running_var'\], unexpected keys \[\]"),
+        (lambda: partial(moco_file(torchvision_trunk())), "moco", SMALL_RESNET18, r"missing keys \['layer4.1.bn2.running_var'\]"),
+        (lambda: with_extra_key(moco_file(torchvision_trunk())), None, SMALL_RESNET18, r"unexpected keys \['attnpool.weight'\]"),
+        (lambda: moco_file(torchvision_trunk()), "moco", BackboneSpec("resnet18"), "does not fit backbone 'resnet18' \\(small_input=False\\)"),
+        (lambda: supcon_file(torchvision_trunk()), "moco", None, "\\(format moco\\) holds no state dict under 'state_dict'"),
+        (lambda: npid_file(torchvision_trunk()), "paco", None, "\\(format paco\\) holds no 'module.encoder_q.\\*' weights under 'state_dict'"),
+        (lambda: {"weights": {"conv.weight": torch.zeros(1)}}, None, None, "is in no known format: it holds no 'backbone.\\*' weights"),
+        (lambda: torchvision.models.resnet18().state_dict(), "timm", None, "give the timm trunk it holds as model.backbone"),
+        (lambda: moco_file(torchvision_trunk()), "mocov3", None, "model.pretrained_format 'mocov3' is not a known checkpoint format"),
+        (lambda: {"state_dict": {"module.encoder_q.conv1.weight": torch.zeros(64, 3, 7, 7)}}, None, None, "is no backbone contrastlab builds; give model.backbone"),
+    ],
+    ids=["partial", "partial-backbone-given", "extra-key", "other-stem", "wrong-container", "wrong-layout", "unknown", "timm-without-backbone", "bad-format", "no-resnet"],
+)
+def test_a_wrong_or_partial_official_file_is_one_error_naming_what_does_not_match(make, format, backbone, message, tmp_path):
+    path = tmp_path / "official.pth"
+    torch.save(make(), path)
+    with pytest.raises(ValueError, match=message) as error:
+        LinearProbe(pretrained_ckpt=str(path), pretrained_format=format, backbone=backbone)
+    assert "\n" not in str(error.value) and str(error.value).startswith("model.pretrained_")
+
+
+def test_the_linear_stage_command_ends_a_partial_file_with_one_error_line(tmp_path, capsys):
+    path = tmp_path / "moco_v2.pth.tar"
+    torch.save(partial(moco_file(torchvision_trunk())), path)
+    with pytest.raises(SystemExit):
+        main_linear.cli_main(["fit", "--config", str(ROOT / "configs/linear_digits.yaml"), f"--model.pretrained_ckpt={path}",
+                              "--model.pretrained_format=moco", f"--trainer.default_root_dir={tmp_path / 'run'}"])  # fmt: skip
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[-1].startswith("error: model.pretrained_ckpt") and "missing keys ['layer4.1.bn2.running_var']" in lines[-1]
+    assert not (tmp_path / "run").exists()
+
+
+# ----------------------------------------------------------------- long-tail classifiers and the analysis
+def test_paco_import_predicts_the_classes_of_the_source_classifier(tmp_path):
+    trunk, centres = torchvision_trunk(), nn.Linear(512, 10)
+    with torch.no_grad():
+        features = trunk(IMAGES)
+        centred = features - features.mean(dim=0)  # centre i scores (f - mean) . (f_i - mean): image i in class i
+        centres.weight[: len(IMAGES)] = 100 * centred
+        centres.bias[: len(IMAGES)] = -100 * features.mean(dim=0) @ centred.T
+        expected = centres(features).argmax(dim=1)  # PaCo's _inference: linear on the pooled encoder_q feature
+    assert len(expected.unique()) > 1
+    path = tmp_path / "paco_r18.pth"
+    torch.save(paco_file(trunk, centres), path)
+    for model_class in (CrossEntropy, PaCo):
+        model = model_class(backbone=SMALL_RESNET18, num_classes=10, pretrained_ckpt=str(path)).eval()
+        with torch.no_grad():
+            assert torch.equal(model.classify(IMAGES).argmax(dim=1), expected)
+
+
+def test_a_file_without_a_classifier_is_refused_by_a_long_tail_classifier(tmp_path):
+    path = tmp_path / "moco.pth"
+    torch.save(moco_file(torchvision_trunk()), path)
+    with pytest.raises(ValueError, match="\\(format moco\\) holds no classifier .* probe its trunk with main_linear.py"):
+        CrossEntropy(backbone=SMALL_RESNET18, num_classes=10, pretrained_ckpt=str(path))
+
+
+def test_validate_reports_the_shot_metrics_of_a_released_paco_model(tmp_path, capsys):
+    path = tmp_path / "paco.pth"
+    torch.save(paco_file(torchvision_trunk(), nn.Linear(512, 10)), path)
+    main_pretrain.cli_main([
+        "validate", "--config", str(ROOT / "configs/paco_digits_lt.yaml"), f"--model.init_args.pretrained_ckpt={path}",
+        "--model.init_args.backbone.name=resnet18", "--model.init_args.backbone.small_input=true",
+        "--model.init_args.projector.hidden_dim=32", "--model.init_args.queue_size=64", "--data.init_args.batch_size=16",
+        "--trainer.limit_val_batches=2", "--trainer.logger=false", "--trainer.enable_progress_bar=false",
+        f"--trainer.default_root_dir={tmp_path / 'run'}",
+    ])  # fmt: skip
+    assert "val results: top1" in capsys.readouterr().out
+    logged = json.loads((tmp_path / "run" / "results_val.json").read_text())["metrics"]
+    assert {"val/top1", "val/many_top1", "val/medium_top1", "val/few_top1"} <= set(logged)
+
+
+def test_the_analysis_reads_an_official_trunk_and_head(tmp_path, capsys):
+    """WangFeng18's CIFAR NPID (ResNet-18, small stem, one Linear to 128) into configs/npid_cifar10.yaml's NPID."""
+    from interop import load_official_encoder
+    from methods import NPID
+
+    trunk = torchvision_trunk()
+    checkpoint = npid_file(trunk)
+    path = tmp_path / "npid_cifar10.pth"
+    torch.save(checkpoint, path)
+    model = NPID(backbone=SMALL_RESNET18, projector={"output_dim": 128, "num_layers": 1}, knn_k=0).eval()
+    assert load_official_encoder(model, path, None) == "npid"
+    with torch.no_grad():
+        features, projection = model.embed(IMAGES)
+        head = checkpoint["state_dict"]["module.linear.weight"], checkpoint["state_dict"]["module.linear.bias"]
+        assert torch.equal(features, trunk(IMAGES))
+        assert torch.equal(projection, torch.nn.functional.normalize(nn.functional.linear(trunk(IMAGES), *head), dim=1))
+
+    out = tmp_path / "analysis"
+    overrides = ["--model.init_args.backbone.name=resnet18", "--model.init_args.backbone.small_input=true",
+                 "--data.init_args.batch_size=16", "--data.init_args.train_variants=1", "--data.init_args.eval_variants=1"]  # fmt: skip
+    analyse_checkpoint([str(path), "--format", "npid", "--config", str(ROOT / "configs/npid_digits.yaml"), "--max-samples", "20",
+                        "--out", str(out), "--device", "cpu", "--", *overrides])  # fmt: skip
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["format"] == "npid" and metrics["samples"] == 20
+
+
+def test_the_analysis_refuses_an_official_file_without_a_projection_head(tmp_path):
+    path = tmp_path / "resnet18.pth"
+    torch.save(torchvision.models.resnet18().state_dict(), path)
+    with pytest.raises(SystemExit, match="holds no projection head"):
+        analyse_checkpoint([str(path), "--config", str(ROOT / "configs/npid_digits.yaml"), "--device", "cpu",
+                            "--", "--model.init_args.backbone.name=resnet18"])  # fmt: skip
