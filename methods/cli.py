@@ -108,6 +108,11 @@ def write_results(path: Path, trainer, metrics: dict[str, float]) -> None:
 
 
 class ContrastlabArgumentParser(LightningArgumentParser):
+    def __init__(self, *args, **kwargs):
+        # argparse would read `--trainer.max_epoch` as `--trainer.max_epochs`: a typo must never change a run quietly
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str, ex: Exception | None = None):
         if os.environ.get("CONTRASTLAB_TRACEBACK") or not self.exit_on_error:
             return super().error(message, ex)

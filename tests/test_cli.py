@@ -106,3 +106,11 @@ def test_linear_stage_refuses_a_checkpoint_that_does_not_fit_in_one_line(tmp_pat
         capsys,
     )
     assert "missing.ckpt' is not an existing file" in line
+
+
+@pytest.mark.parametrize("abbreviated", [["--trainer.max_epoch", "1"], ["--trainer.limit_train_batch=2"]], ids=["separate-value", "joined-value"])
+def test_an_abbreviated_option_is_refused_like_an_unknown_key(abbreviated, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    line = run_failing(main_pretrain, ["fit", "--config", PRETRAIN_DIGITS, *abbreviated, f"--trainer.default_root_dir={run_dir}", "--print_config"], capsys)
+    assert line == f"error: unrecognized arguments: {' '.join(abbreviated)} (run with --help for the accepted options)"
+    assert not run_dir.exists()
