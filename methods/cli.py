@@ -113,6 +113,20 @@ class ContrastlabArgumentParser(LightningArgumentParser):
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
 
+    def parse_path(self, path, *args, **kwargs):
+        """A YAML syntax error of a config file names the file, line and column (jsonargparse parses the file's text,
+        so its error says "<unicode string>")."""
+        if self.exit_on_error and not os.environ.get("CONTRASTLAB_TRACEBACK"):
+            try:
+                yaml.compose(Path(path).read_text())  # syntax only: what the text means is jsonargparse's to read
+            except yaml.MarkedYAMLError as error:
+                mark = error.problem_mark or error.context_mark
+                where = f", line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+                fail(f"config file {str(path)!r}{where}: {', '.join(part for part in (error.context, error.problem) if part)}")
+            except (OSError, yaml.YAMLError):
+                pass  # an unreadable path or another problem: jsonargparse reports it
+        return super().parse_path(path, *args, **kwargs)
+
     def error(self, message: str, ex: Exception | None = None):
         if os.environ.get("CONTRASTLAB_TRACEBACK") or not self.exit_on_error:
             return super().error(message, ex)

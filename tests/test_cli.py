@@ -114,3 +114,11 @@ def test_an_abbreviated_option_is_refused_like_an_unknown_key(abbreviated, tmp_p
     line = run_failing(main_pretrain, ["fit", "--config", PRETRAIN_DIGITS, *abbreviated, f"--trainer.default_root_dir={run_dir}", "--print_config"], capsys)
     assert line == f"error: unrecognized arguments: {' '.join(abbreviated)} (run with --help for the accepted options)"
     assert not run_dir.exists()
+
+
+def test_a_yaml_syntax_error_names_the_config_file_line_and_column(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("trainer:\n  max_epochs: 1\n   devices: [1\n")
+    line = run_failing(main_pretrain, ["fit", "--config", PRETRAIN_DIGITS, "--config", str(bad), f"--trainer.default_root_dir={tmp_path / 'run'}"], capsys)
+    assert line == f"error: config file {str(bad)!r}, line 3, column 11: mapping values are not allowed here"
+    assert not (tmp_path / "run").exists()
