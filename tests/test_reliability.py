@@ -560,6 +560,8 @@ def test_the_linear_stage_refuses_a_checkpoint_of_another_method_family_in_one_l
         ("sce_digits", "--model.init_args.coeff=1.5", "coeff must lie in [0, 1], got 1.5"),
         ("tcl_digits", "--model.init_args.k1=-1", "model.k1 and model.k2 must be >= 0, got k1=-1.0"),
         ("paco_digits_lt", "--model.init_args.temperature=-0.1", "model.temperature must be > 0, got -0.1"),
+        ("moco_digits", "--model.init_args.optimizer.lr=-1", "optimizer.lr must be >= 0, got -1"),  # as given, not scaled to -0.5
+        ("ce_digits_lt", "--model.init_args.optimizer.weight_decay=-1e-4", "optimizer.weight_decay must be >= 0, got -0.0001"),
     ],
 )
 def test_an_out_of_range_or_mistyped_value_ends_with_one_error_line_naming_it(config, override, expected, tmp_path, capsys):
