@@ -20,9 +20,16 @@
   unless it resumes (`--ckpt_path last`, which also starts a run that has no checkpoint yet; a
   requeued Slurm job resumes from its hpc checkpoint, or from `last.ckpt` when it has none); on
   SIGTERM the current step is saved as `last.ckpt` and the process exits with status 143;
-  checkpoints are written next to their target and renamed over it.
+  checkpoints are written next to their target and renamed over it;
+- the checkpoint a run restores is opened before anything is written: a `--ckpt_path` that is no file,
+  or a checkpoint of another version, model class or (linear probe) pretraining checkpoint, is one error
+  line; an unreadable one that `last` or a requeue resolves to is passed over, with a warning, for the
+  run's newest readable checkpoint (`hpc_ckpt_*`, `epoch=*-step=*`), and without one is an error line;
+- a linear probe without `trainer.default_root_dir` runs in `<pretraining run>/linear/`
+  (`methods.linear.probe_run_directory`).
 """
 
+import importlib
 import json
 import os
 import re
@@ -40,8 +47,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from datamodules.base import ContrastiveDataModule
+from methods.linear import LinearProbe, probe_run_directory
 from methods.reliability import (
     RECORD_KEY,
     CheckpointMismatch,
@@ -105,6 +114,49 @@ def write_results(path: Path, trainer, metrics: dict[str, float]) -> None:
     """Write the final metrics atomically (a reader never sees half a file)."""
     record = {"epoch": trainer.current_epoch, "global_step": trainer.global_step, "metrics": metrics}
     write_atomically(path, lambda partial: partial.write_text(json.dumps(record, indent=1, sort_keys=True)))
+
+
+LIGHTNING_CHECKPOINT_NAMES = ("last", "best", "hpc")  # ckpt_path values that Lightning resolves to a file
+
+
+def read_checkpoint(path: str | Path, source: str) -> dict:
+    """A checkpoint's contents, its tensors memory-mapped (not read); a truncated or foreign file is a
+    CheckpointMismatch naming it (not a pickle traceback)."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as error:
+        raise CheckpointMismatch(f"{source} could not be read as a checkpoint: {error}") from None
+
+
+def class_at(class_path: str) -> type:
+    module, _, name = class_path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def same_file(path: str, other: str) -> bool:
+    return Path(path).expanduser().absolute() == Path(other).expanduser().absolute() or (
+        os.path.exists(path) and os.path.exists(other) and os.path.samefile(path, other))
+
+
+def check_resumable(checkpoint: dict, source: str, config) -> None:
+    """A checkpoint that the configured run may restore: written by a compatible version (`checked_record`), by the
+    configured model class, and, for a linear probe, of the same pretraining checkpoint (restoring it would bring
+    back the trunk it probed, whatever model.pretrained_ckpt now says)."""
+    record = checked_record(checkpoint, source)
+    model = config["model"]
+    model_class = class_at(model["class_path"])
+    if record is not None and record["module"] != f"{model_class.__module__}.{model_class.__qualname__}":
+        hint = " (a pretraining checkpoint to probe is --model.pretrained_ckpt)" if issubclass(model_class, LinearProbe) else ""
+        raise CheckpointMismatch(
+            f"{source} is a {record['module']} checkpoint, but this run's model is {model['class_path']}: --ckpt_path "
+            f"resumes or evaluates a run of the same model{hint}"
+        )
+    probed, given = checkpoint.get("hyper_parameters", {}).get("pretrained_ckpt"), model["init_args"].get("pretrained_ckpt")
+    if probed is not None and given is not None and not same_file(probed, given):
+        raise CheckpointMismatch(
+            f"{source} holds a probe of model.pretrained_ckpt {probed!r}, not of {given!r}: resuming it would restore the "
+            f"trunk of {probed!r}; probe {given!r} under another trainer.default_root_dir"
+        )
 
 
 class ContrastlabArgumentParser(LightningArgumentParser):
@@ -183,13 +235,20 @@ class ContrastlabCLI(LightningCLI):
         if not isinstance(seed, int) or isinstance(seed, bool):  # true means seed 0 every time (ecosystem 1.2, pitfall 7)
             fail(f"seed_everything must be an explicit integer (a config's seed_everything or --seed_everything), got {seed!r}")
         ckpt_path = config.get("ckpt_path")
-        if ckpt_path and Path(ckpt_path).is_file():  # before Lightning reads the hyperparameters from it
-            try:
-                checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)
-            except Exception as error:  # a truncated or foreign file: say which file, not a pickle traceback
-                fail(f"ckpt_path {ckpt_path!r} could not be read as a checkpoint: {error}")
-            with one_error_line(CheckpointMismatch):
-                checked_record(checkpoint, f"ckpt_path {ckpt_path!r}")
+        if ckpt_path is None or ckpt_path in LIGHTNING_CHECKPOINT_NAMES or "://" in str(ckpt_path) or str(ckpt_path).startswith("registry"):
+            return  # a name Lightning resolves (`last` is read in before_fit), a remote or registry path
+        if not Path(ckpt_path).is_file():
+            fail(f"ckpt_path {ckpt_path!r} is not an existing file (or `last`: the newest checkpoint of trainer.default_root_dir)")
+        with one_error_line(CheckpointMismatch):  # before Lightning reads the hyperparameters from it
+            check_resumable(read_checkpoint(ckpt_path, f"ckpt_path {ckpt_path!r}"), f"ckpt_path {ckpt_path!r}", config)
+
+    def before_instantiate_classes(self) -> None:
+        """A linear probe's run directory follows from the checkpoint it probes (`probe_run_directory`), after
+        Lightning read a resumed checkpoint's hyperparameters into the config, and is saved with the config."""
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        if config["trainer"].get("default_root_dir") is None and issubclass(class_at(config["model"]["class_path"]), LinearProbe):
+            dataset = config["data"]["class_path"].rsplit(".", 1)[-1].removesuffix("DataModule").lower()
+            config["trainer"]["default_root_dir"] = probe_run_directory(config["model"]["init_args"].get("pretrained_ckpt"), dataset, config["seed_everything"])
 
     def instantiate_classes(self) -> None:
         with one_error_line(ValueError, describe=lambda error: condense_parser_error(str(root_cause(error)))):
@@ -208,6 +267,7 @@ class ContrastlabCLI(LightningCLI):
         if type(self.trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # Lightning's default, not a configured plugin
             self.trainer.strategy.checkpoint_io = SameDirectoryCheckpointIO()
         self._refuse_to_overwrite_a_run()
+        self._resume_from_a_readable_checkpoint()
         self._start_tracking()
 
     def _refuse_to_overwrite_a_run(self) -> None:
@@ -227,6 +287,47 @@ class ContrastlabCLI(LightningCLI):
                     f"{last_checkpoint_path(callback)} already holds a run: resume it with --ckpt_path last, or "
                     "start a new one under another trainer.default_root_dir"
                 )
+
+    def _checkpoint_to_resume(self) -> Path | None:
+        """The file `fit` will restore, as Lightning resolves it: for `last` the newest `last.ckpt` of the checkpoint
+        callbacks, for a Slurm job without a ckpt_path (or `hpc`) the highest `hpc_ckpt_<n>.ckpt`; None for a new
+        run and for a path given as such (read in `parse_arguments`)."""
+        ckpt_path = self.config_init[self.subcommand].get("ckpt_path")
+        if ckpt_path == "last":
+            found = [last_checkpoint_path(callback) for callback in self.trainer.checkpoint_callbacks if isinstance(callback, ModelCheckpoint)]
+            return max((path for path in found if path.is_file()), key=lambda path: path.stat().st_mtime, default=None)
+        if ckpt_path == "hpc" or (ckpt_path is None and SLURMEnvironment.detect()):
+            numbered = {int(path.stem.removeprefix("hpc_ckpt_")): path for path in self._run_checkpoints() if path.stem.removeprefix("hpc_ckpt_").isdigit()}
+            return numbered[max(numbered)] if numbered else None
+        return None
+
+    def _run_checkpoints(self) -> list[Path]:
+        """Every checkpoint of this run: `hpc_ckpt_*.ckpt` in the run directory and the checkpoint callbacks' files."""
+        folders = [Path(callback.dirpath) for callback in self.trainer.checkpoint_callbacks if isinstance(callback, ModelCheckpoint)]
+        return [*Path(self.trainer.default_root_dir).glob("hpc_ckpt_*.ckpt"), *(path for folder in folders for path in folder.glob("*.ckpt"))]
+
+    def _resume_from_a_readable_checkpoint(self) -> None:
+        """Open the checkpoint a resumed run restores before anything is written. One that cannot be read (a copy
+        cut short, a full disk) is passed over, with a warning, for the newest readable checkpoint of the run (by
+        modification time: an epoch-end `epoch=*-step=*.ckpt`, an hpc checkpoint); with none, one error line."""
+        path = self._checkpoint_to_resume()
+        if path is None:
+            return
+        try:
+            checkpoint = read_checkpoint(path, str(path))
+        except CheckpointMismatch as unreadable:
+            for candidate in sorted(set(self._run_checkpoints()) - {path}, key=lambda other: other.stat().st_mtime, reverse=True):
+                try:
+                    checkpoint = read_checkpoint(candidate, str(candidate))
+                except CheckpointMismatch:
+                    continue
+                rank_zero_warn(f"{unreadable}: resuming from {candidate} instead, the newest readable checkpoint of this run")
+                self.config_init[self.subcommand]["ckpt_path"] = path = str(candidate)
+                break
+            else:
+                fail(f"{unreadable}; this run holds no other readable checkpoint: start a new run under another trainer.default_root_dir")
+        with one_error_line(CheckpointMismatch):
+            check_resumable(checkpoint, f"checkpoint {path}", self.config[self.subcommand])
 
     def _start_tracking(self) -> None:
         """Bind a W&B logger to the run directory and the resolved config before the trainer creates its run."""

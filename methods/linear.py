@@ -122,3 +122,14 @@ class LinearProbe(CheckpointRecord, EvaluationMixin, L.LightningModule):
     def configure_optimizers(self):
         groups = parameter_groups(self.probe.named_parameters(), self.optimizer_spec)
         return configure_optimization(self.trainer, groups, self.optimizer_spec, self.schedule_spec)
+
+
+def probe_run_directory(pretrained_ckpt: str | None, dataset: str, seed: int) -> str:
+    """Where a probe runs unless trainer.default_root_dir says otherwise: in the run directory of its pretraining
+    checkpoint (the folder above `checkpoints/`, else the checkpoint's own folder), under `linear/`, where
+    `scripts/compare.py` and `scripts/sweep.py` look; a random trunk's under `runs/linear_random_<dataset>_s<seed>`."""
+    if pretrained_ckpt is None:
+        return f"runs/linear_random_{dataset}_s{seed}"
+    folder = Path(pretrained_ckpt).parent
+    return str((folder.parent if folder.name == "checkpoints" else folder) / "linear")
+

@@ -122,3 +122,10 @@ def test_a_yaml_syntax_error_names_the_config_file_line_and_column(tmp_path, cap
     line = run_failing(main_pretrain, ["fit", "--config", PRETRAIN_DIGITS, "--config", str(bad), f"--trainer.default_root_dir={tmp_path / 'run'}"], capsys)
     assert line == f"error: config file {str(bad)!r}, line 3, column 11: mapping values are not allowed here"
     assert not (tmp_path / "run").exists()
+
+
+def test_a_ckpt_path_that_does_not_exist_is_one_error_line_and_nothing_is_written(tmp_path, capsys):
+    run_dir, missing = tmp_path / "run", tmp_path / "missing.ckpt"
+    line = run_failing(main_pretrain, ["fit", "--config", PRETRAIN_DIGITS, *TINY_RUN, f"--trainer.default_root_dir={run_dir}", f"--ckpt_path={missing}"], capsys)
+    assert line == f"error: ckpt_path '{missing}' is not an existing file (or `last`: the newest checkpoint of trainer.default_root_dir)"
+    assert not run_dir.exists()
