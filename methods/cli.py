@@ -264,6 +264,10 @@ class ContrastlabCLI(LightningCLI):
         for callback in self.trainer.checkpoint_callbacks:
             if callback.dirpath is None:  # not under the logger's version folder: one known place per run
                 callback.dirpath = str(Path(self.trainer.default_root_dir) / "checkpoints")
+            if self.trainer.fast_dev_run and isinstance(callback, ModelCheckpoint):
+                # Lightning suppresses checkpoints in a smoke run but still writes last.ckpt when training ends,
+                # which a later `--ckpt_path last` would quietly continue from
+                callback.save_last = False
         if type(self.trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # Lightning's default, not a configured plugin
             self.trainer.strategy.checkpoint_io = SameDirectoryCheckpointIO()
         self._refuse_to_overwrite_a_run()
@@ -351,6 +355,8 @@ class ContrastlabCLI(LightningCLI):
         found = {key: metrics[f"{stage}/{key}"] for key in SUMMARY_KEYS if f"{stage}/{key}" in metrics}
         if found:
             print(f"\n{stage} results: " + "  ".join(f"{key} {100 * value:.2f}%" for key, value in found.items()))
+        if self.trainer.fast_dev_run:
+            return  # a smoke run's numbers are no run's results
         write_results(Path(self.trainer.default_root_dir) / f"results_{stage}.json", self.trainer, metrics)
 
     def after_fit(self) -> None:

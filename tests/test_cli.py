@@ -129,3 +129,10 @@ def test_a_ckpt_path_that_does_not_exist_is_one_error_line_and_nothing_is_writte
     line = run_failing(main_pretrain, ["fit", "--config", PRETRAIN_DIGITS, *TINY_RUN, f"--trainer.default_root_dir={run_dir}", f"--ckpt_path={missing}"], capsys)
     assert line == f"error: ckpt_path '{missing}' is not an existing file (or `last`: the newest checkpoint of trainer.default_root_dir)"
     assert not run_dir.exists()
+
+
+def test_a_fast_dev_run_leaves_no_checkpoint_or_results_that_a_later_run_would_take_up(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    main_pretrain.cli_main(["fit", "--config", PRETRAIN_DIGITS, *TINY_RUN, "--trainer.fast_dev_run=1", f"--trainer.default_root_dir={run_dir}"])
+    assert "val results: probe_top1" in capsys.readouterr().out  # it ran a training and a validation step
+    assert not list(run_dir.rglob("*.ckpt")) and not list(run_dir.rglob("results_*.json"))
