@@ -12,7 +12,8 @@
 - configuration mistakes end with one `error:` line naming the offending key or value, before any
   directory, config or checkpoint is written (set CONTRASTLAB_TRACEBACK=1 for the full traceback);
 - at the end of `fit` / `validate` / `test`, the final metrics are printed and written to
-  `<default_root_dir>/results_<stage>.json` (what `scripts/sweep.py` collects);
+  `<default_root_dir>/results_val.json` (what `scripts/sweep.py` and `scripts/compare.py` collect),
+  `results_validate.json` and `results_test.json`;
 - reliability (`methods.reliability`): `seed_everything` must be an explicit integer; a `non_finite`
   group (NonFiniteLossGuard) stops the run at the first non-finite loss; checkpoints hold the random
   states, the position in the epoch's data order (the DataModule's state), the contrastlab version
@@ -346,7 +347,8 @@ class ContrastlabCLI(LightningCLI):
 
     before_validate = before_test = _prepare_evaluation
 
-    def _print_summary(self, stage: str) -> None:
+    def _print_summary(self, stage: str, results: str) -> None:
+        """Print the final metrics of `stage` ("val" or "test") and write them to `<default_root_dir>/<results>`."""
         if not self.trainer.is_global_zero:
             return
         metrics = {name: float(value) for name, value in self.trainer.callback_metrics.items() if value.numel() == 1}
@@ -357,13 +359,14 @@ class ContrastlabCLI(LightningCLI):
             print(f"\n{stage} results: " + "  ".join(f"{key} {100 * value:.2f}%" for key, value in found.items()))
         if self.trainer.fast_dev_run:
             return  # a smoke run's numbers are no run's results
-        write_results(Path(self.trainer.default_root_dir) / f"results_{stage}.json", self.trainer, metrics)
+        write_results(Path(self.trainer.default_root_dir) / results, self.trainer, metrics)
 
     def after_fit(self) -> None:
-        self._print_summary("val")
+        self._print_summary("val", "results_val.json")
 
     def after_validate(self) -> None:
-        self._print_summary("val")
+        # its own file: a `validate` in a run directory keeps the training's results (epoch, step, time, images/s)
+        self._print_summary("val", "results_validate.json")
 
     def after_test(self) -> None:
-        self._print_summary("test")
+        self._print_summary("test", "results_test.json")

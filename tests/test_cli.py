@@ -66,7 +66,7 @@ def test_bad_input_ends_with_one_error_line_naming_the_value_and_writes_nothing(
     assert not run_dir.exists()
 
 
-def test_pretrain_then_linear_probe_pipeline_with_reruns_in_the_same_directory(tmp_path, capsys):
+def test_pretrain_then_linear_probe_pipeline_with_reruns_and_a_validate_in_the_same_directory_keeps_each_stages_results(tmp_path, capsys):
     run_dir = tmp_path / "pretrain"
     args = ["fit", "--config", PRETRAIN_DIGITS, *TINY_RUN, f"--trainer.default_root_dir={run_dir}"]
     cli = main_pretrain.cli_main(args)  # the default logger: its files go to a version folder
@@ -79,6 +79,11 @@ def test_pretrain_then_linear_probe_pipeline_with_reruns_in_the_same_directory(t
     assert (run_dir / "config.yaml").is_file()
     results = json.loads((run_dir / "results_val.json").read_text())
     assert results["global_step"] == 2 and 0.0 <= results["metrics"]["val/knn_top1"] <= 1.0
+    assert "train/time_s" in results["metrics"] and "train/images_per_s" in results["metrics"]
+    main_pretrain.cli_main(["validate", *args[1:], "--trainer.logger=false", f"--ckpt_path={checkpoint}"])  # the README's validate, into the run
+    assert json.loads((run_dir / "results_val.json").read_text()) == results  # the training's results stay
+    validated = json.loads((run_dir / "results_validate.json").read_text())
+    assert validated["metrics"]["val/knn_top1"] == results["metrics"]["val/knn_top1"]  # the same weights, the same images
 
     linear = main_linear.cli_main(
         [
