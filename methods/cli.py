@@ -43,6 +43,7 @@ from typing import Any, Callable
 import torch
 import yaml
 from lightning.fabric.plugins import TorchCheckpointIO
+from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator, MPSAccelerator
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
@@ -252,8 +253,18 @@ class ContrastlabCLI(LightningCLI):
             config["trainer"]["default_root_dir"] = probe_run_directory(config["model"]["init_args"].get("pretrained_ckpt"), dataset, config["seed_everything"])
 
     def instantiate_classes(self) -> None:
+        trainer = (self.config[self.subcommand] if self.subcommand else self.config)["trainer"]
+        accelerator, devices = trainer.get("accelerator"), trainer.get("devices")
+        if accelerator in ("gpu", "cuda") and not (CUDAAccelerator.is_available() or MPSAccelerator.is_available()):
+            fail(f"trainer.accelerator {accelerator!r}, but this machine has no GPU: give --trainer.accelerator cpu (and --trainer.devices N for N CPU processes)")
         with one_error_line(ValueError, describe=lambda error: condense_parser_error(str(root_cause(error)))):
             super().instantiate_classes()
+        if accelerator == "auto" and isinstance(self.trainer.accelerator, CPUAccelerator) and self.trainer.num_devices > 1:
+            # Lightning would quietly start one gloo process per "device" on the CPU
+            fail(
+                f"trainer.devices {devices} asks for {self.trainer.num_devices} devices, but this machine has no GPU: give "
+                f"--trainer.devices 1 to train here, or --trainer.accelerator cpu to start {self.trainer.num_devices} CPU processes"
+            )
 
     def _check_data(self) -> None:
         with one_error_line(ValueError):

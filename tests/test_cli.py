@@ -4,9 +4,11 @@ import json
 from pathlib import Path
 
 import pytest
+from lightning.pytorch.accelerators import CUDAAccelerator, MPSAccelerator
 
 import main_linear
 import main_pretrain
+from datamodules.imagenet import IMAGENET100_WNIDS
 
 ROOT = Path(__file__).parents[1]
 CONFIGS = sorted(ROOT.glob("configs/*.yaml"))
@@ -141,3 +143,31 @@ def test_a_fast_dev_run_leaves_no_checkpoint_or_results_that_a_later_run_would_t
     main_pretrain.cli_main(["fit", "--config", PRETRAIN_DIGITS, *TINY_RUN, "--trainer.fast_dev_run=1", f"--trainer.default_root_dir={run_dir}"])
     assert "val results: probe_top1" in capsys.readouterr().out  # it ran a training and a validation step
     assert not list(run_dir.rglob("*.ckpt")) and not list(run_dir.rglob("results_*.json"))
+
+
+@pytest.fixture
+def no_gpu(monkeypatch):
+    """A machine without GPUs, wherever the test runs."""
+    for accelerator in (CUDAAccelerator, MPSAccelerator):
+        monkeypatch.setattr(accelerator, "is_available", staticmethod(lambda: False))
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ([], "trainer.devices 8 asks for 8 devices, but this machine has no GPU: give --trainer.devices 1 to train here, "
+             "or --trainer.accelerator cpu to start 8 CPU processes"),
+        (["--trainer.accelerator=gpu"], "trainer.accelerator 'gpu', but this machine has no GPU: give --trainer.accelerator cpu "
+                                        "(and --trainer.devices N for N CPU processes)"),
+    ],
+    ids=["8-devices-auto-accelerator", "gpu-accelerator"],
+)
+def test_a_multi_gpu_config_on_a_machine_without_gpus_is_one_error_line_naming_the_trainer_setting(override, expected, no_gpu, tmp_path, capsys):
+    for wnid in IMAGENET100_WNIDS:  # empty class folders: enough to build the DataModule
+        (tmp_path / "imagenet" / "train" / wnid).mkdir(parents=True)
+        (tmp_path / "imagenet" / "val" / wnid).mkdir(parents=True)
+    run_dir = tmp_path / "run"
+    line = run_failing(main_pretrain, ["fit", "--config", str(ROOT / "configs/sce_imagenet100.yaml"), f"--data.init_args.root={tmp_path / 'imagenet'}",
+                                       f"--trainer.default_root_dir={run_dir}", *override], capsys)
+    assert line == f"error: {expected}"
+    assert not run_dir.exists()
