@@ -16,6 +16,7 @@ decoded there (`datamodules.encoded`), under the same handling of unreadable fil
 import logging
 import math
 import os
+import stat
 from pathlib import Path
 from typing import Any, Callable, Sequence, TypeVar
 
@@ -34,6 +35,12 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 SHOWN_PATHS = 5  # how many offending paths an error message lists
 UNREADABLE = (OSError, ValueError, SyntaxError)  # what PIL raises for truncated or foreign files
 T = TypeVar("T")
+
+
+class TooManyUnreadableImages(ValueError):
+    """More of a split's images cannot be read than `data.max_corrupt_fraction` allows: the dataset is broken.
+    Raised by a DataLoader worker, it reaches the training process with the worker's traceback in its message,
+    whose last line is this message."""
 
 
 def listing(paths: list) -> str:
@@ -87,12 +94,21 @@ class ImageFiles(Dataset):
         self.corrupt[index] = True
         count = self.corrupt_count
         if count > self.max_corrupt:
-            raise ValueError(
+            raise TooManyUnreadableImages(
                 f"{count} of {len(self)} images of {self.description} are unreadable, more than "
                 f"data.max_corrupt_fraction={self.max_corrupt_fraction} allows ({self.max_corrupt}); "
                 f"the latest: {self.paths[index]} ({error})"
             )
         log.warning("unreadable image %s (%s): replaced by another readable one (%d unreadable so far)", self.paths[index], error, count)
+
+
+def file_size(path: str) -> int | None:
+    """The size of a regular file, None where there is none."""
+    try:
+        status = os.stat(path)
+    except OSError:
+        return None
+    return status.st_size if stat.S_ISREG(status.st_mode) else None
 
 
 def read_rgb(path: str) -> Image.Image:
@@ -328,9 +344,17 @@ class SplitFileDataModule(FolderDataModule):
                 if not 0 <= label < self.num_classes:
                     raise ValueError(f"{where}: label {label} is outside [0, {self.num_classes}) (data.num_classes {self.num_classes})")
         self.samples = {split: [(str(self.root / relative), label) for relative, label, _ in entries] for split, entries in lines.items()}
-        missing = [path for samples in self.samples.values() for path, _ in samples if not os.path.isfile(path)]
+        sizes = {path: file_size(path) for samples in self.samples.values() for path, _ in samples}
+        missing = [path for path, size in sizes.items() if size is None]
         if missing:
             raise ValueError(f"{len(missing)} images named in the split files do not exist under data.root {str(self.root)!r}: {listing(missing)}")
+        for split, samples in self.samples.items():  # empty files, counted up front: the listed files are looked up anyway
+            empty, limit = [path for path, _ in samples if sizes[path] == 0], math.floor(self.max_corrupt_fraction * len(samples))
+            if len(empty) > limit:
+                raise TooManyUnreadableImages(
+                    f"{len(empty)} of {len(samples)} images of {self.split_files[split]} are empty files, more than "
+                    f"data.max_corrupt_fraction={self.max_corrupt_fraction} allows ({limit}): {listing(empty)}"
+                )
         without_images = sorted(set(range(self.num_classes)) - {label for _, label in self.samples["train"]})
         if without_images:  # a class of the probe and the metrics that training never sees
             raise ValueError(

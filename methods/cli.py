@@ -52,6 +52,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from datamodules.base import ContrastiveDataModule
+from datamodules.folders import TooManyUnreadableImages
 from methods.linear import LinearProbe, probe_run_directory
 from methods.reliability import (
     RECORD_KEY,
@@ -103,6 +104,13 @@ def condense_parser_error(message: str) -> str:
     if not reasons:
         return head or message
     return f"{head}: {reasons[-1]}" if head else reasons[-1]
+
+
+def last_line(error: BaseException) -> str:
+    """An error's own message, also when a DataLoader worker raised it: the worker's traceback, re-raised in the
+    training process as the message, ends with `<module>.<class>: <message>`."""
+    line = str(error).strip().splitlines()[-1]
+    return line.removeprefix(f"{type(error).__module__}.{type(error).__qualname__}: ")
 
 
 def root_cause(error: BaseException) -> BaseException:
@@ -203,7 +211,7 @@ class SaveConfigToRun(SaveConfigCallback):
 class ContrastlabCLI(LightningCLI):
     def __init__(self, model_class, args: Any = None, **kwargs):
         try:
-            with one_error_line(NonFiniteLossError, CheckpointMismatch):
+            with one_error_line(NonFiniteLossError, CheckpointMismatch, TooManyUnreadableImages, describe=last_line):
                 super().__init__(
                     model_class,
                     ContrastiveDataModule,

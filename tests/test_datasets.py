@@ -32,6 +32,7 @@ from datamodules import (
     TinyImageNetDataModule,
     UnlabeledFolderDataModule,
 )
+from datamodules.folders import TooManyUnreadableImages
 from datamodules.imagenet import IMAGENET100_WNIDS
 
 ROOT = Path(__file__).parents[1]
@@ -430,6 +431,34 @@ def test_unreadable_images_beyond_the_limit_stop_with_a_clear_error(tmp_path):
     datamodule = ImageFolderDataModule(root=str(tmp_path), batch_size=10, num_workers=0, views=VIEWS)
     with pytest.raises(ValueError, match=r"1 of 10 images of .*train are unreadable, more than data.max_corrupt_fraction=0.01 allows \(0\); the latest: .*a/0.jpg"):
         next(iter(datamodule.train_dataloader()))
+
+
+@pytest.mark.parametrize("pipeline, workers", [("cpu", 2), ("gpu", 0)], ids=["decoded-in-dataloader-workers", "decoded-on-the-device"])
+def test_more_unreadable_images_than_allowed_end_the_cli_run_with_one_error_line(pipeline, workers, tmp_path, capsys):
+    folder_with_corrupt_images(tmp_path / "images", corrupt=5)
+    config = yaml.safe_load((ROOT / "configs/moco_digits.yaml").read_text())
+    config["data"] = {"class_path": "datamodules.ImageFolderDataModule", "init_args": {
+        "root": str(tmp_path / "images"), "image_size": 24, "batch_size": 8, "num_workers": workers, "pipeline": pipeline,
+        "max_corrupt_fraction": 0.2, "views": config["data"]["init_args"]["views"]}}
+    (tmp_path / "folder.yaml").write_text(yaml.safe_dump(config))
+    with pytest.raises(SystemExit) as exit_info:
+        main_pretrain.cli_main(["fit", "--config", str(tmp_path / "folder.yaml"), "--trainer.fast_dev_run=1", "--trainer.precision=32-true",
+                                "--model.init_args.momentum.split_bn=2", f"--trainer.default_root_dir={tmp_path / 'run'}"])
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert re.fullmatch(rf"error: \d+ of 10 images of {re.escape(str(tmp_path / 'images' / 'train'))} are unreadable, more than "
+                        r"data.max_corrupt_fraction=0.2 allows \(2\); the latest: .*\.jpg \(.+\)", lines[-1])
+    assert not any("Traceback" in line for line in lines)
+
+
+def test_empty_files_named_by_a_split_file_beyond_the_limit_are_counted_before_training(tmp_path):
+    train_file, val_file = write_split_files(tmp_path, [0, 0, 1, 1], [0, 1])
+    for name in ("train/0/train_0.jpg", "train/1/train_3.jpg"):
+        (tmp_path / name).write_bytes(b"")
+    with pytest.raises(TooManyUnreadableImages, match=rf"^2 of 4 images of {re.escape(str(train_file))} are empty files, more than "
+                                                      r"data.max_corrupt_fraction=0.25 allows \(1\): .*train_0.jpg, .*train_3.jpg$"):
+        SplitFileDataModule(root=str(tmp_path), train_file=str(train_file), val_file=str(val_file), views=VIEWS, max_corrupt_fraction=0.25)
+    SplitFileDataModule(root=str(tmp_path), train_file=str(train_file), val_file=str(val_file), views=VIEWS, max_corrupt_fraction=0.5)
 
 
 def test_the_unreadable_count_is_shared_by_the_dataloader_workers(tmp_path):
