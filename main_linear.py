@@ -3,7 +3,8 @@
     python main_linear.py fit --config configs/linear_digits.yaml --model.pretrained_ckpt runs/moco_digits/checkpoints/last.ckpt
 
 The pretraining checkpoint is `--model.pretrained_ckpt`, not `--ckpt_path` (that one resumes a
-linear run).
+linear run). The probe runs in the pretraining run's `linear/` folder (here `runs/moco_digits/linear/`)
+unless `--trainer.default_root_dir` says otherwise.
 """
 
 from methods import LinearProbe

@@ -6,6 +6,9 @@ sample, so one bad JPEG does not end a multi-day run; more than `max_corrupt_fra
 (default 1%) unreadable is a ValueError, since the dataset itself is then broken. What can be checked
 without decoding (the class folders, the files a split file names, the labels it gives) is checked
 when the DataModule is built, so a missing folder or file is reported with its path before training.
+A class without images is an error too: a label that no line of a training list gives when the
+DataModule is built, an empty class folder when the folders are listed (`setup`, which the CLI runs
+before anything is written).
 With `data.pipeline: gpu`, images of varying sizes reach the training device as encoded files and are
 decoded there (`datamodules.encoded`), under the same handling of unreadable files.
 """
@@ -13,6 +16,7 @@ decoded there (`datamodules.encoded`), under the same handling of unreadable fil
 import logging
 import math
 import os
+import stat
 from pathlib import Path
 from typing import Any, Callable, Sequence, TypeVar
 
@@ -31,6 +35,12 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 SHOWN_PATHS = 5  # how many offending paths an error message lists
 UNREADABLE = (OSError, ValueError, SyntaxError)  # what PIL raises for truncated or foreign files
 T = TypeVar("T")
+
+
+class TooManyUnreadableImages(ValueError):
+    """More of a split's images cannot be read than `data.max_corrupt_fraction` allows: the dataset is broken.
+    Raised by a DataLoader worker, it reaches the training process with the worker's traceback in its message,
+    whose last line is this message."""
 
 
 def listing(paths: list) -> str:
@@ -84,12 +94,21 @@ class ImageFiles(Dataset):
         self.corrupt[index] = True
         count = self.corrupt_count
         if count > self.max_corrupt:
-            raise ValueError(
+            raise TooManyUnreadableImages(
                 f"{count} of {len(self)} images of {self.description} are unreadable, more than "
                 f"data.max_corrupt_fraction={self.max_corrupt_fraction} allows ({self.max_corrupt}); "
                 f"the latest: {self.paths[index]} ({error})"
             )
         log.warning("unreadable image %s (%s): replaced by another readable one (%d unreadable so far)", self.paths[index], error, count)
+
+
+def file_size(path: str) -> int | None:
+    """The size of a regular file, None where there is none."""
+    try:
+        status = os.stat(path)
+    except OSError:
+        return None
+    return status.st_size if stat.S_ISREG(status.st_mode) else None
 
 
 def read_rgb(path: str) -> Image.Image:
@@ -192,8 +211,17 @@ class FolderDataModule(ContrastiveDataModule):
             raise ValueError(f"{len(missing)} class folders of {type(self).__name__} are missing: {listing(missing)}")
 
     def labelled_images(self, split_dir: Path) -> ImageFiles:
-        """The images of `split_dir/<class>/` for the classes of `self.classes`."""
-        return self.image_files(class_folder_samples(split_dir, self.classes), str(split_dir))
+        """The images of `split_dir/<class>/` for the classes of `self.classes`; a class folder without an image is a
+        ValueError naming it (a class with no training image would still be a class of the probe and the metrics)."""
+        samples = class_folder_samples(split_dir, self.classes)
+        found = {label for _, label in samples}
+        empty = [split_dir / name for label, name in enumerate(self.classes) if label not in found]
+        if empty and len(empty) < len(self.classes):  # none at all: ImageFiles names the split folder
+            raise ValueError(
+                f"{len(empty)} of the {len(self.classes)} class folders of {type(self).__name__} hold no image "
+                f"(extensions {', '.join(IMAGE_EXTENSIONS)}): {listing(empty)}"
+            )
+        return self.image_files(samples, str(split_dir))
 
 
 class ImageFolderDataModule(FolderDataModule):
@@ -282,7 +310,8 @@ class SplitFileDataModule(FolderDataModule):
     """Images listed in split files, one `<path relative to root> <integer label>` per line (the format of
     the ImageNet-LT, iNaturalist 2018 and Places-LT lists, spec_supervised 3.7). Every line is checked
     when the DataModule is built: a label outside [0, num_classes) or a malformed line is a ValueError
-    naming the file and line, and images that do not exist are listed with their paths."""
+    naming the file and line, images that do not exist are listed with their paths, and a class of
+    [0, num_classes) without a training image is named."""
 
     expected_layout = "the images named in the split files, at their relative paths"
 
@@ -315,9 +344,23 @@ class SplitFileDataModule(FolderDataModule):
                 if not 0 <= label < self.num_classes:
                     raise ValueError(f"{where}: label {label} is outside [0, {self.num_classes}) (data.num_classes {self.num_classes})")
         self.samples = {split: [(str(self.root / relative), label) for relative, label, _ in entries] for split, entries in lines.items()}
-        missing = [path for samples in self.samples.values() for path, _ in samples if not os.path.isfile(path)]
+        sizes = {path: file_size(path) for samples in self.samples.values() for path, _ in samples}
+        missing = [path for path, size in sizes.items() if size is None]
         if missing:
             raise ValueError(f"{len(missing)} images named in the split files do not exist under data.root {str(self.root)!r}: {listing(missing)}")
+        for split, samples in self.samples.items():  # empty files, counted up front: the listed files are looked up anyway
+            empty, limit = [path for path, _ in samples if sizes[path] == 0], math.floor(self.max_corrupt_fraction * len(samples))
+            if len(empty) > limit:
+                raise TooManyUnreadableImages(
+                    f"{len(empty)} of {len(samples)} images of {self.split_files[split]} are empty files, more than "
+                    f"data.max_corrupt_fraction={self.max_corrupt_fraction} allows ({limit}): {listing(empty)}"
+                )
+        without_images = sorted(set(range(self.num_classes)) - {label for _, label in self.samples["train"]})
+        if without_images:  # a class of the probe and the metrics that training never sees
+            raise ValueError(
+                f"data.train_file {str(self.split_files['train'])!r} has images of {self.num_classes - len(without_images)} classes, but "
+                f"data.num_classes is {self.num_classes}: every class needs training images, none of label {listing(without_images)}"
+            )
 
     @staticmethod
     def read_split_file(split: str, path: Path) -> list[tuple[str, int, str]]:

@@ -10,6 +10,7 @@ The pretraining checkpoint is a model argument, never `ckpt_path` (which would t
 module from it).
 """
 
+import contextlib
 import dataclasses
 import importlib
 from pathlib import Path
@@ -18,6 +19,7 @@ import lightning as L
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from backbones import BackboneSpec, load_state_strictly
 from interop import official_trunk
@@ -25,7 +27,7 @@ from methods.base import PretrainMethod
 from methods.config import as_spec, save_plain_hyperparameters
 from methods.evaluation import EvaluationMixin
 from methods.optim import OptimizerSpec, ScheduleSpec, configure_optimization, parameter_groups
-from methods.reliability import CheckpointRecord, checked_record
+from methods.reliability import RECORD_KEY, CheckpointRecord, checked_record
 
 
 def load_backbone_state(checkpoint_path: str) -> tuple[dict[str, torch.Tensor], dict | None]:
@@ -103,10 +105,26 @@ class LinearProbe(CheckpointRecord, EvaluationMixin, L.LightningModule):
         self.optimizer_spec = as_spec(OptimizerSpec, optimizer)
         self.schedule_spec = as_spec(ScheduleSpec, schedule)
         self.init_evaluation(num_classes, knn_k, knn_temperature)
+        self.pretraining = pretraining_summary(pretrained_ckpt) if pretrained_ckpt else None
 
     def check_data(self, datamodule, world_size: int) -> None:
+        """Fail when the data cannot feed the probe; say which checkpoint is probed, and warn when it was pretrained on
+        another dataset or image size (the CLI calls this before anything is written)."""
         if tuple(datamodule.view_names) != self.views:
             raise ValueError(f"LinearProbe trains on one view named 'image', but data.views provides {list(datamodule.view_names)}")
+        if self.pretraining is None:
+            return
+        seen = self.pretraining
+        rank_zero_info(
+            f"probing model.pretrained_ckpt {self.hparams.pretrained_ckpt!r}: {seen['method']}, trunk {seen['backbone']}, pretrained on "
+            f"{seen['dataset']} ({seen['image_size']} px), epoch {seen['epoch']}, step {seen['step']}"
+        )
+        probe = (type(datamodule).__name__, datamodule.image_size)
+        if seen["dataset"] != "?" and (seen["dataset"], seen["image_size"]) != probe:
+            rank_zero_warn(
+                f"model.pretrained_ckpt {self.hparams.pretrained_ckpt!r} was pretrained on {seen['dataset']} at {seen['image_size']} px, "
+                f"this probe runs on {probe[0]} at {probe[1]} px"
+            )
 
     def train(self, mode: bool = True):
         """Keep the frozen trunk in eval mode whatever Lightning switches (BN statistics stay fixed)."""
@@ -126,3 +144,39 @@ class LinearProbe(CheckpointRecord, EvaluationMixin, L.LightningModule):
     def configure_optimizers(self):
         groups = parameter_groups(self.probe.named_parameters(), self.optimizer_spec)
         return configure_optimization(self.trainer, groups, self.optimizer_spec, self.schedule_spec)
+
+
+def pretraining_summary(checkpoint_path: str) -> dict:
+    """What a pretraining checkpoint says about itself: its method, trunk, dataset (the DataModule class) and image size,
+    epoch and step; `?` for what it does not record (e.g. a file in another format)."""
+    try:
+        checkpoint = torch.load(Path(checkpoint_path).expanduser(), map_location="cpu", weights_only=True, mmap=True)
+    except Exception:
+        checkpoint = {}
+    record = checkpoint.get(RECORD_KEY) or {}
+    data = (record.get("config") or {}).get("data") or {}
+    dataset = data.get("class_path")
+    image_size = (data.get("init_args") or {}).get("image_size")
+    if dataset is not None and image_size is None:  # a class attribute (Digits-M, CIFAR: 32 px)
+        module_name, _, class_name = dataset.rpartition(".")
+        with contextlib.suppress(ImportError):
+            image_size = getattr(getattr(importlib.import_module(module_name), class_name, None), "image_size", None)
+    return {
+        "method": record.get("module", "?"),
+        "backbone": (checkpoint.get("hyper_parameters", {}).get("backbone") or {}).get("name", "?"),
+        "dataset": dataset.rsplit(".", 1)[-1] if dataset else "?",
+        "image_size": "?" if image_size is None else image_size,
+        "epoch": checkpoint.get("epoch", "?"),
+        "step": checkpoint.get("global_step", "?"),
+    }
+
+
+def probe_run_directory(pretrained_ckpt: str | None, dataset: str, seed: int) -> str:
+    """Where a probe runs unless trainer.default_root_dir says otherwise: in the run directory of its pretraining
+    checkpoint (the folder above `checkpoints/`, else the checkpoint's own folder), under `linear/`, where
+    `scripts/compare.py` and `scripts/sweep.py` look; a random trunk's under `runs/linear_random_<dataset>_s<seed>`."""
+    if pretrained_ckpt is None:
+        return f"runs/linear_random_{dataset}_s{seed}"
+    folder = Path(pretrained_ckpt).parent
+    return str((folder.parent if folder.name == "checkpoints" else folder) / "linear")
+

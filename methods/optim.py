@@ -40,6 +40,12 @@ class OptimizerSpec:
     # on a CUDA device (LARS is always multi-tensor, `torch._foreach_*`), true asks for it anywhere torch has it.
     fused: bool | None = None
 
+    def __post_init__(self):
+        # the values as configured: torch would name the scaled learning rate, a number the user never wrote
+        for name in ("lr", "weight_decay", "momentum"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"optimizer.{name} must be >= 0, got {getattr(self, name):g}")
+
     def effective_lr(self, global_batch_size: int) -> float:
         ratio = global_batch_size / 256
         return self.lr * {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[self.lr_scaling]

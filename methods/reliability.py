@@ -141,8 +141,8 @@ class LastCheckpointOnSigterm(Callback):
     from, which is why this is not `ModelCheckpoint(save_on_exception=True)`: that saves on any exception."""
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
-        if not isinstance(exception, SIGTERMException):
-            return
+        if not isinstance(exception, SIGTERMException) or trainer.fast_dev_run:
+            return  # a smoke run (`fast_dev_run`) leaves no checkpoint to resume from
         for callback in trainer.checkpoint_callbacks:
             if isinstance(callback, ModelCheckpoint) and callback.save_last and callback.dirpath:
                 trainer.save_checkpoint(last_checkpoint_path(callback))

@@ -4,9 +4,11 @@ import json
 from pathlib import Path
 
 import pytest
+from lightning.pytorch.accelerators import CUDAAccelerator, MPSAccelerator
 
 import main_linear
 import main_pretrain
+from datamodules.imagenet import IMAGENET100_WNIDS
 
 ROOT = Path(__file__).parents[1]
 CONFIGS = sorted(ROOT.glob("configs/*.yaml"))
@@ -66,7 +68,7 @@ def test_bad_input_ends_with_one_error_line_naming_the_value_and_writes_nothing(
     assert not run_dir.exists()
 
 
-def test_pretrain_then_linear_probe_pipeline_with_reruns_in_the_same_directory(tmp_path, capsys):
+def test_pretrain_then_linear_probe_pipeline_with_reruns_and_a_validate_in_the_same_directory_keeps_each_stages_results(tmp_path, capsys):
     run_dir = tmp_path / "pretrain"
     args = ["fit", "--config", PRETRAIN_DIGITS, *TINY_RUN, f"--trainer.default_root_dir={run_dir}"]
     cli = main_pretrain.cli_main(args)  # the default logger: its files go to a version folder
@@ -79,6 +81,11 @@ def test_pretrain_then_linear_probe_pipeline_with_reruns_in_the_same_directory(t
     assert (run_dir / "config.yaml").is_file()
     results = json.loads((run_dir / "results_val.json").read_text())
     assert results["global_step"] == 2 and 0.0 <= results["metrics"]["val/knn_top1"] <= 1.0
+    assert "train/time_s" in results["metrics"] and "train/images_per_s" in results["metrics"]
+    main_pretrain.cli_main(["validate", *args[1:], "--trainer.logger=false", f"--ckpt_path={checkpoint}"])  # the README's validate, into the run
+    assert json.loads((run_dir / "results_val.json").read_text()) == results  # the training's results stay
+    validated = json.loads((run_dir / "results_validate.json").read_text())
+    assert validated["metrics"]["val/knn_top1"] == results["metrics"]["val/knn_top1"]  # the same weights, the same images
 
     linear = main_linear.cli_main(
         [
@@ -106,3 +113,61 @@ def test_linear_stage_refuses_a_checkpoint_that_does_not_fit_in_one_line(tmp_pat
         capsys,
     )
     assert "missing.ckpt' is not an existing file" in line
+
+
+@pytest.mark.parametrize("abbreviated", [["--trainer.max_epoch", "1"], ["--trainer.limit_train_batch=2"]], ids=["separate-value", "joined-value"])
+def test_an_abbreviated_option_is_refused_like_an_unknown_key(abbreviated, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    line = run_failing(main_pretrain, ["fit", "--config", PRETRAIN_DIGITS, *abbreviated, f"--trainer.default_root_dir={run_dir}", "--print_config"], capsys)
+    assert line == f"error: unrecognized arguments: {' '.join(abbreviated)} (run with --help for the accepted options)"
+    assert not run_dir.exists()
+
+
+def test_a_yaml_syntax_error_names_the_config_file_line_and_column(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("trainer:\n  max_epochs: 1\n   devices: [1\n")
+    line = run_failing(main_pretrain, ["fit", "--config", PRETRAIN_DIGITS, "--config", str(bad), f"--trainer.default_root_dir={tmp_path / 'run'}"], capsys)
+    assert line == f"error: config file {str(bad)!r}, line 3, column 11: mapping values are not allowed here"
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_ckpt_path_that_does_not_exist_is_one_error_line_and_nothing_is_written(tmp_path, capsys):
+    run_dir, missing = tmp_path / "run", tmp_path / "missing.ckpt"
+    line = run_failing(main_pretrain, ["fit", "--config", PRETRAIN_DIGITS, *TINY_RUN, f"--trainer.default_root_dir={run_dir}", f"--ckpt_path={missing}"], capsys)
+    assert line == f"error: ckpt_path '{missing}' is not an existing file (or `last`: the newest checkpoint of trainer.default_root_dir)"
+    assert not run_dir.exists()
+
+
+def test_a_fast_dev_run_leaves_no_checkpoint_or_results_that_a_later_run_would_take_up(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    main_pretrain.cli_main(["fit", "--config", PRETRAIN_DIGITS, *TINY_RUN, "--trainer.fast_dev_run=1", f"--trainer.default_root_dir={run_dir}"])
+    assert "val results: probe_top1" in capsys.readouterr().out  # it ran a training and a validation step
+    assert not list(run_dir.rglob("*.ckpt")) and not list(run_dir.rglob("results_*.json"))
+
+
+@pytest.fixture
+def no_gpu(monkeypatch):
+    """A machine without GPUs, wherever the test runs."""
+    for accelerator in (CUDAAccelerator, MPSAccelerator):
+        monkeypatch.setattr(accelerator, "is_available", staticmethod(lambda: False))
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ([], "trainer.devices 8 asks for 8 devices, but this machine has no GPU: give --trainer.devices 1 to train here, "
+             "or --trainer.accelerator cpu to start 8 CPU processes"),
+        (["--trainer.accelerator=gpu"], "trainer.accelerator 'gpu', but this machine has no GPU: give --trainer.accelerator cpu "
+                                        "(and --trainer.devices N for N CPU processes)"),
+    ],
+    ids=["8-devices-auto-accelerator", "gpu-accelerator"],
+)
+def test_a_multi_gpu_config_on_a_machine_without_gpus_is_one_error_line_naming_the_trainer_setting(override, expected, no_gpu, tmp_path, capsys):
+    for wnid in IMAGENET100_WNIDS:  # empty class folders: enough to build the DataModule
+        (tmp_path / "imagenet" / "train" / wnid).mkdir(parents=True)
+        (tmp_path / "imagenet" / "val" / wnid).mkdir(parents=True)
+    run_dir = tmp_path / "run"
+    line = run_failing(main_pretrain, ["fit", "--config", str(ROOT / "configs/sce_imagenet100.yaml"), f"--data.init_args.root={tmp_path / 'imagenet'}",
+                                       f"--trainer.default_root_dir={run_dir}", *override], capsys)
+    assert line == f"error: {expected}"
+    assert not run_dir.exists()

@@ -32,6 +32,7 @@ from datamodules import (
     TinyImageNetDataModule,
     UnlabeledFolderDataModule,
 )
+from datamodules.folders import TooManyUnreadableImages
 from datamodules.imagenet import IMAGENET100_WNIDS
 from datamodules.transforms import MultipleViews
 
@@ -356,6 +357,52 @@ def test_split_file_images_that_do_not_exist_are_listed_before_training(tmp_path
         SplitFileDataModule(root=str(tmp_path), train_file=str(train_file), val_file=str(val_file), views=VIEWS)
 
 
+def empty_class(dataset: str, root: Path) -> tuple:
+    """A dataset of the given format with one class that has no image: how to build it and the path or label the error names."""
+    if dataset == "image_folder":
+        for name in ("cat", "dog", "owl"):
+            for split in ("train", "val"):
+                save_image(root / split / name / "0.png")
+        (root / "train" / "dog" / "0.png").unlink()
+        return lambda: ImageFolderDataModule(root=str(root), views=VIEWS), str(root / "train" / "dog")
+    if dataset == "tiny_imagenet":
+        write_tiny_imagenet(root)
+        (root / "train" / "n00000007" / "images" / "n00000007_0.JPEG").unlink()  # its boxes file stays
+        return lambda: TinyImageNetDataModule(root=str(root), views=VIEWS), str(root / "train" / "n00000007")
+    if dataset == "unlabeled_folder_eval_root":
+        for path in ("labelled/train/cat/0.png", "labelled/train/dog/0.png", "labelled/val/cat/0.png", "raw/0.jpg"):
+            save_image(root / path)
+        (root / "labelled" / "val" / "dog").mkdir(parents=True)
+        return lambda: UnlabeledFolderDataModule(root=str(root / "raw"), eval_root=str(root / "labelled"), views=VIEWS), str(root / "labelled" / "val" / "dog")
+    train_file, val_file = write_split_files(root, [0, 0, 2], [0, 1, 2])  # split_file: label 1 has no training image
+    return lambda: SplitFileDataModule(root=str(root), train_file=str(train_file), val_file=str(val_file), views=VIEWS), "none of label 1"
+
+
+@pytest.mark.parametrize("dataset", ["image_folder", "tiny_imagenet", "unlabeled_folder_eval_root", "split_file"])
+def test_a_class_without_images_is_refused_naming_it_in_every_folder_based_format(dataset, tmp_path):
+    build, named = empty_class(dataset, tmp_path)
+    with pytest.raises(ValueError) as error:
+        build().setup()
+    assert named in str(error.value) and str(error.value).count("\n") == 0
+
+
+def test_an_emptied_imagenet100_class_folder_is_one_error_line_before_anything_is_written(tmp_path, capsys):
+    tree = write_imagenet_tree(tmp_path / "imagenet")
+    (tree / "train" / "n01558993" / "n01558993_train.JPEG").unlink()
+    run_dir = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_info:
+        main_pretrain.cli_main(["fit", "--config", str(ROOT / "configs/sce_imagenet100.yaml"), f"--data.init_args.root={tree}", "--data.init_args.batch_size=8",
+                                "--data.init_args.num_workers=0", "--data.init_args.image_size=32", "--model.init_args.backbone.name=timm:test_resnet",
+                                "--model.init_args.queue_size=16", "--model.init_args.projector.hidden_dim=32", "--trainer.fast_dev_run=1",
+                                "--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.strategy=auto", "--trainer.sync_batchnorm=false",
+                                "--trainer.precision=32-true", f"--trainer.default_root_dir={run_dir}"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: 1 of the 100 class folders of ImageNet100DataModule hold no image "
+        f"(extensions .jpg, .jpeg, .png, .ppm, .bmp, .pgm, .tif, .tiff, .webp): {tree / 'train' / 'n01558993'}")
+    assert not run_dir.exists()
+
+
 # ---------------------------------------------------------------- unreadable images
 def folder_with_corrupt_images(root: Path, corrupt: int) -> ImageFolderDataModule:
     for name in ("a", "b"):
@@ -385,6 +432,34 @@ def test_unreadable_images_beyond_the_limit_stop_with_a_clear_error(tmp_path):
     datamodule = ImageFolderDataModule(root=str(tmp_path), batch_size=10, num_workers=0, views=VIEWS)
     with pytest.raises(ValueError, match=r"1 of 10 images of .*train are unreadable, more than data.max_corrupt_fraction=0.01 allows \(0\); the latest: .*a/0.jpg"):
         next(iter(datamodule.train_dataloader()))
+
+
+@pytest.mark.parametrize("pipeline, workers", [("cpu", 2), ("gpu", 0)], ids=["decoded-in-dataloader-workers", "decoded-on-the-device"])
+def test_more_unreadable_images_than_allowed_end_the_cli_run_with_one_error_line(pipeline, workers, tmp_path, capsys):
+    folder_with_corrupt_images(tmp_path / "images", corrupt=5)
+    config = yaml.safe_load((ROOT / "configs/moco_digits.yaml").read_text())
+    config["data"] = {"class_path": "datamodules.ImageFolderDataModule", "init_args": {
+        "root": str(tmp_path / "images"), "image_size": 24, "batch_size": 8, "num_workers": workers, "pipeline": pipeline,
+        "max_corrupt_fraction": 0.2, "views": config["data"]["init_args"]["views"]}}
+    (tmp_path / "folder.yaml").write_text(yaml.safe_dump(config))
+    with pytest.raises(SystemExit) as exit_info:
+        main_pretrain.cli_main(["fit", "--config", str(tmp_path / "folder.yaml"), "--trainer.fast_dev_run=1", "--trainer.precision=32-true",
+                                "--model.init_args.momentum.split_bn=2", f"--trainer.default_root_dir={tmp_path / 'run'}"])
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert re.fullmatch(rf"error: \d+ of 10 images of {re.escape(str(tmp_path / 'images' / 'train'))} are unreadable, more than "
+                        r"data.max_corrupt_fraction=0.2 allows \(2\); the latest: .*\.jpg \(.+\)", lines[-1])
+    assert not any("Traceback" in line for line in lines)
+
+
+def test_empty_files_named_by_a_split_file_beyond_the_limit_are_counted_before_training(tmp_path):
+    train_file, val_file = write_split_files(tmp_path, [0, 0, 1, 1], [0, 1])
+    for name in ("train/0/train_0.jpg", "train/1/train_3.jpg"):
+        (tmp_path / name).write_bytes(b"")
+    with pytest.raises(TooManyUnreadableImages, match=rf"^2 of 4 images of {re.escape(str(train_file))} are empty files, more than "
+                                                      r"data.max_corrupt_fraction=0.25 allows \(1\): .*train_0.jpg, .*train_3.jpg$"):
+        SplitFileDataModule(root=str(tmp_path), train_file=str(train_file), val_file=str(val_file), views=VIEWS, max_corrupt_fraction=0.25)
+    SplitFileDataModule(root=str(tmp_path), train_file=str(train_file), val_file=str(val_file), views=VIEWS, max_corrupt_fraction=0.5)
 
 
 def test_the_unreadable_count_is_shared_by_the_dataloader_workers(tmp_path):

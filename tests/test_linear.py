@@ -1,3 +1,6 @@
+import logging
+import warnings
+
 import pytest
 import torch
 
@@ -73,3 +76,28 @@ def test_frozen_backbone_is_bit_identical_after_a_linear_probe_epoch(pretrained_
     assert not probe.backbone.training  # BN kept in eval mode through training and validation
     assert not torch.equal(probe.probe.weight, probe_before)
     assert "val/probe_top1" in trainer.callback_metrics
+
+
+@pytest.mark.parametrize(
+    "pretraining_data, warning",
+    [
+        ("datamodules.DigitsDataModule", None),
+        ("datamodules.CIFAR10DataModule", "was pretrained on CIFAR10DataModule at 32 px, this probe runs on DigitsDataModule at 32 px"),
+        ("datamodules.ImageNet100DataModule", "was pretrained on ImageNet100DataModule at 224 px, this probe runs on DigitsDataModule at 32 px"),
+    ],
+    ids=["same-dataset", "other-dataset", "other-dataset-and-image-size"],
+)
+def test_the_probe_says_what_it_loaded_and_warns_when_the_pretraining_dataset_or_image_size_differs(pretraining_data, warning, pretrained_checkpoint, tmp_path, caplog):
+    checkpoint = torch.load(pretrained_checkpoint[0], weights_only=True)
+    image_size = {"datamodules.ImageNet100DataModule": {"image_size": 224}}.get(pretraining_data, {})
+    checkpoint["contrastlab"]["config"] = {"data": {"class_path": pretraining_data, "init_args": image_size}}  # what the CLI records
+    path = tmp_path / "pretrain.ckpt"
+    torch.save(checkpoint, path)
+    probe = LinearProbe(pretrained_ckpt=str(path))
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.INFO):
+        warnings.simplefilter("always")
+        probe.check_data(digits(LINEAR_VIEWS), world_size=1)
+    dataset, size = pretraining_data.removeprefix("datamodules."), image_size.get("image_size", 32)
+    assert (f"probing model.pretrained_ckpt '{path}': methods.moco.MoCoV2, trunk resnet18, pretrained on {dataset} ({size} px), "
+            f"epoch {checkpoint['epoch']}, step 1") in caplog.text
+    assert [str(warning.message) for warning in caught] == ([f"model.pretrained_ckpt '{path}' {warning}"] if warning else [])

@@ -3,6 +3,7 @@ inputs, checkpoint compatibility (methods/reliability.py, the CLI, the DataModul
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -293,12 +294,12 @@ def test_a_signalled_cli_run_exits_with_a_loadable_last_ckpt(signum, status, sav
 SIGNALLED_RUN = [*TINY_RUN, "--trainer.limit_val_batches=0", "--trainer.logger=false", "--trainer.precision=32-true"]
 
 
-def sigterm_at_first_step(run_dir) -> None:
-    """A CLI run stopped by SIGTERM in its first step, before any epoch-end checkpoint."""
+def sigterm_at_first_step(run_dir, step: int = 0, max_epochs: int = 2) -> None:
+    """A CLI run stopped by SIGTERM in its first step (before any epoch-end checkpoint), or in the given one."""
     with pytest.raises(SystemExit):
-        main_pretrain.cli_main(["fit", "--config", PRETRAIN_DIGITS, *SIGNALLED_RUN, "--trainer.max_epochs=2", f"--trainer.default_root_dir={run_dir}",
+        main_pretrain.cli_main(["fit", "--config", PRETRAIN_DIGITS, *SIGNALLED_RUN, f"--trainer.max_epochs={max_epochs}", f"--trainer.default_root_dir={run_dir}",
                                 "--trainer.callbacks+=test_reliability.SignalAtStep", f"--trainer.callbacks.signum={int(signal.SIGTERM)}",
-                                "--trainer.callbacks.step=0"])
+                                f"--trainer.callbacks.step={step}"])
 
 
 def test_a_run_resumed_from_a_signal_checkpoint_keeps_writing_the_same_last_ckpt(tmp_path):
@@ -309,18 +310,69 @@ def test_a_run_resumed_from_a_signal_checkpoint_keeps_writing_the_same_last_ckpt
     assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 4
 
 
+SLURM_JOB = dict(SLURM_NTASKS="1", SLURM_JOB_NAME="pretrain", SLURM_JOB_ID="4242", SLURM_NODELIST="node1", SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_NODEID="0")
+
+
 def test_a_requeued_slurm_job_without_an_hpc_checkpoint_resumes_from_last_ckpt(tmp_path, monkeypatch, capsys):
     """Preempted by SIGTERM (or a failed node) before any SIGUSR1: the requeued job runs the same command."""
     run_dir = tmp_path / "run"
     sigterm_at_first_step(run_dir)
-    for name, value in dict(SLURM_NTASKS="1", SLURM_JOB_NAME="pretrain", SLURM_JOB_ID="4242", SLURM_NODELIST="node1",
-                            SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_NODEID="0").items():
+    for name, value in SLURM_JOB.items():
         monkeypatch.setenv(name, value)
     command = ["fit", "--config", PRETRAIN_DIGITS, *SIGNALLED_RUN, "--trainer.max_epochs=2", f"--trainer.default_root_dir={run_dir}"]
     assert run_failing(main_pretrain, command, capsys).endswith("already holds a run: resume it with --ckpt_path last, or start a new one under another trainer.default_root_dir")
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
     cli = main_pretrain.cli_main(command)
     assert cli.trainer.global_step == 4 and cli.trainer.ckpt_path == str(run_dir / "checkpoints" / "last.ckpt")
+
+
+def cut_short(path: Path) -> None:
+    """What a copy interrupted half-way, or a full disk, leaves of a checkpoint."""
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_two_epochs(tmp_path_factory) -> dict:
+    """last.ckpt of a two-epoch CLI run that nothing interrupted."""
+    run_dir = tmp_path_factory.mktemp("straight")
+    main_pretrain.cli_main(["fit", "--config", PRETRAIN_DIGITS, *SIGNALLED_RUN, "--trainer.max_epochs=2", f"--trainer.default_root_dir={run_dir}"])
+    return torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
+
+
+@pytest.mark.parametrize("resume", ["ckpt_path-last", "requeued-slurm-job"])
+def test_a_truncated_last_ckpt_resumes_from_the_newest_readable_checkpoint_with_a_warning_and_ends_as_an_uninterrupted_run(
+        resume, uninterrupted_two_epochs, tmp_path, monkeypatch):
+    run_dir = tmp_path / "run"
+    sigterm_at_first_step(run_dir, step=2)  # in epoch 1: last.ckpt holds step 3, epoch=0-step=2.ckpt the end of epoch 0
+    last, older = run_dir / "checkpoints" / "last.ckpt", run_dir / "checkpoints" / "epoch=0-step=2.ckpt"
+    assert torch.load(last, weights_only=True)["global_step"] == 3 and older.is_file()
+    cut_short(last)
+    if resume == "requeued-slurm-job":
+        for name, value in (SLURM_JOB | {"SLURM_RESTART_COUNT": "1"}).items():
+            monkeypatch.setenv(name, value)
+    with pytest.warns(UserWarning) as warned:
+        cli = main_pretrain.cli_main(["fit", "--config", PRETRAIN_DIGITS, *SIGNALLED_RUN, "--trainer.max_epochs=2", f"--trainer.default_root_dir={run_dir}",
+                                      *(["--ckpt_path=last"] if resume == "ckpt_path-last" else [])])
+    messages = "\n".join(str(warning.message) for warning in warned)
+    assert f"{last} could not be read as a checkpoint: " in messages
+    assert f": resuming from {older} instead, the newest readable checkpoint of this run" in messages
+    assert cli.trainer.ckpt_path == str(older) and cli.trainer.global_step == 4
+    resumed = torch.load(last, weights_only=True)
+    for key in ("state_dict", "optimizer_states", "DigitsDataModule"):
+        assert_identical(uninterrupted_two_epochs[key], resumed[key], key)
+
+
+def test_a_truncated_last_ckpt_without_another_readable_checkpoint_is_one_error_line_and_nothing_is_written(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    sigterm_at_first_step(run_dir)  # last.ckpt only: stopped before the first epoch ended
+    last = run_dir / "checkpoints" / "last.ckpt"
+    cut_short(last)
+    before = {path: path.stat().st_mtime_ns for path in run_dir.rglob("*")}
+    with_the_configs_logger = [argument for argument in SIGNALLED_RUN if argument != "--trainer.logger=false"]  # W&B writes into the run directory
+    line = run_failing(main_pretrain, ["fit", "--config", PRETRAIN_DIGITS, *with_the_configs_logger, f"--trainer.default_root_dir={run_dir}", "--ckpt_path=last"], capsys)
+    assert line.startswith(f"error: {last} could not be read as a checkpoint: ")
+    assert line.endswith("; this run holds no other readable checkpoint: start a new run under another trainer.default_root_dir")
+    assert {path: path.stat().st_mtime_ns for path in run_dir.rglob("*")} == before
 
 
 def test_a_sigusr1_outside_slurm_kills_a_training_subprocess_and_last_ckpt_still_loads(tmp_path):
@@ -551,6 +603,37 @@ def test_the_linear_stage_refuses_a_checkpoint_of_another_method_family_in_one_l
                         "probes the trunk of a pretraining method (methods.PretrainMethod, e.g. methods.MoCoV2)")
 
 
+def test_main_linear_given_a_pretraining_checkpoint_as_ckpt_path_points_to_model_pretrained_ckpt(cli_checkpoint, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    line = run_failing(main_linear, ["fit", "--config", LINEAR_DIGITS, f"--ckpt_path={cli_checkpoint}", f"--trainer.default_root_dir={run_dir}"], capsys)
+    assert line == (f"error: ckpt_path '{cli_checkpoint}' is a methods.moco.MoCoV2 checkpoint, but this run's model is methods.LinearProbe: "
+                    "--ckpt_path resumes or evaluates a run of the same model (a pretraining checkpoint to probe is --model.pretrained_ckpt)")
+    assert not run_dir.exists()
+
+
+TINY_PROBE = ["--trainer.max_epochs=1", "--trainer.limit_train_batches=2", "--trainer.limit_val_batches=2", "--trainer.enable_progress_bar=false",
+              "--data.init_args.train_variants=1", "--data.init_args.eval_variants=1"]
+
+
+def test_a_probe_runs_under_its_pretraining_run_and_resuming_it_with_another_pretrained_ckpt_is_refused(cli_checkpoint, tmp_path, capsys):
+    pretrained, other = tmp_path / "moco" / "checkpoints" / "last.ckpt", tmp_path / "other" / "last.ckpt"
+    for copy in (pretrained, other):
+        copy.parent.mkdir(parents=True)
+        shutil.copy(cli_checkpoint, copy)
+    probe = ["fit", "--config", LINEAR_DIGITS, *TINY_PROBE]
+    cli = main_linear.cli_main([*probe, f"--model.pretrained_ckpt={pretrained}"])
+    probe_dir = tmp_path / "moco" / "linear"
+    assert cli.trainer.default_root_dir == str(probe_dir) and (probe_dir / "results_val.json").is_file()
+    assert yaml.safe_load((probe_dir / "config.yaml").read_text())["trainer"]["default_root_dir"] == str(probe_dir)
+    before = {path: path.stat().st_mtime_ns for path in probe_dir.rglob("*")}
+    for ckpt_path in ("last", probe_dir / "checkpoints" / "last.ckpt"):
+        line = run_failing(main_linear, [*probe, f"--model.pretrained_ckpt={other}", f"--trainer.default_root_dir={probe_dir}", f"--ckpt_path={ckpt_path}"], capsys)
+        assert line.endswith(f"holds a probe of model.pretrained_ckpt '{pretrained}', not of '{other}': resuming it would restore the trunk of "
+                             f"'{pretrained}'; probe '{other}' under another trainer.default_root_dir")
+    assert {path: path.stat().st_mtime_ns for path in probe_dir.rglob("*")} == before
+    assert main_linear.cli_main([*probe, f"--model.pretrained_ckpt={other}"]).trainer.default_root_dir == str(tmp_path / "other" / "linear")
+
+
 # ----------------------------------------------------------------- bad inputs
 @pytest.mark.parametrize(
     "config, override, expected",
@@ -560,6 +643,8 @@ def test_the_linear_stage_refuses_a_checkpoint_of_another_method_family_in_one_l
         ("sce_digits", "--model.init_args.coeff=1.5", "coeff must lie in [0, 1], got 1.5"),
         ("tcl_digits", "--model.init_args.k1=-1", "model.k1 and model.k2 must be >= 0, got k1=-1.0"),
         ("paco_digits_lt", "--model.init_args.temperature=-0.1", "model.temperature must be > 0, got -0.1"),
+        ("moco_digits", "--model.init_args.optimizer.lr=-1", "optimizer.lr must be >= 0, got -1"),  # as given, not scaled to -0.5
+        ("ce_digits_lt", "--model.init_args.optimizer.weight_decay=-1e-4", "optimizer.weight_decay must be >= 0, got -0.0001"),
     ],
 )
 def test_an_out_of_range_or_mistyped_value_ends_with_one_error_line_naming_it(config, override, expected, tmp_path, capsys):
