@@ -80,7 +80,7 @@ def detect_format(checkpoint: Any, backbone_name: str | None, source: str) -> st
         return "timm" if (backbone_name or "").startswith("timm:") else "torchvision"
     entries = checkpoint if isinstance(checkpoint, dict) else {}
     keys = entries.get("state_dict") if isinstance(entries.get("state_dict"), dict) else {}
-    if LIGHTNING_KEY in entries and any(key.startswith("backbone.") for key in keys):
+    if any(key.startswith("backbone.") for key in keys):  # no official layout names its trunk `backbone`
         return "contrastlab"
     if any(key.startswith("module.encoder_q.") for key in keys):
         return "paco" if "module.linear.weight" in keys else "moco"

@@ -11,6 +11,7 @@
 - The long-tail classifiers (PaCo and its baselines) build on `MethodBase` in `methods/longtail.py`.
 """
 
+import warnings
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
@@ -27,6 +28,9 @@ from methods.momentum import KeyQueue
 from methods.optim import OptimizerSpec, ScheduleSpec, configure_optimization, parameter_groups
 from methods.reliability import CheckpointRecord
 
+# The method's `on_after_batch_transfer` draws the views on the device from the DataModule's `augment_on_device`, by
+# design: Lightning's warning that the module's hook is used although a DataModule is given tells nothing
+warnings.filterwarnings("ignore", message="You have overridden `on_after_batch_transfer` in `LightningModule` but have passed in a `LightningDataModule`")
 
 @dataclass
 class CompileSpec:

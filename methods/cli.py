@@ -32,10 +32,12 @@
 
 import importlib
 import json
+import logging
 import os
 import re
 import signal
 import sys
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable
@@ -68,6 +70,12 @@ from methods.reliability import (
     write_atomically,
 )
 from methods.tracking import TrainingThroughput, WandbRun
+
+# Noise a user cannot act on: Lightning's advertisement for LitLogger at every start, and the deprecation that its own
+# pytree helper triggers in torch (lightning/pytorch/utilities/_pytree.py) at every fit
+for logger_name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+    logging.getLogger(logger_name).addFilter(lambda record: not record.getMessage().startswith("💡 Tip: For seamless cloud logging"))
+warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
 
 SUMMARY_KEYS = ("probe_top1", "probe_top5", "knn_top1", "knn_top5", "top1", "many_top1", "medium_top1", "few_top1")
 

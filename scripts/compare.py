@@ -12,7 +12,8 @@ Each argument is a run, a W&B run, or a directory holding runs:
   run; the linear stage, as above, from `<root>/linear`;
 - any other directory: every run below it (a run's own subdirectories, e.g. its linear stage, belong to it).
 
-Runs whose `model`, `data` and `trainer` settings differ only in the seed and the run directory form one row:
+Runs whose `model`, `data` and `trainer` settings differ only in the seed and in run control (`RUN_CONTROL`: run
+directory, logging, batch limits, validation frequency) form one row:
 method x dataset (and, where rows of one method and dataset differ, the settings that set them apart), with
 the mean ± sample standard deviation over seeds of the linear, kNN and online-probe top-1, the training time
 and the training images per second (`methods.tracking.TrainingThroughput`). A metric that no run of a row
@@ -23,6 +24,7 @@ Writes `OUT/comparison.md`, `OUT/comparison.csv` (the same rows, metrics in thei
 """
 
 import argparse
+import collections
 import csv
 import io
 import json
@@ -51,7 +53,14 @@ COLUMNS = {  # metric key -> (column, scale)
 LOSS_CURVE = "train/loss"
 VAL_CURVES = ("val/knn_top1", "val/probe_top1", "val/top1")  # the first that a run logged is plotted
 GROUPING_SECTIONS = ("model", "data", "trainer")
-NOT_GROUPING = ("trainer.default_root_dir", "trainer.logger")  # differ between the seeds of one setting
+# Run control: where a run writes, what it logs and shows, how much of an epoch it runs and how often it validates.
+# These differ between the repeats of one setting (a smoke run, a shortened sweep) and never set rows apart.
+RUN_CONTROL = tuple(
+    f"trainer.{key}"
+    for key in ("default_root_dir", "logger", "callbacks", "enable_progress_bar", "enable_model_summary", "enable_checkpointing",
+                "log_every_n_steps", "limit_", "num_sanity_val_steps", "check_val_every_n_epoch", "val_check_interval",
+                "fast_dev_run", "profiler")
+)
 
 
 @dataclass
@@ -75,9 +84,9 @@ class Run:
         return self.config.get("seed_everything", "n/a")
 
     def setting(self) -> dict[str, str]:
-        """The flattened `model`, `data` and `trainer` settings, without what differs between seeds."""
+        """The flattened `model`, `data` and `trainer` settings, without run control (`RUN_CONTROL`)."""
         flat = flatten({section: self.config.get(section) for section in GROUPING_SECTIONS})
-        return {key: value for key, value in flat.items() if not key.startswith(NOT_GROUPING)}
+        return {key: value for key, value in flat.items() if not key.startswith(RUN_CONTROL)}
 
 
 def flatten(tree, prefix: str = "") -> dict[str, str]:
@@ -256,17 +265,23 @@ def write_table(rows: list[tuple[str, list[Run]]], columns: dict[str, tuple[str,
     return markdown
 
 
+def curve_labels(rows: list[tuple[str, list[Run]]]) -> list[tuple[str, Run]]:
+    """Each run's legend label: method, dataset, the row's setting and the seed; where that names two runs (repeats
+    of one seed, or W&B runs of one name), each adds its run directory."""
+    labelled = [(f"{run.method} {run.dataset} {setting} s{run.seed}".replace("  ", " "), run) for setting, runs in rows for run in runs]
+    counts = collections.Counter(label for label, _ in labelled)
+    return [(f"{label} [{run.path}]" if counts[label] > 1 else label, run) for label, run in labelled]
+
+
 def plot_curves(rows: list[tuple[str, list[Run]]], out: Path) -> None:
     figure, (loss_axes, val_axes) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for setting, runs in rows:
-        for run in runs:
-            label = f"{run.method} {run.dataset} {setting} s{run.seed}".replace("  ", " ")
-            if LOSS_CURVE in run.curves:
-                loss_axes.plot(*zip(*run.curves[LOSS_CURVE]), label=label)
-            val_metric = next((metric for metric in VAL_CURVES if metric in run.curves), None)
-            if val_metric is not None:
-                steps, values = zip(*run.curves[val_metric])
-                val_axes.plot(steps, [100 * value for value in values], marker="o", label=f"{label} ({val_metric})")
+    for label, run in curve_labels(rows):
+        if LOSS_CURVE in run.curves:
+            loss_axes.plot(*zip(*run.curves[LOSS_CURVE]), label=label)
+        val_metric = next((metric for metric in VAL_CURVES if metric in run.curves), None)
+        if val_metric is not None:
+            steps, values = zip(*run.curves[val_metric])
+            val_axes.plot(steps, [100 * value for value in values], marker="o", label=f"{label} ({val_metric})")
     loss_axes.set(title="training loss", xlabel="step", ylabel=LOSS_CURVE)
     val_axes.set(title="validation top-1", xlabel="step", ylabel="top-1 (%)")
     for axes in (loss_axes, val_axes):

@@ -1,6 +1,8 @@
 """The two entry points, driven as a user drives them (in-process, `cli_main(args)`)."""
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -171,3 +173,21 @@ def test_a_multi_gpu_config_on_a_machine_without_gpus_is_one_error_line_naming_t
                                        f"--trainer.default_root_dir={run_dir}", *override], capsys)
     assert line == f"error: {expected}"
     assert not run_dir.exists()
+
+
+@pytest.mark.parametrize(
+    "entry, arguments",
+    [("main_pretrain.py", ["--config", PRETRAIN_DIGITS]),
+     ("main_linear.py", ["--config", LINEAR_DIGITS, "--model.random_init=true", "--model.backbone.name=timm:test_resnet"])],
+    ids=["pretraining", "linear-stage"],
+)
+def test_a_run_prints_none_of_the_log_noise_that_the_project_causes_or_knowingly_triggers(entry, arguments, tmp_path):
+    result = subprocess.run([sys.executable, str(ROOT / entry), "fit", *arguments, "--trainer.max_epochs=1", "--trainer.limit_train_batches=2",
+                             "--trainer.check_val_every_n_epoch=1", "--trainer.limit_val_batches=2", "--trainer.enable_progress_bar=false",
+                             "--data.init_args.train_variants=1", "--data.init_args.eval_variants=1", f"--trainer.default_root_dir={tmp_path}"],
+                            cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    output = result.stdout + result.stderr
+    assert "val results: probe_top1" in output
+    for noise in ("litlogger", "LeafSpec", "You have overridden `on_after_batch_transfer`", "module(s) in eval mode"):
+        assert noise not in output

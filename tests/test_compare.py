@@ -22,10 +22,12 @@ def config(directory: Path, seed: int, temperature: float = 0.2) -> dict:
     }
 
 
-def write_run(directory: Path, seed: int, metrics: dict, temperature: float = 0.2, linear: float | None = None) -> None:
+def write_run(directory: Path, seed: int, metrics: dict, temperature: float = 0.2, linear: float | None = None, trainer: dict | None = None) -> None:
     """What the CLI leaves in a run directory (`config.yaml`, `results_val.json`) and the linear stage in `linear/`."""
     directory.mkdir(parents=True)
-    (directory / "config.yaml").write_text(yaml.safe_dump(config(directory, seed, temperature)))
+    settings = config(directory, seed, temperature)
+    settings["trainer"] |= trainer or {}
+    (directory / "config.yaml").write_text(yaml.safe_dump(settings))
     (directory / "results_val.json").write_text(json.dumps({"epoch": 5, "global_step": 10, "metrics": metrics}))
     if linear is not None:
         (directory / "linear").mkdir()
@@ -49,6 +51,21 @@ def test_seeds_of_one_setting_make_one_row_of_mean_and_sample_std_and_missing_me
     assert rows["model.temperature=0.2"]["train/images_per_s n"] == "1"
     assert rows["model.temperature=0.1"]["linear/val/probe_top1 mean"] == "n/a"
     assert (tmp_path / "out" / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_run_control_settings_set_no_rows_apart_and_runs_of_one_label_get_distinct_legend_entries(tmp_path):
+    runs = tmp_path / "runs"
+    shortened = {"limit_train_batches": 40.0, "limit_val_batches": 2, "logger": False, "enable_progress_bar": False}
+    write_run(runs / "full", 0, {"val/knn_top1": 0.2})
+    write_run(runs / "smoke", 0, {"val/knn_top1": 0.4}, trainer=shortened)
+    write_run(runs / "tau0.1", 0, {"val/knn_top1": 0.1}, temperature=0.1, trainer=shortened)
+    found = [run for run in compare.find_runs(runs)]
+    rows = compare.group(found)
+    assert [(setting, [run.path.name for run in members]) for setting, members in rows] == [
+        ("model.temperature=0.2", ["full", "smoke"]), ("model.temperature=0.1", ["tau0.1"])]
+    assert [label for label, _ in compare.curve_labels(rows)] == [
+        f"MoCoV2 Digits model.temperature=0.2 s0 [{runs / 'full'}]", f"MoCoV2 Digits model.temperature=0.2 s0 [{runs / 'smoke'}]",
+        "MoCoV2 Digits model.temperature=0.1 s0"]
 
 
 def test_a_run_with_only_a_csv_log_gives_its_last_logged_values_and_curves(tmp_path):

@@ -337,7 +337,7 @@ def test_validate_reports_the_shot_metrics_of_a_released_paco_model(tmp_path, ca
         f"--trainer.default_root_dir={tmp_path / 'run'}",
     ])  # fmt: skip
     assert "val results: top1" in capsys.readouterr().out
-    logged = json.loads((tmp_path / "run" / "results_val.json").read_text())["metrics"]
+    logged = json.loads((tmp_path / "run" / "results_validate.json").read_text())["metrics"]
     assert {"val/top1", "val/many_top1", "val/medium_top1", "val/few_top1"} <= set(logged)
 
 

@@ -53,7 +53,9 @@ def test_profile_writes_the_operator_table_of_the_timed_steps(tmp_path, capsys):
             "--warmup", "1", "--num-workers", "0", "--pipelines", "gpu", "--profile", str(tmp_path), "--", *TINY]
     assert throughput.main(argv) == 0
     table = (tmp_path / "profile_gpu.txt").read_text()
-    assert "Self CPU" in table and "aten::convolution" in table  # the trunk's convolutions were profiled
+    assert "Self CPU" in table
+    # the trunk's convolutions were profiled (which aten op names them depends on the CPU kernel chosen)
+    assert re.search(r"aten::\w*conv\w*", table)
     assert not (tmp_path / "profile_cpu.txt").exists()
 
 
