@@ -73,11 +73,11 @@ def fixed_batch_infonce(model: MoCoV2, batch: dict, negatives: torch.Tensor) -> 
 
 def test_moco_training_steps_lower_the_loss_on_the_embedded_data(tmp_path):
     model = tiny_moco()
-    datamodule = digits(MOCO_VIEWS, batch_size=64)
+    datamodule = digits(MOCO_VIEWS, batch_size=32)
     batch = first_batch(datamodule)
     initial_queue = model.queue.read()  # the negatives of the first step
     before = fixed_batch_infonce(model, batch, initial_queue)
-    cpu_trainer(tmp_path, max_steps=30, limit_val_batches=0).fit(model, datamodule)
+    cpu_trainer(tmp_path, max_steps=20, limit_val_batches=0).fit(model, datamodule)
     after = fixed_batch_infonce(model, batch, initial_queue)
     assert after < 0.7 * before, (before, after)
 

@@ -133,10 +133,10 @@ def test_bad_sce_settings_are_refused_with_their_values():
 @pytest.mark.parametrize("method", [SCE, ReSSL])
 def test_training_steps_lower_the_loss_on_the_embedded_data(method, tmp_path):
     model = tiny(method)
-    datamodule = digits(WEAK_STRONG, batch_size=64)
+    datamodule = digits(WEAK_STRONG, batch_size=32)
     batch = first_batch(datamodule)
     queue = model.queue.read()
     before = fixed_batch_loss(model, batch, queue)
-    cpu_trainer(tmp_path, max_steps=30, limit_val_batches=0).fit(model, datamodule)
+    cpu_trainer(tmp_path, max_steps=20, limit_val_batches=0).fit(model, datamodule)
     after = fixed_batch_loss(model, batch, queue)
     assert after < before - 0.1 * abs(before), (before, after)
