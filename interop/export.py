@@ -38,6 +38,7 @@ import torchvision
 
 from backbones import BackboneSpec, load_state_strictly
 from backbones.factory import TORCHVISION_BUILDERS
+from interop.files import read_checkpoint
 from interop.official import layout_of
 from methods import LinearProbe, LongTailClassifier, PretrainMethod
 from methods.config import as_spec
@@ -105,12 +106,7 @@ def _save_safetensors(state: dict[str, torch.Tensor], path: Path) -> None:
 
 
 def _read_contrastlab(path: Path, source: str) -> tuple[dict, type]:
-    if not path.is_file():
-        raise ValueError(f"{source} is not an existing file")
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:  # a truncated or foreign file: say which file, not a pickle traceback
-        raise ValueError(f"{source} could not be read as a checkpoint: {error}") from None
+    checkpoint = read_checkpoint(path, source)
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
         raise ValueError(f"{source} is not a contrastlab checkpoint (no Lightning state_dict); a published one is read by interop.official")
     record = checked_record(checkpoint, source) or {}

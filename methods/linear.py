@@ -23,6 +23,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from backbones import BackboneSpec, load_state_strictly
 from interop import official_trunk
+from interop.files import read_checkpoint
 from methods.base import PretrainMethod
 from methods.config import as_spec, save_plain_hyperparameters
 from methods.evaluation import EvaluationMixin
@@ -32,13 +33,7 @@ from methods.reliability import RECORD_KEY, CheckpointRecord, checked_record
 
 def load_backbone_state(checkpoint_path: str) -> tuple[dict[str, torch.Tensor], dict | None]:
     """The `backbone.*` weights (prefix removed) and the backbone spec stored in a pretraining checkpoint."""
-    path = Path(checkpoint_path).expanduser()
-    if not path.is_file():
-        raise ValueError(f"model.pretrained_ckpt {checkpoint_path!r} is not an existing file")
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:  # a truncated or foreign file: say which file, not a pickle traceback
-        raise ValueError(f"model.pretrained_ckpt {checkpoint_path!r} could not be read as a checkpoint: {error}") from None
+    checkpoint = read_checkpoint(checkpoint_path, f"model.pretrained_ckpt {checkpoint_path!r}")
     state = {
         key.removeprefix("backbone."): value
         for key, value in checkpoint.get("state_dict", {}).items()
