@@ -36,3 +36,15 @@ def fixed_batch_loss(model, batch: dict, queue: torch.Tensor) -> float:
     frozen.queue.keys.copy_(queue)
     with torch.no_grad():
         return frozen.contrastive_step(batch)[0].item()
+
+
+def randomised(module: torch.nn.Module, seed: int = 2) -> torch.nn.Module:
+    """BatchNorm statistics and affine parameters away from their initial values (exported and imported with the weights)."""
+    generator = torch.Generator().manual_seed(seed)
+    for child in module.modules():
+        if isinstance(child, torch.nn.BatchNorm2d):
+            child.running_mean.copy_(torch.randn(child.num_features, generator=generator) * 0.1)
+            child.running_var.copy_(torch.rand(child.num_features, generator=generator) + 0.5)
+            child.weight.data.copy_(torch.rand(child.num_features, generator=generator) + 0.5)
+            child.bias.data.copy_(torch.randn(child.num_features, generator=generator) * 0.1)
+    return module

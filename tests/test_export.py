@@ -18,25 +18,13 @@ from safetensors.torch import load_file
 import main_linear
 import main_pretrain
 from backbones import BackboneSpec
-from helpers import TINY_PROJECTOR
+from helpers import TINY_PROJECTOR, randomised
 from interop.export import export, main as export_command
 from methods import CrossEntropy, LinearProbe, MoCoV2, PaCo, SimCLR
 from methods.longtail import tau_normalised
 
 ROOT = Path(__file__).parents[1]
 IMAGES = torch.rand(2, 3, 16, 16, generator=torch.Generator().manual_seed(1))
-
-
-def randomised(module: nn.Module, seed: int = 2) -> nn.Module:
-    """BatchNorm statistics and affine parameters away from their initial values (they are exported too)."""
-    generator = torch.Generator().manual_seed(seed)
-    for child in module.modules():
-        if isinstance(child, nn.BatchNorm2d):
-            child.running_mean.copy_(torch.randn(child.num_features, generator=generator) * 0.1)
-            child.running_var.copy_(torch.rand(child.num_features, generator=generator) + 0.5)
-            child.weight.data.copy_(torch.rand(child.num_features, generator=generator) + 0.5)
-            child.bias.data.copy_(torch.randn(child.num_features, generator=generator) * 0.1)
-    return module
 
 
 def saved(model: L.LightningModule, path: Path) -> Path:

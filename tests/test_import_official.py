@@ -19,6 +19,7 @@ from backbones import BackboneSpec
 from interop.files import read_checkpoint
 from interop.official import detect_format
 from methods import CrossEntropy, LinearProbe, PaCo
+from helpers import randomised
 
 ROOT = Path(__file__).parents[1]
 IMAGES = torch.rand(2, 3, 16, 16, generator=torch.Generator().manual_seed(1))
@@ -32,18 +33,6 @@ class OptionsOfAnotherProject:
         self.options = options
 
 
-def randomised(model: nn.Module) -> nn.Module:
-    """Eval mode, with BatchNorm statistics and affine parameters that are not their initial values."""
-    generator = torch.Generator().manual_seed(2)
-    for module in model.modules():
-        if isinstance(module, nn.BatchNorm2d):
-            module.running_mean.copy_(torch.randn(module.num_features, generator=generator) * 0.1)
-            module.running_var.copy_(torch.rand(module.num_features, generator=generator) + 0.5)
-            module.weight.data.copy_(torch.rand(module.num_features, generator=generator) + 0.5)
-            module.bias.data.copy_(torch.randn(module.num_features, generator=generator) * 0.1)
-    return model.eval()
-
-
 def torchvision_trunk(name: str = "resnet18", small_input: bool = True) -> nn.Module:
     """A torchvision ResNet without its classifier; the small-input stem as SCE's `create_resnet` sets it."""
     model = getattr(torchvision.models, name)()
@@ -51,7 +40,7 @@ def torchvision_trunk(name: str = "resnet18", small_input: bool = True) -> nn.Mo
         model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
         model.maxpool = nn.Identity()
     model.fc = nn.Identity()
-    return randomised(model)
+    return randomised(model).eval()
 
 
 def renamed(state: dict, prefix: str = "", **renames: str) -> dict:
@@ -157,7 +146,7 @@ def npid_file(trunk: nn.Module, cifar: bool = True) -> dict:
 
 
 def full_torchvision_resnet18() -> tuple[nn.Module, nn.Module]:
-    model = randomised(torchvision.models.resnet18())
+    model = randomised(torchvision.models.resnet18()).eval()
     trunk = torchvision.models.resnet18()
     trunk.load_state_dict(model.state_dict())
     trunk.fc = nn.Identity()
@@ -165,7 +154,7 @@ def full_torchvision_resnet18() -> tuple[nn.Module, nn.Module]:
 
 
 def full_timm_test_resnet() -> tuple[nn.Module, nn.Module]:
-    model = randomised(timm.create_model("test_resnet"))
+    model = randomised(timm.create_model("test_resnet")).eval()
     trunk = timm.create_model("test_resnet", num_classes=0)
     trunk.load_state_dict({key: value for key, value in model.state_dict().items() if not key.startswith("fc.")})
     return model, trunk.eval()
