@@ -31,6 +31,7 @@ TINY_RUN = [
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=[config.name for config in CONFIGS])
+@pytest.mark.slow
 def test_every_shipped_config_parses(config, capsys):
     entry = main_linear if config.name.startswith("linear_") else main_pretrain
     with pytest.raises(SystemExit) as exit_info:
@@ -181,6 +182,7 @@ def test_a_multi_gpu_config_on_a_machine_without_gpus_is_one_error_line_naming_t
      ("main_linear.py", ["--config", LINEAR_DIGITS, "--model.random_init=true", "--model.backbone.name=timm:test_resnet"])],
     ids=["pretraining", "linear-stage"],
 )
+@pytest.mark.slow
 def test_a_run_prints_none_of_the_log_noise_that_the_project_causes_or_knowingly_triggers(entry, arguments, tmp_path):
     result = subprocess.run([sys.executable, str(ROOT / entry), "fit", *arguments, "--trainer.max_epochs=1", "--trainer.limit_train_batches=2",
                              "--trainer.check_val_every_n_epoch=1", "--trainer.limit_val_batches=2", "--trainer.enable_progress_bar=false",

@@ -18,6 +18,8 @@ import yaml
 
 import methods
 
+pytestmark = pytest.mark.slow  # every shipped config: left out of the inner loop (`pytest -m "not slow"`)
+
 ROOT = Path(__file__).parents[1]
 CONFIGS = sorted(ROOT.glob("configs/*.yaml"))
 PRECISION_LINE = re.compile(r"^# Precision: (\S+) -- \S", re.MULTILINE)

@@ -494,6 +494,7 @@ FILE_CONFIGS = [config for config in sorted(ROOT.glob("configs/*.yaml")) if conf
 
 
 @pytest.mark.parametrize("config", FILE_CONFIGS, ids=[config.name for config in FILE_CONFIGS])
+@pytest.mark.slow
 def test_every_shipped_config_builds_its_views_on_a_fake_copy_of_its_dataset(config, tmp_path, monkeypatch):
     datamodule_class, init_args = config_data(config)
     root = FAKE_DATASETS[datamodule_class](tmp_path, monkeypatch)
@@ -543,6 +544,7 @@ def stand_in_config(tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize("config", IMAGENET100_CONFIGS or [None], ids=[path.name for path in IMAGENET100_CONFIGS] or ["stand-in"])
+@pytest.mark.slow
 def test_every_imagenet100_config_runs_a_step_on_a_fake_tree(config, imagenet_tree, tmp_path):
     config = config or stand_in_config(tmp_path)
     linear = config.name.startswith("linear_")

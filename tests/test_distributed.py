@@ -34,6 +34,8 @@ from methods.reliability import LastCheckpointOnSigterm, PreemptionSignals
 from helpers import TINY_PROJECTOR, cpu_trainer
 from test_reliability import SignalAtStep
 
+pytestmark = pytest.mark.slow  # two processes each: left out of the inner loop (`pytest -m "not slow"`)
+
 WORLD, GLOBAL_BATCH, NUM_CLASSES = 2, 8, 3
 TRUNK = BackboneSpec(name="timm:test_resnet", kwargs={"norm_layer": "groupnorm1"})  # no batch statistics
 NO_SHUFFLE = MomentumSpec(base=0.9, shuffle_bn=False, split_bn=1)

@@ -52,6 +52,7 @@ def test_resident_is_only_for_the_gpu_pipeline_with_images_of_one_size():
     assert not DigitsDataModule(num_workers=0, views=VIEWS, pipeline="gpu", resident=False).resident
 
 
+@pytest.mark.slow
 def test_compiled_trunks_train_like_the_eager_ones_and_keep_the_checkpoint_keys(tmp_path):
     def train(*compile_args: str):
         L.seed_everything(0, verbose=False)

@@ -194,6 +194,7 @@ def _shuffle_worker(rank: int, world: int, port: int, results):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_distributed_shuffle_bn_encodes_a_mixed_batch_and_returns_each_rank_its_own_keys():
     with mp.Manager() as manager:
         results = manager.dict()

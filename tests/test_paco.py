@@ -180,6 +180,7 @@ def fake_long_tail_root(datamodule_name: str, tmp_path: Path, monkeypatch) -> li
 
 
 @pytest.mark.parametrize("config", LONG_TAIL_CONFIGS, ids=[path.name for path in LONG_TAIL_CONFIGS])
+@pytest.mark.slow
 def test_every_long_tail_config_trains_a_step_and_reports_the_shot_groups(config, tmp_path, monkeypatch):
     settings = yaml.safe_load(config.read_text())
     model_args = settings["model"]["init_args"]

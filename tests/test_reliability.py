@@ -375,6 +375,7 @@ def test_a_truncated_last_ckpt_without_another_readable_checkpoint_is_one_error_
     assert {path: path.stat().st_mtime_ns for path in run_dir.rglob("*")} == before
 
 
+@pytest.mark.slow
 def test_a_sigusr1_outside_slurm_kills_a_training_subprocess_and_last_ckpt_still_loads(tmp_path):
     """Outside Slurm nothing handles SIGUSR1: the process dies at once, as if killed, and the checkpoint
     of the last epoch must survive (Slurm's SIGUSR1 is Lightning's: an hpc checkpoint and a requeue)."""

@@ -129,6 +129,7 @@ def _gather_worker(rank: int, port: int, crops: torch.Tensor, results):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_two_processes_compute_the_loss_and_gradients_of_the_concatenated_batch():
     crops = torch.randn(IMAGES, 2, 3, 16, 16, dtype=torch.float64)
     with mp.Manager() as manager:

@@ -77,6 +77,7 @@ def test_slurm_mode_writes_the_job_template_as_an_array_of_one_task_per_run_and_
     assert not any(path.is_dir() for path in out.iterdir())
 
 
+@pytest.mark.slow
 def test_an_array_task_outlives_the_signals_that_slurm_sends_its_training_run(tmp_path):
     previous = {signum: signal.signal(signum, signal.SIG_DFL) for signum in (signal.SIGUSR1, signal.SIGTERM)}
     try:
@@ -99,6 +100,7 @@ def test_only_refuses_an_index_outside_the_sweep(tmp_path):
         sweep.main(["--config", PRETRAIN_DIGITS, "--out", str(tmp_path), "--seeds", "0", "1", "--only", "2"])
 
 
+@pytest.mark.slow
 def test_a_real_run_is_collected_and_a_rerun_skips_it(tmp_path):
     args = ["--config", PRETRAIN_DIGITS, "--out", str(tmp_path), "--seeds", "3", "--",
             *TINY_RUN, "--trainer.logger=false", "--trainer.precision=32-true"]
