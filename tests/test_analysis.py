@@ -83,6 +83,7 @@ def tiny_npid() -> NPID:
     return NPID(backbone=TINY_BACKBONE, projector=TINY_PROJECTOR, temperature=0.2, knn_k=0).train()
 
 
+@pytest.mark.slow
 def test_analyse_reports_a_fixed_subset_in_eval_mode_and_leaves_the_random_streams_alone():
     model, datamodule = tiny_npid(), digits({"image": {"preset": "npid"}}, batch_size=16)
     state = torch.random.get_rng_state()
@@ -117,6 +118,7 @@ def test_callback_writes_the_figures_and_sends_them_to_wandb(tmp_path):
     assert [(key, step) for key, _, step in wandb.images] == [("val/local_separation", 50), ("val/negative_entropy", 50)]
 
 
+@pytest.mark.slow
 def test_pretraining_logs_the_analysis_and_the_command_analyses_its_checkpoint(tmp_path, capsys):
     run_dir, config = tmp_path / "run", str(ROOT / "configs/npid_digits.yaml")
     data = ["--data.init_args.batch_size=16", "--data.init_args.train_variants=1", "--data.init_args.eval_variants=1"]

@@ -24,6 +24,7 @@ EXPECTED_FEATURE_DIMS = {
 
 @pytest.mark.parametrize("small_input", [False, True])
 @pytest.mark.parametrize("name", sorted(EXPECTED_FEATURE_DIMS))
+@pytest.mark.slow
 def test_torchvision_trunks_return_pooled_features_of_the_stated_dim(name, small_input):
     trunk, dim = build_backbone(name, small_input=small_input)
     assert dim == EXPECTED_FEATURE_DIMS[name]

@@ -227,6 +227,7 @@ def test_each_operation_draws_its_strength_as_the_per_image_pipeline(operation):
 
 
 @pytest.mark.parametrize("operation", RATES)
+@pytest.mark.slow
 def test_each_operation_is_applied_at_the_rate_of_the_per_image_pipeline(operation):
     """How often an operation applies (jitter p=0.8, grayscale p=0.2, blur p=0.5, solarisation p=0.2,
     flip p=0.5): the share of 4,000 views it changed is the per-image pipeline's, within noise."""
@@ -240,6 +241,7 @@ def test_each_operation_is_applied_at_the_rate_of_the_per_image_pipeline(operati
     assert_same_mean(batched, per_image)
 
 
+@pytest.mark.slow
 def test_presets_draw_views_distributed_as_the_per_image_pipeline():
     """Whole presets (crop, jitter, grayscale, blur, solarisation, flip together) on a colour gradient with
     a patch: brightness, contrast, saturation, left-right and red-blue balance of 2,000 views agree."""

@@ -71,6 +71,7 @@ def test_bad_input_ends_with_one_error_line_naming_the_value_and_writes_nothing(
     assert not run_dir.exists()
 
 
+@pytest.mark.slow
 def test_pretrain_then_linear_probe_pipeline_with_reruns_and_a_validate_in_the_same_directory_keeps_each_stages_results(tmp_path, capsys):
     run_dir = tmp_path / "pretrain"
     args = ["fit", "--config", PRETRAIN_DIGITS, *TINY_RUN, f"--trainer.default_root_dir={run_dir}"]
@@ -165,6 +166,7 @@ def no_gpu(monkeypatch):
     ],
     ids=["8-devices-auto-accelerator", "gpu-accelerator"],
 )
+@pytest.mark.slow
 def test_a_multi_gpu_config_on_a_machine_without_gpus_is_one_error_line_naming_the_trainer_setting(override, expected, no_gpu, tmp_path, capsys):
     for wnid in IMAGENET100_WNIDS:  # empty class folders: enough to build the DataModule
         (tmp_path / "imagenet" / "train" / wnid).mkdir(parents=True)

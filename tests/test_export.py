@@ -54,6 +54,7 @@ def torchvision_model(name: str, small_input: bool, num_classes: int | None = No
 
 
 @pytest.mark.parametrize("name, small_input", [("resnet18", True), ("resnet50", False), ("resnext50_32x4d", False)])
+@pytest.mark.slow
 def test_an_exported_trunk_loads_strictly_into_torchvision_and_gives_the_same_features(name, small_input, tmp_path, monkeypatch):
     model = SimCLR(backbone=BackboneSpec(name, small_input=small_input), projector=TINY_PROJECTOR, knn_k=0)
     randomised(model.backbone)
@@ -86,6 +87,7 @@ def test_an_exported_timm_trunk_loads_strictly_into_timm_and_gives_the_same_feat
     assert json.loads(record.read_text())["trunk"] == {"name": "timm:test_resnet", "small_input": False, "kwargs": {}, "feature_dim": 96}
 
 
+@pytest.mark.slow
 def test_the_momentum_encoder_is_exported_on_request_and_refused_where_there_is_none(tmp_path):
     model = moco(BackboneSpec("resnet18", small_input=True))
     checkpoint = saved(model, tmp_path / "moco.ckpt")
@@ -116,6 +118,7 @@ def moco_converter(state: dict) -> dict:
     return {"model": converted, "__author__": "MOCO", "matching_heuristics": True}
 
 
+@pytest.mark.slow
 def test_detectron2_export_has_the_keys_and_shapes_that_moco_s_converter_writes_for_a_resnet50(tmp_path):
     trunk = torchvision.models.resnet50()
     trunk.fc = nn.Identity()  # the trunk: the converter would carry a MoCo head along as stem.fc.*, which detectron2 leaves unused
@@ -148,6 +151,7 @@ def spread(classifier: nn.Linear, features: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("model_class, tau_norm", [(CrossEntropy, 0.0), (CrossEntropy, 1.0), (PaCo, None)])
+@pytest.mark.slow
 def test_an_exported_long_tail_classifier_predicts_the_classes_validate_predicts(model_class, tau_norm, tmp_path):
     options = {"tau_norm": tau_norm} if model_class is CrossEntropy else {"projector": TINY_PROJECTOR, "queue_size": 64}
     model = model_class(backbone=BackboneSpec("resnet18", small_input=True), num_classes=10, **options)
@@ -167,6 +171,7 @@ def test_an_exported_long_tail_classifier_predicts_the_classes_validate_predicts
         assert torch.equal(reimported.classify(IMAGES).argmax(dim=1), expected)  # and back, as a torchvision classifier
 
 
+@pytest.mark.slow
 def test_tau_normalisation_is_applied_to_paco_s_centres_when_asked(tmp_path):
     model = PaCo(backbone=BackboneSpec("resnet18", small_input=True), num_classes=10, projector=TINY_PROJECTOR, queue_size=64)
     randomised(model.backbone).eval()
@@ -198,6 +203,7 @@ def digits_run(tmp_path_factory):
     return run_dir / "checkpoints" / "last.ckpt"
 
 
+@pytest.mark.slow
 def test_the_record_beside_the_export_says_where_it_came_from(digits_run, capsys):
     assert export_command([str(digits_run), "--format", "timm"]) == 0
     written = [Path(line) for line in capsys.readouterr().out.split()]
@@ -224,6 +230,7 @@ def test_the_record_beside_the_export_says_where_it_came_from(digits_run, capsys
     }
 
 
+@pytest.mark.slow
 def test_the_linear_stage_on_an_exported_trunk_gives_the_probe_result_of_the_original_checkpoint(digits_run, tmp_path):
     safetensors = export(digits_run, "timm", tmp_path / "trunk")[1]
     results = []

@@ -20,6 +20,7 @@ TINY = ["--data.init_args.batch_size=16", "--data.init_args.num_workers=0", "--d
 
 
 @pytest.mark.parametrize("datamodule_class", [DigitsDataModule, DigitsLTDataModule])
+@pytest.mark.slow
 def test_resident_images_are_the_decoded_training_split_in_dataset_order(datamodule_class):
     datamodule = datamodule_class(batch_size=8, num_workers=0, views=VIEWS, pipeline="gpu")
     loader = datamodule.train_dataloader()
@@ -33,6 +34,7 @@ def test_resident_images_are_the_decoded_training_split_in_dataset_order(datamod
         assert torch.equal(images[row], expected["image"]) and labels[row] == expected["label"]
 
 
+@pytest.mark.slow
 def test_resident_and_streamed_raw_batches_come_in_the_same_order_and_train_to_the_same_parameters(tmp_path):
     def train(resident: bool):
         L.seed_everything(0, verbose=False)

@@ -100,6 +100,7 @@ CONFIGS = ["moco_digits", "sce_digits", "ressl_digits", "simclr_digits", "npid_d
 
 
 @pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.slow
 def test_training_steps_read_no_device_value_on_the_host(config, tmp_path, monkeypatch):
     # the branches an accelerator takes: the losses check values and the hue jitter selects rows on CPU tensors only
     for module in (losses, batched):

@@ -223,6 +223,7 @@ def test_a_legacy_format_file_with_foreign_objects_is_read_without_running_them(
 
 
 @pytest.mark.parametrize("suffix", [".pth", ".safetensors"])
+@pytest.mark.slow
 def test_torchvision_weights_are_read_from_pth_and_safetensors_files(suffix, tmp_path):
     from safetensors.torch import save_file
 
@@ -235,6 +236,7 @@ def test_torchvision_weights_are_read_from_pth_and_safetensors_files(suffix, tmp
 
 
 @pytest.mark.parametrize("name, small_input", [("resnet18", True), ("resnet34", True), ("resnet50", False), ("resnext50_32x4d", False)])
+@pytest.mark.slow
 def test_the_trunk_is_read_from_the_names_and_shapes_of_the_weights(name, small_input, tmp_path):
     weights = torchvision_trunk(name, small_input).state_dict()
     path = tmp_path / "weights.pth"
@@ -279,6 +281,7 @@ def test_a_wrong_or_partial_official_file_is_one_error_naming_what_does_not_matc
     assert "\n" not in str(error.value) and str(error.value).startswith("model.pretrained_")
 
 
+@pytest.mark.slow
 def test_the_linear_stage_command_ends_a_partial_file_with_one_error_line(tmp_path, capsys):
     path = tmp_path / "moco_v2.pth.tar"
     torch.save(partial(moco_file(torchvision_trunk())), path)
@@ -291,6 +294,7 @@ def test_the_linear_stage_command_ends_a_partial_file_with_one_error_line(tmp_pa
 
 
 # ----------------------------------------------------------------- long-tail classifiers and the analysis
+@pytest.mark.slow
 def test_paco_import_predicts_the_classes_of_the_source_classifier(tmp_path):
     trunk, centres = torchvision_trunk(), nn.Linear(512, 10)
     with torch.no_grad():
@@ -315,6 +319,7 @@ def test_a_file_without_a_classifier_is_refused_by_a_long_tail_classifier(tmp_pa
         CrossEntropy(backbone=SMALL_RESNET18, num_classes=10, pretrained_ckpt=str(path))
 
 
+@pytest.mark.slow
 def test_validate_reports_the_shot_metrics_of_a_released_paco_model(tmp_path, capsys):
     path = tmp_path / "paco.pth"
     torch.save(paco_file(torchvision_trunk(), nn.Linear(512, 10)), path)
@@ -330,6 +335,7 @@ def test_validate_reports_the_shot_metrics_of_a_released_paco_model(tmp_path, ca
     assert {"val/top1", "val/many_top1", "val/medium_top1", "val/few_top1"} <= set(logged)
 
 
+@pytest.mark.slow
 def test_the_analysis_reads_an_official_trunk_and_head(tmp_path, capsys):
     """WangFeng18's CIFAR NPID (ResNet-18, small stem, one Linear to 128) into configs/npid_cifar10.yaml's NPID."""
     from interop import load_official_encoder

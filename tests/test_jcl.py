@@ -140,6 +140,7 @@ def test_bad_jcl_settings_are_refused_with_their_values():
         tiny_jcl().check_data(digits({"query": {"preset": "mocov2"}, "key": {"preset": "mocov2"}}), world_size=1)
 
 
+@pytest.mark.slow
 def test_jcl_training_steps_lower_the_loss_on_the_embedded_data(tmp_path):
     model = tiny_jcl()
     datamodule = digits(jcl_views(2), batch_size=32)

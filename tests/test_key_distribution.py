@@ -50,6 +50,7 @@ def test_a_view_the_datamodule_lacks_is_refused():
         key_distribution(tiny_jcl(), digits({"query": {"preset": "mocov2"}, "keys": {"preset": "mocov2", "count": 2}}), view="strong")
 
 
+@pytest.mark.slow
 def test_the_command_overlays_the_histograms_of_checkpoints(tmp_path, capsys):
     run_dir, config = tmp_path / "run", str(ROOT / "configs/jcl_digits.yaml")
     data = ["--data.init_args.batch_size=16", "--data.init_args.train_variants=1", "--data.init_args.eval_variants=1"]

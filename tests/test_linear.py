@@ -25,6 +25,7 @@ def pretrained_checkpoint(tmp_path_factory):
     return path, {key: value.clone() for key, value in model.backbone.state_dict().items()}
 
 
+@pytest.mark.slow
 def test_backbone_is_loaded_from_the_checkpoint_with_its_recorded_spec(pretrained_checkpoint):
     path, weights = pretrained_checkpoint
     probe = LinearProbe(pretrained_ckpt=str(path))

@@ -71,6 +71,7 @@ def fixed_batch_infonce(model: MoCoV2, batch: dict, negatives: torch.Tensor) -> 
         return info_nce(query, frozen.target_embed(batch["views"]["key"]), negatives, frozen.temperature).item()
 
 
+@pytest.mark.slow
 def test_moco_training_steps_lower_the_loss_on_the_embedded_data(tmp_path):
     model = tiny_moco()
     datamodule = digits(MOCO_VIEWS, batch_size=32)
@@ -82,6 +83,7 @@ def test_moco_training_steps_lower_the_loss_on_the_embedded_data(tmp_path):
     assert after < 0.7 * before, (before, after)
 
 
+@pytest.mark.slow
 def test_momentum_update_runs_once_per_optimizer_step_under_gradient_accumulation(tmp_path, monkeypatch):
     calls = []
     original = momentum_module.ema_update_
@@ -93,6 +95,7 @@ def test_momentum_update_runs_once_per_optimizer_step_under_gradient_accumulatio
     assert calls == [0.99] * 4  # two optimizer steps x (backbone, projector)
 
 
+@pytest.mark.slow
 def test_cosine_momentum_reaches_one_at_the_last_step(tmp_path, monkeypatch):
     calls = []
     original = momentum_module.ema_update_

@@ -103,6 +103,7 @@ def test_loss_with_the_author_guard_equals_minus_log_of_p_plus_1e7(loss, tempera
     assert (unguarded - step_loss).abs() > 1e-9  # the guard is not a no-op on these inputs
 
 
+@pytest.mark.slow
 def test_bank_is_sized_from_the_training_split_and_survives_a_checkpoint(tmp_path):
     model = NPID(backbone=TINY_BACKBONE, projector=TINY_PROJECTOR, knn_k=0)
     datamodule = digits(NPID_VIEWS, batch_size=32)

@@ -105,6 +105,7 @@ def assert_identical(straight, resumed, where="") -> None:
     [("moco", 3), ("moco", 2), ("sce", 3), ("paco", 3), ("npid", 3)],
     ids=["moco-mid-epoch", "moco-end-of-epoch", "sce-mid-epoch", "paco-mid-epoch", "npid-mid-epoch"],
 )
+@pytest.mark.slow
 def test_resuming_from_a_checkpoint_gives_bit_identical_state_and_continues_the_data_order(method, save_at_step, tmp_path):
     straight, straight_model, straight_seen = train(method, tmp_path / "straight", save_at_step=save_at_step)
     checkpoint = tmp_path / "straight" / f"step={save_at_step}.ckpt"
@@ -153,6 +154,7 @@ class SignalAtStep(Callback):
 
 
 @pytest.mark.parametrize("signal_step", [2, 3], ids=["mid-epoch", "last-step-of-an-epoch"])
+@pytest.mark.slow
 def test_sigterm_saves_the_step_it_interrupts_as_last_ckpt_and_the_run_resumes_exactly(signal_step, tmp_path):
     straight, straight_model, straight_seen = train("moco", tmp_path / "straight")
     L.seed_everything(0, verbose=False)
@@ -200,6 +202,7 @@ def train_validating(directory, *callbacks, ckpt_path=None):
     return trainer, model, indices.seen
 
 
+@pytest.mark.slow
 def test_validation_draws_nothing_that_training_draws(tmp_path):
     """The same run with and without validation trains to the same parameters: the evaluation loaders seed
     their workers from generators of their own."""
@@ -209,6 +212,7 @@ def test_validation_draws_nothing_that_training_draws(tmp_path):
     assert_identical(model.state_dict(), validated_model.state_dict(), "state_dict")
 
 
+@pytest.mark.slow
 def test_sigterm_during_validation_stops_at_the_next_validation_batch_and_the_run_resumes_exactly(tmp_path):
     """A preemption's grace period can be shorter than a validation: the stop comes at the next validation
     batch, not after the next training step; the resumed run skips the rest of that validation and trains
@@ -248,6 +252,7 @@ def test_sigusr1_under_slurm_during_validation_checkpoints_and_requeues_before_t
     assert hpc["global_step"] == BATCHES_PER_EPOCH  # written in the validation after epoch 0, before step 3
 
 
+@pytest.mark.slow
 def test_sigusr1_under_slurm_checkpoints_the_step_it_interrupts_and_the_requeued_job_resumes_exactly(tmp_path, monkeypatch):
     """Slurm's `--signal=SIGUSR1@90`: Lightning writes hpc_ckpt_1.ckpt and requeues the job (a fake `scontrol`
     here); the requeued job, started in the same directory without --ckpt_path, resumes from it."""
@@ -271,6 +276,7 @@ def test_sigusr1_under_slurm_checkpoints_the_step_it_interrupts_and_the_requeued
     [(signal.SIGTERM, 143, 4), (signal.SIGINT, 1, 2)],  # SIGTERM: step 3 finishes and is saved; Ctrl-C: the epoch-0 checkpoint stays
     ids=["SIGTERM", "SIGINT"],
 )
+@pytest.mark.slow
 def test_a_signalled_cli_run_exits_with_a_loadable_last_ckpt(signum, status, saved_step, tmp_path, capsys):
     run_dir = tmp_path / "run"
     handler = signal.getsignal(signal.SIGINT)
@@ -302,6 +308,7 @@ def sigterm_at_first_step(run_dir, step: int = 0, max_epochs: int = 2) -> None:
                                 f"--trainer.callbacks.step={step}"])
 
 
+@pytest.mark.slow
 def test_a_run_resumed_from_a_signal_checkpoint_keeps_writing_the_same_last_ckpt(tmp_path):
     run_dir = tmp_path / "run"
     sigterm_at_first_step(run_dir)
@@ -313,6 +320,7 @@ def test_a_run_resumed_from_a_signal_checkpoint_keeps_writing_the_same_last_ckpt
 SLURM_JOB = dict(SLURM_NTASKS="1", SLURM_JOB_NAME="pretrain", SLURM_JOB_ID="4242", SLURM_NODELIST="node1", SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_NODEID="0")
 
 
+@pytest.mark.slow
 def test_a_requeued_slurm_job_without_an_hpc_checkpoint_resumes_from_last_ckpt(tmp_path, monkeypatch, capsys):
     """Preempted by SIGTERM (or a failed node) before any SIGUSR1: the requeued job runs the same command."""
     run_dir = tmp_path / "run"
@@ -340,6 +348,7 @@ def uninterrupted_two_epochs(tmp_path_factory) -> dict:
 
 
 @pytest.mark.parametrize("resume", ["ckpt_path-last", "requeued-slurm-job"])
+@pytest.mark.slow
 def test_a_truncated_last_ckpt_resumes_from_the_newest_readable_checkpoint_with_a_warning_and_ends_as_an_uninterrupted_run(
         resume, uninterrupted_two_epochs, tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
@@ -362,6 +371,7 @@ def test_a_truncated_last_ckpt_resumes_from_the_newest_readable_checkpoint_with_
         assert_identical(uninterrupted_two_epochs[key], resumed[key], key)
 
 
+@pytest.mark.slow
 def test_a_truncated_last_ckpt_without_another_readable_checkpoint_is_one_error_line_and_nothing_is_written(tmp_path, capsys):
     run_dir = tmp_path / "run"
     sigterm_at_first_step(run_dir)  # last.ckpt only: stopped before the first epoch ended
@@ -441,6 +451,7 @@ def first_epoch_losses(seed: int, run_dir) -> list[float]:
     return next(callback for callback in cli.trainer.callbacks if isinstance(callback, StepLosses)).losses
 
 
+@pytest.mark.slow
 def test_the_same_seed_gives_identical_first_epoch_losses_and_another_seed_different_ones(tmp_path):
     first, again, other = (first_epoch_losses(seed, tmp_path / name) for seed, name in ((3, "a"), (3, "b"), (4, "c")))
     assert len(first) == 3 and first == again
@@ -473,6 +484,7 @@ def nan_at_calls(monkeypatch, module, name: str, bad_calls) -> None:
     monkeypatch.setattr(module, name, patched)
 
 
+@pytest.mark.slow
 def test_a_non_finite_loss_stops_the_run_at_its_step_naming_it_and_keeps_the_last_good_checkpoint(tmp_path, capsys, monkeypatch):
     nan_at_calls(monkeypatch, methods.moco, "info_nce", {3})  # 2 steps per epoch: the second step of epoch 1
     run_dir = tmp_path / "run"
@@ -616,6 +628,7 @@ TINY_PROBE = ["--trainer.max_epochs=1", "--trainer.limit_train_batches=2", "--tr
               "--data.init_args.train_variants=1", "--data.init_args.eval_variants=1"]
 
 
+@pytest.mark.slow
 def test_a_probe_runs_under_its_pretraining_run_and_resuming_it_with_another_pretrained_ckpt_is_refused(cli_checkpoint, tmp_path, capsys):
     pretrained, other = tmp_path / "moco" / "checkpoints" / "last.ckpt", tmp_path / "other" / "last.ckpt"
     for copy in (pretrained, other):

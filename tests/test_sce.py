@@ -131,6 +131,7 @@ def test_bad_sce_settings_are_refused_with_their_values():
 
 
 @pytest.mark.parametrize("method", [SCE, ReSSL])
+@pytest.mark.slow
 def test_training_steps_lower_the_loss_on_the_embedded_data(method, tmp_path):
     model = tiny(method)
     datamodule = digits(WEAK_STRONG, batch_size=32)

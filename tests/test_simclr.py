@@ -49,6 +49,7 @@ def test_gradient_reaches_the_encoder_from_both_views():
     assert all(p.grad is not None for p in model.projector.parameters())
 
 
+@pytest.mark.slow
 def test_simclr_training_steps_lower_the_loss_on_the_embedded_data(tmp_path):
     model = tiny_simclr(optimizer=OptimizerSpec(lr=0.1))
     datamodule = digits({name: {"preset": "crop_flip", "scale": (0.5, 1.0)} for name in SIMCLR_VIEWS}, batch_size=16)

@@ -176,6 +176,7 @@ def slurm_task(rank: int):
 
 
 @pytest.mark.parametrize("rank", [0, 6])
+@pytest.mark.slow
 def test_the_trainer_built_from_the_srun_line_takes_its_ranks_from_slurm(rank, tmp_path, imagenet100_folders):
     ((_, text),) = render("--nodes=2", "--gpus-per-node=4", f"--run-dir={tmp_path / 'run'}")
     command = srun_arguments(text)

@@ -84,6 +84,7 @@ def fixed_batch_loss(model: SupCon, batch: dict) -> float:
 
 
 @pytest.mark.parametrize("setting", sorted(SETTINGS))
+@pytest.mark.slow
 def test_training_steps_lower_each_loss_on_the_embedded_data(setting, tmp_path):
     # BN after the head's output, as in configs/supcon_digits.yaml: the loss cannot fall by collapsing
     # every embedding onto one point (log(2B - 1)), which the supervised losses otherwise do on Digits-M.

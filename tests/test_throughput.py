@@ -24,6 +24,7 @@ def official_checksums_restored(monkeypatch):
         monkeypatch.setattr(torchvision.datasets.CIFAR10, attribute, getattr(torchvision.datasets.CIFAR10, attribute))
 
 
+@pytest.mark.slow
 def test_both_pipelines_train_and_their_table_reports_throughput_flops_and_ratio(tmp_path, capsys):
     out = tmp_path / "table.md"
     argv = ["--config", str(ROOT / "configs/sce_cifar10.yaml"), "--fake-data", "--fake-images", "160", "--steps", "2",
@@ -48,6 +49,7 @@ def test_views_only_measures_each_view_and_their_sum_without_a_model(tmp_path, c
     assert all(int(value.replace(",", "")) > 0 for row in rows for value in row[1:])
 
 
+@pytest.mark.slow
 def test_profile_writes_the_operator_table_of_the_timed_steps(tmp_path, capsys):
     argv = ["--config", str(ROOT / "configs/sce_cifar10.yaml"), "--fake-data", "--fake-images", "160", "--steps", "5",
             "--warmup", "1", "--num-workers", "0", "--pipelines", "gpu", "--profile", str(tmp_path), "--", *TINY]

@@ -88,6 +88,7 @@ def offline_runs(tmp_path_factory):
     return root, first, restarted
 
 
+@pytest.mark.slow
 def test_an_offline_run_keeps_its_id_when_restarted_and_holds_the_resolved_config(offline_runs):
     root, _, _ = offline_runs
     run_id = (root / "seed0" / RUN_ID_FILE).read_text()
@@ -113,6 +114,7 @@ def test_training_throughput_counts_the_images_and_carries_over_a_restart(offlin
     assert resumed.earlier["images"] == 2 * 16 and resumed.earlier["time_s"] >= metrics["train/time_s"]
 
 
+@pytest.mark.slow
 def test_compare_tables_the_two_seeds_of_the_offline_runs_and_plots_their_curves(offline_runs, tmp_path):
     root, _, _ = offline_runs
     markdown = compare.main([str(root), "--out", str(tmp_path)])
