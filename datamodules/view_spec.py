@@ -49,15 +49,17 @@ def simclr_jitter(strength: float) -> tuple[float, float, float, float]:
 CONTRASTIVE_PRESETS: dict[str, dict[str, Any]] = {
     # the family with its own defaults
     "augment": {},
-    # weak view of SCE / ReSSL: crop (0.2-1) and flip only (the weak augmentation of Zheng et al. 2021 and Denize et al. 2023)
+    # weak view of SCE / ReSSL: crop (0.2-1) and flip only (the weak augmentation of ReSSL, Zheng et al. 2021,
+    # that SCE, Denize et al. 2023, keeps)
     "crop_flip": {"jitter_prob": 0.0, "gray_prob": 0.0},
-    # MoCo v2 aug+, also SCE's strong view: the defaults with blur p=0.5 (Chen et al. 2020, MoCo v2 section 2)
+    # MoCo v2 aug+, also SCE's strong view: the defaults with blur p=0.5 (`--aug-plus` of facebookresearch/moco main_moco.py)
     "mocov2": {"blur_prob": 0.5},
     # NPID / Wang & Liu's CIFAR pipeline: jitter (0.4, 0.4, 0.4, 0.4) always, no flip (their ImageNet-100
     # pipeline adds it: `flip: true`)
     "npid": {"jitter": (0.4, 0.4, 0.4, 0.4), "jitter_prob": 1.0, "flip": False},
     # SimCLR's CIFAR recipe: crop (0.08-1), colour strength 0.5 (the view key `strength` sets s), no blur
-    # (Chen et al. 2020, appendix B.9; ImageNet adds `blur_prob: 0.5`)
+    # (google-research/simclr's CIFAR-10 command: `--color_jitter_strength=0.5 --use_blur=False`; ImageNet
+    # adds `blur_prob: 0.5`)
     "simclr": {"scale": (0.08, 1.0), "jitter": simclr_jitter(0.5)},
     # SimAugment, TCL's self-supervised pipeline: SimCLR at strength 1 with blur p=0.5, as solo-learn's SimCLR views
     "simaugment": {"scale": (0.08, 1.0), "jitter": simclr_jitter(1.0), "blur_prob": 0.5},
