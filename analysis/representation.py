@@ -19,7 +19,7 @@ import random
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 from torch import Tensor
@@ -27,8 +27,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 
 from analysis.figures import plot_local_separation, plot_negative_entropy
 from analysis.metrics import local_separation, negative_entropy, tolerance, uniformity
-from datamodules.base import ContrastiveDataModule, EvalDataset, RawImageDataset, ViewsDataset
-from datamodules.encoded import collate_encoded
+from datamodules.base import ContrastiveDataModule, EvalDataset
 
 __all__ = ["RepresentationReport", "analyse"]
 
@@ -78,22 +77,8 @@ def _embed(model, images: Tensor) -> Tensor:
     return model.embed(images.to(model.device))[1].float()
 
 
-def _loader(datamodule: ContrastiveDataModule, dataset: Dataset, collate_fn: Callable | None = None) -> DataLoader:
-    return DataLoader(dataset, batch_size=datamodule.batch_size, num_workers=datamodule.num_workers, collate_fn=collate_fn)
-
-
-def _augmented_images(datamodule: ContrastiveDataModule, subset: Dataset, view: str, device) -> Iterator[Tensor]:
-    """The images under training view `view`, drawn where the DataModule's pipeline draws them."""
-    if datamodule.pipeline == "gpu" and not datamodule.uniform_image_size:  # image files, decoded on the device
-        encoded = datamodule.encoded(subset)
-        for batch in _loader(datamodule, encoded, collate_encoded):
-            yield datamodule.views[view](encoded.decode(batch["image"], device)[0])
-    elif datamodule.pipeline == "gpu":
-        for batch in _loader(datamodule, RawImageDataset(subset)):
-            yield datamodule.views[view](batch["image"].to(device))
-    else:
-        for batch in _loader(datamodule, ViewsDataset(subset, {view: datamodule.views[view]})):
-            yield batch["views"][view]
+def _loader(datamodule: ContrastiveDataModule, dataset: Dataset) -> DataLoader:
+    return DataLoader(dataset, batch_size=datamodule.batch_size, num_workers=datamodule.num_workers)
 
 
 def fixed_subset(model, datamodule: ContrastiveDataModule, split: str, view: str | None, max_samples: int, seed: int) -> tuple[str, Subset]:
@@ -136,7 +121,7 @@ def analyse(
         for batch in _loader(datamodule, EvalDataset(subset, datamodule.eval_transform)):
             targets.append(_embed(model, batch["image"]))
             labels.append(batch["label"])
-        anchors = torch.cat([_embed(model, images) for images in _augmented_images(datamodule, subset, view, model.device)])
+        anchors = torch.cat([_embed(model, images) for images in datamodule.view_batches(subset, view, model.device)])
     model.train(was_training)
     targets, labels = torch.cat(targets), torch.cat(labels).to(model.device)
 

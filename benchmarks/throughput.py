@@ -45,7 +45,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from datamodules.base import ViewsDataset  # noqa: E402
+from datamodules.pipeline import PIPELINES  # noqa: E402
 from methods import PretrainMethod  # noqa: E402
 from methods.cli import ContrastlabCLI  # noqa: E402
 from methods.reliability import NonFiniteLossGuard, write_atomically  # noqa: E402
@@ -200,8 +200,8 @@ def views_table(config: str, images: int, overrides: list[str]) -> str:
                 workers_data.views[name](image)
         one_process = images / (time.perf_counter() - start)
         torch.set_num_threads(threads)
-        loader = DataLoader(ViewsDataset(Subset(train, range(images)), {name: workers_data.views[name] for name in names}),
-                            batch_size=workers_data.batch_size, num_workers=workers_data.num_workers)
+        served, _ = workers_data.served(Subset(train, range(images)), {name: workers_data.views[name] for name in names})
+        loader = DataLoader(served, batch_size=workers_data.batch_size, num_workers=workers_data.num_workers)
         start = time.perf_counter()
         sum(len(batch["index"]) for batch in loader)
         loaded = images / (time.perf_counter() - start)
@@ -218,7 +218,7 @@ def main(argv: list[str]) -> int:
     own, overrides = split_overrides(argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True)
-    parser.add_argument("--pipelines", nargs="+", choices=["cpu", "gpu"], default=["cpu", "gpu"])
+    parser.add_argument("--pipelines", nargs="+", choices=PIPELINES, default=list(PIPELINES))
     parser.add_argument("--steps", type=int, default=20, help="timed training steps per pipeline")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (the first one counts the FLOPs)")
     data = parser.add_mutually_exclusive_group()

@@ -6,6 +6,8 @@ Batches:
 - evaluation: `{"image": x, "label": y, "index": i}`.
 
 `pipeline: cpu` (the default, the reference) augments each image with PIL in the DataLoader workers.
+The mode (`datamodules.pipeline.Pipeline`: cpu, resident, streamed, encoded) is decided once, at construction
+(`pipeline_mode`), and every loader and view of the DataModule follows it.
 With `pipeline: gpu` the views are drawn per batch on the training device after the transfer
 (`augment_on_device`, called by the method's `on_after_batch_transfer`), every random parameter per
 sample (`datamodules.batched`), from uint8 images that are either
@@ -30,7 +32,7 @@ normalisation, default evaluation view and the layout it expects under `data.roo
 import os
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Iterator, Literal
 
 import lightning as L
 import numpy as np
@@ -38,6 +40,8 @@ import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from datamodules.encoded import EncodedImages, collate_encoded
+from datamodules.pipeline import Pipeline, pipeline_mode
 from datamodules.samplers import ClassPrioritySampler, EpochSampler
 from datamodules.transforms import build_view
 
@@ -190,8 +194,9 @@ class ContrastiveDataModule(L.LightningDataModule):
         self.pin_memory = pin_memory
         self.pipeline = pipeline
         self.sampler = sampler
-        self.resident = resident and pipeline == "gpu" and self.uniform_image_size
-        self.resident_images: torch.Tensor | None = None  # the decoded training split, once decoded
+        self.mode = pipeline_mode(pipeline, resident, self.uniform_image_size)
+        self.resident_images: torch.Tensor | None = None  # the decoded training split, once decoded (RESIDENT)
+        self.encoded_training: EncodedImages | None = None  # what the training loader serves (ENCODED)
         defaults = {"size": self.image_size, "mean": self.mean, "std": self.std}
         self.views = {name: build_view(name, spec, defaults, pipeline) for name, spec in (views or {}).items()}
         self.eval_transform = build_view("eval_view", eval_view or self.default_eval_view(), defaults)
@@ -201,6 +206,10 @@ class ContrastiveDataModule(L.LightningDataModule):
     @property
     def view_names(self) -> tuple[str, ...]:
         return tuple(self.views)
+
+    @property
+    def resident(self) -> bool:
+        return self.mode is Pipeline.RESIDENT
 
     def default_eval_view(self) -> dict[str, Any]:
         """Evaluation view of small and medium datasets: the image at the dataset's resolution (SCE seed D)."""
@@ -286,11 +295,25 @@ class ContrastiveDataModule(L.LightningDataModule):
 
     def training_dataset(self, train: Dataset) -> tuple[Dataset, Callable | None]:
         """What the training DataLoader serves, and its collate function (None: PyTorch's default)."""
-        if self.pipeline == "cpu":
-            return ViewsDataset(train, self.views), None
-        if self.resident:
+        if self.mode is Pipeline.RESIDENT:
             return IndexBatches(dataset_labels(train)), already_batched
-        return RawImageDataset(train), None
+        served, collate_fn = self.served(train, self.views)
+        if self.mode is Pipeline.ENCODED:  # kept: its files decode the batches
+            self.encoded_training = served
+        return served, collate_fn
+
+    def served(self, dataset: Dataset, views: dict[str, Callable]) -> tuple[Dataset, Callable | None]:
+        """What a DataLoader serves of `dataset` for drawing `views` from each image (the training split when it
+        is not resident, and the analysed subsets), and its collate function."""
+        if self.mode is Pipeline.CPU:
+            return ViewsDataset(dataset, views), None
+        if self.mode is Pipeline.ENCODED:
+            return self.encoded(dataset), collate_encoded
+        return RawImageDataset(dataset), None
+
+    def encoded(self, dataset: Dataset) -> EncodedImages:
+        """`dataset` (an `ImageFiles`, or a Subset-like of one) read for decoding on the device (`datamodules.encoded`)."""
+        return EncodedImages.of(dataset, type(self).__name__)
 
     def train_dataloader(self) -> DataLoader:
         if not self.views:
@@ -311,17 +334,37 @@ class ContrastiveDataModule(L.LightningDataModule):
                             num_workers=0 if self.resident else None, collate_fn=collate_fn)  # indices need no workers
 
     def images_on_device(self, batch: dict) -> tuple[torch.Tensor | list[torch.Tensor], torch.Tensor]:
-        """The uint8 training images of a transferred batch (`pipeline: gpu`) on the batch's device, and their labels."""
-        if not self.resident:
-            return batch["image"], batch["label"]
-        device = batch["index"].device
-        if self.resident_images.device != device:  # moved once, with the first batch; no host copy is kept
-            self.resident_images = self.resident_images.to(device)
-        return self.resident_images[batch["index"]], batch["label"]
+        """The uint8 images of a transferred training batch (`pipeline: gpu`) on the batch's device, and their
+        labels. An encoded image that proves unreadable there is replaced by another of the batch, whose label
+        it then takes."""
+        labels = batch["label"]
+        if self.mode is Pipeline.RESIDENT:
+            if self.resident_images.device != labels.device:  # moved once, with the first batch; no host copy is kept
+                self.resident_images = self.resident_images.to(labels.device)
+            return self.resident_images[batch["index"]], labels
+        if self.mode is Pipeline.ENCODED:
+            images, shown = self.encoded_training.decode(batch["image"], labels.device)
+            if shown != list(range(len(shown))):
+                labels = labels[torch.tensor(shown, device=labels.device)]
+            return images, labels
+        return batch["image"], labels
+
+    def view_batches(self, dataset: Dataset, view: str, device: torch.device) -> Iterator[torch.Tensor]:
+        """`dataset` under training view `view` on `device`, batch by batch, drawn where the pipeline draws the
+        training views (what the representation analysis embeds). A resident pipeline draws from raw batches
+        here: only the training split is resident."""
+        served, collate_fn = self.served(dataset, {view: self.views[view]})
+        for batch in DataLoader(served, batch_size=self.batch_size, num_workers=self.num_workers, collate_fn=collate_fn):
+            if self.mode is Pipeline.CPU:
+                yield batch["views"][view]
+            elif self.mode is Pipeline.ENCODED:
+                yield self.views[view](served.decode(batch["image"], device)[0])
+            else:
+                yield self.views[view](batch["image"].to(device))
 
     def augment_on_device(self, batch: dict) -> dict:
         """Draw the training views from a transferred batch of raw images (`pipeline: gpu`)."""
-        if self.pipeline != "gpu" or "views" in batch:
+        if self.mode is Pipeline.CPU or "views" in batch:
             return batch
         images, labels = self.images_on_device(batch)
         views = {name: view(images) for name, view in self.views.items()}

@@ -1,7 +1,7 @@
 """Per-sample random augmentation of a whole batch of tensors, on whatever device the batch is on.
 
-`BatchedAugment` takes the same parameters as `datamodules.transforms.augment` and draws every random
-parameter per sample, like the per-image pipeline does (torchvision v2 applied to a batch would draw
+`BatchedAugment` runs the `ViewSpec` (`datamodules.view_spec`) that `datamodules.transforms.augment` runs per
+image and draws every random parameter per sample, like the per-image pipeline does (torchvision v2 applied to a batch would draw
 one set for the whole batch, which is wrong for two-view contrastive learning):
 
 - RandomResizedCrop: torchvision's sampling (10 tries of area and log-ratio, then the clamped centre
@@ -23,6 +23,8 @@ import math
 import torch
 import torch.nn.functional as F
 from torchvision.ops import roi_align
+
+from datamodules.view_spec import ViewSpec
 
 GRAY_WEIGHTS = (0.2989, 0.587, 0.114)
 
@@ -139,44 +141,26 @@ def gaussian_blur(images: torch.Tensor, sigma: torch.Tensor, max_sigma: float, p
 
 
 class BatchedAugment:
-    """The `augment` family of `datamodules.transforms` on a batch, every parameter drawn per sample."""
+    """A `ViewSpec` on a batch, every parameter drawn per sample."""
 
-    def __init__(
-        self,
-        size: int,
-        mean,
-        std,
-        scale=(0.2, 1.0),
-        ratio=(3 / 4, 4 / 3),
-        jitter=(0.4, 0.4, 0.4, 0.1),
-        jitter_prob: float = 0.8,
-        gray_prob: float = 0.2,
-        blur_prob: float = 0.0,
-        blur_sigma=(0.1, 2.0),
-        solarize_prob: float = 0.0,
-        solarize_threshold: float = 0.5,
-        flip: bool = True,
-    ):
-        self.size, self.scale, self.ratio = size, tuple(scale), tuple(ratio)
-        brightness, contrast, saturation, hue = jitter
+    def __init__(self, spec: ViewSpec):
+        self.spec = spec
+        brightness, contrast, saturation, hue = spec.jitter
         self.jitter_ranges = (
             (max(0.0, 1 - brightness), 1 + brightness),
             (max(0.0, 1 - contrast), 1 + contrast),
             (max(0.0, 1 - saturation), 1 + saturation),
             (-hue, hue),
         )
-        self.jitter_prob, self.gray_prob, self.flip = jitter_prob, gray_prob, flip
-        self.blur_prob, self.blur_sigma = blur_prob, tuple(blur_sigma)
-        self.solarize_prob, self.solarize_threshold = solarize_prob, solarize_threshold
-        self.mean = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1)
-        self.std = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1)
+        self.mean = torch.tensor(spec.mean, dtype=torch.float32).view(1, -1, 1, 1)
+        self.std = torch.tensor(spec.std, dtype=torch.float32).view(1, -1, 1, 1)
 
     def _chance(self, probability: float, batch: int, device) -> torch.Tensor:
         return torch.rand(batch, device=device) < probability
 
     def color_jitter(self, images: torch.Tensor) -> torch.Tensor:
         batch, device = images.shape[0], images.device
-        applied = self._chance(self.jitter_prob, batch, device)
+        applied = self._chance(self.spec.jitter_prob, batch, device)
         neutral = (1.0, 1.0, 1.0, 0.0)
         factors = [
             torch.where(applied, _uniform(low, high, batch, device), torch.full((batch,), value, device=device))
@@ -208,13 +192,13 @@ class BatchedAugment:
         float (B, C, size, size) in [0, 1]. A list of images of different sizes is resampled image by image."""
         batch, device = len(images), images[0].device
         if isinstance(images, torch.Tensor):
-            boxes = crop_boxes(batch, images.shape[-2], images.shape[-1], self.scale, self.ratio, device)
+            boxes = crop_boxes(batch, images.shape[-2], images.shape[-1], self.spec.scale, self.spec.ratio, device)
             indexed = torch.cat([torch.arange(batch, device=device, dtype=boxes.dtype)[:, None], boxes], dim=1)
-            return roi_align(_unit_range(images), indexed, self.size, spatial_scale=1.0, sampling_ratio=-1, aligned=True)
+            return roi_align(_unit_range(images), indexed, self.spec.size, spatial_scale=1.0, sampling_ratio=-1, aligned=True)
         heights, widths = torch.tensor([image.shape[-2:] for image in images], dtype=torch.float32).to(device, non_blocking=True).unbind(1)
-        boxes = crop_boxes(batch, heights, widths, self.scale, self.ratio, device)
+        boxes = crop_boxes(batch, heights, widths, self.spec.scale, self.spec.ratio, device)
         return torch.cat([
-            roi_align(_unit_range(image)[None], [box[None]], self.size, spatial_scale=1.0, sampling_ratio=-1, aligned=True)
+            roi_align(_unit_range(image)[None], [box[None]], self.spec.size, spatial_scale=1.0, sampling_ratio=-1, aligned=True)
             for image, box in zip(images, boxes)
         ])
 
@@ -222,18 +206,18 @@ class BatchedAugment:
     def __call__(self, images: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
         images = self.resized_crops(images)
         batch, device = images.shape[0], images.device
-        if any(high != low for low, high in self.jitter_ranges) and self.jitter_prob > 0:
+        if any(high != low for low, high in self.jitter_ranges) and self.spec.jitter_prob > 0:
             images = self.color_jitter(images)
-        if self.gray_prob > 0:
-            images = torch.where(self._chance(self.gray_prob, batch, device).view(-1, 1, 1, 1), rgb_to_gray(images).expand_as(images), images)
-        if self.blur_prob > 0:
-            sigma = _uniform(*self.blur_sigma, batch, device)
-            blurred = gaussian_blur(images, sigma, self.blur_sigma[1])
-            images = torch.where(self._chance(self.blur_prob, batch, device).view(-1, 1, 1, 1), blurred, images)
-        if self.solarize_prob > 0:
-            solarized = torch.where(images >= self.solarize_threshold, 1 - images, images)
-            images = torch.where(self._chance(self.solarize_prob, batch, device).view(-1, 1, 1, 1), solarized, images)
-        if self.flip:
+        if self.spec.gray_prob > 0:
+            images = torch.where(self._chance(self.spec.gray_prob, batch, device).view(-1, 1, 1, 1), rgb_to_gray(images).expand_as(images), images)
+        if self.spec.blur_prob > 0:
+            sigma = _uniform(*self.spec.blur_sigma, batch, device)
+            blurred = gaussian_blur(images, sigma, self.spec.blur_sigma[1])
+            images = torch.where(self._chance(self.spec.blur_prob, batch, device).view(-1, 1, 1, 1), blurred, images)
+        if self.spec.solarize_prob > 0:
+            solarized = torch.where(images >= self.spec.solarize_threshold, 1 - images, images)
+            images = torch.where(self._chance(self.spec.solarize_prob, batch, device).view(-1, 1, 1, 1), solarized, images)
+        if self.spec.flip:
             images = torch.where(self._chance(0.5, batch, device).view(-1, 1, 1, 1), images.flip(-1), images)
         if self.mean.device != device:  # moved once: a blocking host-to-device copy per batch would wait for the GPU
             self.mean, self.std = self.mean.to(device), self.std.to(device)

@@ -5,15 +5,15 @@ A worker reads a file's bytes and looks at its header only (PIL, no pixel decode
 goes on encoded, as a 1-D uint8 tensor of its bytes, for `torchvision.io.decode_jpeg` on the training device
 (nvjpeg on a GPU, one call per batch); anything else (PNG, BMP, CMYK JPEGs, ImageNet's PNG named .JPEG) is
 decoded in the worker with PIL and goes on as uint8 (3, H, W) pixels. A file whose header cannot be read is
-handled by `ImageFiles` as on the CPU pipeline (logged, counted, replaced by the next readable sample). Data
-broken beyond the header shows only when the device decodes it: the file is then recorded by `ImageFiles` the
-same way and replaced by another image of its batch, so that the batch keeps its size.
+handled by `datamodules.image_files.ImageFiles` as on the CPU pipeline (logged, counted, replaced by the next
+readable sample). Data broken beyond the header shows only when the device decodes it: the file is then recorded
+by `ImageFiles` the same way and replaced by another image of its batch, so that the batch keeps its size.
 """
 
 import bisect
 import io
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -21,8 +21,7 @@ from PIL import Image
 from torch.utils.data import Dataset
 from torchvision.io import ImageReadMode, decode_jpeg
 
-if TYPE_CHECKING:
-    from datamodules.folders import ImageFiles
+from datamodules.image_files import ImageFiles
 
 DEVICE_DECODABLE_MODES = ("RGB", "L")  # CMYK and YCCK JPEGs go through PIL: GPU decoders (nvjpeg) mishandle them
 
@@ -59,8 +58,15 @@ def collate_encoded(samples: list[dict[str, Any]]) -> dict[str, Any]:
 class EncodedImages(Dataset):
     """Samples `indices` of an `ImageFiles`, read for decoding on the device (module docstring)."""
 
-    def __init__(self, files: "ImageFiles", indices: Sequence[int]):
+    def __init__(self, files: ImageFiles, indices: Sequence[int]):
         self.files, self.indices = files, indices
+
+    @classmethod
+    def of(cls, dataset: Dataset, owner: str) -> "EncodedImages":
+        """`dataset` (an `ImageFiles`, or a Subset-like of one) read for decoding on the device; `owner` names
+        the DataModule in the error for any other dataset."""
+        files, indices = _files_and_indices(dataset, owner)
+        return cls(files, indices)
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -96,3 +102,15 @@ class EncodedImages(Dataset):
                 except RuntimeError as error:
                     self.files.record_corrupt(batch.files[position], error)
             return decoded
+
+
+def _files_and_indices(dataset: Dataset, owner: str) -> tuple[ImageFiles, Sequence[int]]:
+    if isinstance(dataset, ImageFiles):
+        return dataset, range(len(dataset))
+    if hasattr(dataset, "dataset") and hasattr(dataset, "indices"):
+        files, indices = _files_and_indices(dataset.dataset, owner)
+        return files, [indices[index] for index in dataset.indices]
+    raise ValueError(
+        f"data.pipeline: gpu decodes the image files of {owner} on the device, which needs its "
+        f"images as an ImageFiles (or a Subset of one), not a {type(dataset).__name__}"
+    )

@@ -1,9 +1,7 @@
 """Image files on disk: labelled class folders, unlabelled folders, and split files.
 
-Every folder-based dataset reads its images through `ImageFiles`, which survives broken files: an
-image that cannot be decoded is logged with its path, counted, and replaced by the next readable
-sample, so one bad JPEG does not end a multi-day run; more than `max_corrupt_fraction` of the dataset
-(default 1%) unreadable is a ValueError, since the dataset itself is then broken. What can be checked
+Every folder-based dataset reads its images through `datamodules.image_files.ImageFiles`, which survives
+broken files (default: up to 1% of a split unreadable, each logged and replaced). What can be checked
 without decoding (the class folders, the files a split file names, the labels it gives) is checked
 when the DataModule is built, so a missing folder or file is reported with its path before training.
 A class without images is an error too: a label that no line of a training list gives when the
@@ -13,93 +11,19 @@ With `data.pipeline: gpu`, images of varying sizes reach the training device as 
 decoded there (`datamodules.encoded`), under the same handling of unreadable files.
 """
 
-import logging
 import math
 import os
 import stat
 from pathlib import Path
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any
 
-import torch
-from PIL import Image
 from torch.utils.data import Dataset
 
 from datamodules.base import ContrastiveDataModule
-from datamodules.encoded import EncodedBatch, EncodedImages, collate_encoded
+from datamodules.image_files import IMAGE_EXTENSIONS, ImageFiles, TooManyUnreadableImages, listing
 
-log = logging.getLogger(__name__)
-
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
-SHOWN_PATHS = 5  # how many offending paths an error message lists
-UNREADABLE = (OSError, ValueError, SyntaxError)  # what PIL raises for truncated or foreign files
-T = TypeVar("T")
-
-
-class TooManyUnreadableImages(ValueError):
-    """More of a split's images cannot be read than `data.max_corrupt_fraction` allows: the dataset is broken.
-    Raised by a DataLoader worker, it reaches the training process with the worker's traceback in its message,
-    whose last line is this message."""
-
-
-def listing(paths: list) -> str:
-    """The first few paths of a list, and how many more there are."""
-    shown = ", ".join(str(path) for path in paths[:SHOWN_PATHS])
-    more = len(paths) - SHOWN_PATHS
-    return shown + (f" and {more} more" if more > 0 else "")
-
-
-class ImageFiles(Dataset):
-    """`(RGB PIL image, label)` pairs read from a list of `(path, label)`; see the module docstring for
-    what happens to unreadable files. The count of unreadable files lives in shared memory, so every
-    DataLoader worker adds to the same count (`corrupt_count`)."""
-
-    def __init__(self, samples: list[tuple[str, int]], max_corrupt_fraction: float, description: str):
-        if not samples:
-            raise ValueError(f"{description} holds no images (extensions {', '.join(IMAGE_EXTENSIONS)})")
-        self.paths = [path for path, _ in samples]
-        self.labels = [label for _, label in samples]
-        self.max_corrupt_fraction = max_corrupt_fraction
-        self.max_corrupt = math.floor(max_corrupt_fraction * len(samples))
-        self.description = description
-        self.corrupt = torch.zeros(len(samples), dtype=torch.bool).share_memory_()
-
-    def __len__(self) -> int:
-        return len(self.paths)
-
-    @property
-    def corrupt_count(self) -> int:
-        return int(self.corrupt.sum())
-
-    def __getitem__(self, index: int) -> tuple[Image.Image, int]:
-        found, image = self.first_readable(index, read_rgb)
-        return image, self.labels[found]
-
-    def first_readable(self, index: int, read: Callable[[str], T]) -> tuple[int, T]:
-        """`read(path)` of sample `index`, or of the next sample that can be read, with that sample's index:
-        the one loop that skips, records and replaces unreadable files, whatever `read` makes of a file."""
-        candidate = index
-        while True:  # ends: more unreadable files than the limit (< len(self)) raise in record_corrupt
-            if not self.corrupt[candidate]:
-                try:
-                    return candidate, read(self.paths[candidate])
-                except UNREADABLE as error:
-                    self.record_corrupt(candidate, error)
-            candidate = (candidate + 1) % len(self)
-
-    def record_corrupt(self, index: int, error: Exception) -> None:
-        """Mark sample `index` unreadable (skipped from now on, in every worker), log it with its path, and
-        raise once more than `max_corrupt_fraction` of the dataset is unreadable."""
-        self.corrupt[index] = True
-        count = self.corrupt_count
-        if count > self.max_corrupt:
-            raise TooManyUnreadableImages(
-                f"{count} of {len(self)} images of {self.description} are unreadable, more than "
-                f"data.max_corrupt_fraction={self.max_corrupt_fraction} allows ({self.max_corrupt}); "
-                f"the latest: {self.paths[index]} ({error})"
-            )
-        log.warning("unreadable image %s (%s): replaced by another readable one (%d unreadable so far)", self.paths[index], error, count)
 
 
 def file_size(path: str) -> int | None:
@@ -109,11 +33,6 @@ def file_size(path: str) -> int | None:
     except OSError:
         return None
     return status.st_size if stat.S_ISREG(status.st_mode) else None
-
-
-def read_rgb(path: str) -> Image.Image:
-    with Image.open(path) as image:
-        return image.convert("RGB")
 
 
 def image_paths(folder: Path) -> list[str]:
@@ -159,7 +78,6 @@ class FolderDataModule(ContrastiveDataModule):
         if not 0 <= max_corrupt_fraction < 1:
             raise ValueError(f"data.max_corrupt_fraction must be in [0, 1), got {max_corrupt_fraction}")
         self.max_corrupt_fraction = max_corrupt_fraction
-        self.encoded_training: EncodedImages | None = None  # what the training loader serves with `pipeline: gpu`
         super().__init__(**kwargs)
 
     def default_eval_view(self) -> dict[str, Any]:
@@ -168,41 +86,6 @@ class FolderDataModule(ContrastiveDataModule):
 
     def image_files(self, samples: list[tuple[str, int]], description: str) -> ImageFiles:
         return ImageFiles(samples, self.max_corrupt_fraction, description)
-
-    def encoded(self, dataset: Dataset) -> EncodedImages:
-        """`dataset` (an `ImageFiles`, or a Subset-like of one) read for decoding on the device
-        (`datamodules.encoded`)."""
-        files, indices = self._files_and_indices(dataset)
-        return EncodedImages(files, indices)
-
-    def _files_and_indices(self, dataset: Dataset) -> tuple[ImageFiles, Sequence[int]]:
-        if isinstance(dataset, ImageFiles):
-            return dataset, range(len(dataset))
-        if hasattr(dataset, "dataset") and hasattr(dataset, "indices"):
-            files, indices = self._files_and_indices(dataset.dataset)
-            return files, [indices[index] for index in dataset.indices]
-        raise ValueError(
-            f"data.pipeline: gpu decodes the image files of {type(self).__name__} on the device, which needs its "
-            f"images as an ImageFiles (or a Subset of one), not a {type(dataset).__name__}"
-        )
-
-    def training_dataset(self, train: Dataset) -> tuple[Dataset, Callable | None]:
-        """With `pipeline: gpu` and images of varying sizes: the encoded files, kept to decode their batches."""
-        if self.pipeline != "gpu" or self.uniform_image_size:
-            return super().training_dataset(train)
-        self.encoded_training = self.encoded(train)
-        return self.encoded_training, collate_encoded
-
-    def images_on_device(self, batch: dict) -> tuple[torch.Tensor | list[torch.Tensor], torch.Tensor]:
-        """Decode an `EncodedBatch` on the batch's device; an image that proves unreadable there is replaced
-        by another of the batch, whose label it then takes."""
-        if not isinstance(batch.get("image"), EncodedBatch):
-            return super().images_on_device(batch)
-        labels = batch["label"]
-        images, shown = self.encoded_training.decode(batch["image"], labels.device)
-        if shown != list(range(len(shown))):
-            labels = labels[torch.tensor(shown, device=labels.device)]
-        return images, labels
 
     def check_class_folders(self, split_dirs: list[Path]) -> None:
         """Every class of `self.classes` must have its folder in each split (an existence check, fast)."""

@@ -15,7 +15,8 @@ from typing import Any
 
 from torch.utils.data import Dataset
 
-from datamodules.folders import FolderDataModule, ImageFolderDataModule, listing
+from datamodules.folders import FolderDataModule, ImageFolderDataModule
+from datamodules.image_files import listing
 
 IMAGENET_SOURCE = "ILSVRC-2012 from https://image-net.org, the validation images moved into class folders, e.g. by the widely used valprep.sh"
 

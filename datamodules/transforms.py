@@ -5,9 +5,9 @@ DataModule fills in `size`, `mean` and `std` for its dataset unless the view set
 draws N independent augmentations of the same image (stacked along a new dimension after the batch).
 
 The contrastive presets (`crop_flip`, `mocov2`, `npid`, `simclr`, `simaugment`, `paco_sim`, `byol1`,
-`byol2`) are parameter sets of one augmentation family, which runs either per image in the DataLoader
-workers (`augment`, PIL) or per batch on the training device (`BatchedAugment`, the same parameters,
-every random draw per sample): `data.pipeline: cpu | gpu`. The policy presets (`autoaugment`,
+`byol2`) are parameter sets of one augmentation family, `datamodules.view_spec.ViewSpec`, which runs
+either per image in the DataLoader workers (`augment`, PIL) or per batch on the training device
+(`BatchedAugment`, every random draw per sample): `data.pipeline: cpu | gpu`. The policy presets (`autoaugment`,
 `randaugment`) and the evaluation presets (`crop_pad_flip`, `center`) run per image only.
 """
 
@@ -22,6 +22,7 @@ from timm.data.auto_augment import rand_augment_transform
 from torchvision.transforms import v2 as T
 
 from datamodules.batched import BatchedAugment
+from datamodules.view_spec import CONTRASTIVE_PRESETS, FIELDS, PACO_RANDCLS, ViewSpec, accepted_keys, view_spec
 
 
 class PILGaussianBlur:
@@ -55,101 +56,20 @@ class ToNormalizedTensor:
         return f"ToNormalizedTensor(mean={(self.mean / 255).flatten().tolist()}, std={(self.std / 255).flatten().tolist()})"
 
 
-def augment(
-    size: int,
-    mean,
-    std,
-    scale=(0.2, 1.0),
-    ratio=(3 / 4, 4 / 3),
-    jitter=(0.4, 0.4, 0.4, 0.1),
-    jitter_prob: float = 0.8,
-    gray_prob: float = 0.2,
-    blur_prob: float = 0.0,
-    blur_sigma=(0.1, 2.0),
-    solarize_prob: float = 0.0,
-    solarize_threshold: float = 0.5,
-    flip: bool = True,
-) -> T.Compose:
-    """The contrastive augmentation family, per PIL image: RandomResizedCrop(scale, ratio),
-    ColorJitter(brightness, contrast, saturation, hue) with probability `jitter_prob` (the four in random
-    order), grayscale, Gaussian blur (sigma uniform in `blur_sigma`), solarisation (pixels >= threshold,
-    as a fraction of 255, are inverted), horizontal flip. Flip commutes with the colour operations and
-    the blur, so its position does not matter."""
+def augment(spec: ViewSpec) -> T.Compose:
+    """The contrastive augmentation family of `spec`, per PIL image. Flip commutes with the colour
+    operations and the blur, so its position does not matter."""
     return T.Compose(
         [
-            T.RandomResizedCrop(size, scale=scale, ratio=ratio),
-            T.RandomApply([T.ColorJitter(*jitter)], p=jitter_prob),
-            T.RandomGrayscale(p=gray_prob),
-            T.RandomApply([PILGaussianBlur(blur_sigma)], p=blur_prob),
-            T.RandomSolarize(threshold=round(255 * solarize_threshold), p=solarize_prob),
-            *([T.RandomHorizontalFlip()] if flip else []),
-            ToNormalizedTensor(mean, std),
+            T.RandomResizedCrop(spec.size, scale=spec.scale, ratio=spec.ratio),
+            T.RandomApply([T.ColorJitter(*spec.jitter)], p=spec.jitter_prob),
+            T.RandomGrayscale(p=spec.gray_prob),
+            T.RandomApply([PILGaussianBlur(spec.blur_sigma)], p=spec.blur_prob),
+            T.RandomSolarize(threshold=round(255 * spec.solarize_threshold), p=spec.solarize_prob),
+            *([T.RandomHorizontalFlip()] if spec.flip else []),
+            ToNormalizedTensor(spec.mean, spec.std),
         ]
     )
-
-
-# ---- contrastive presets: each returns the parameters of `augment` / `BatchedAugment`
-def crop_flip(**overrides) -> dict:
-    """Weak view of SCE/ReSSL: RandomResizedCrop(0.2-1) + horizontal flip only (spec_selfsup 5.3)."""
-    return dict(jitter_prob=0.0, gray_prob=0.0) | overrides
-
-
-def mocov2(**overrides) -> dict:
-    """MoCo v2 aug+, also SCE's strong view: crop (0.2-1), jitter(0.4, 0.4, 0.4, 0.1) p=0.8, grayscale
-    p=0.2, blur p=0.5, flip (spec_selfsup 2 and 5.3)."""
-    return dict(blur_prob=0.5) | overrides
-
-
-def npid(**overrides) -> dict:
-    """NPID / Wang & Liu CIFAR pipeline: crop (0.2-1), jitter(0.4, 0.4, 0.4, 0.4) always, grayscale 0.2,
-    no flip (their ImageNet-100 pipeline adds it: `flip: true`) (spec_selfsup 7.2)."""
-    return dict(jitter=(0.4, 0.4, 0.4, 0.4), jitter_prob=1.0, flip=False) | overrides
-
-
-def simclr(strength: float = 0.5, **overrides) -> dict:
-    """SimCLR: crop (0.08-1), flip, jitter of strength s (0.8s, 0.8s, 0.8s, 0.2s) p=0.8, grayscale 0.2;
-    blur only on ImageNet (`blur_prob: 0.5`). CIFAR recipe: s=0.5, no blur (spec_selfsup 3)."""
-    jitter = (0.8 * strength, 0.8 * strength, 0.8 * strength, 0.2 * strength)
-    return dict(scale=(0.08, 1.0), jitter=jitter) | overrides
-
-
-def simaugment(**overrides) -> dict:
-    """SimAugment, TCL's self-supervised pipeline (TCL seed 2.3: SimCLR's augmentation with Gaussian
-    blur, "in the same manner as" solo-learn, whose SimCLR views are): crop (0.08-1), jitter of strength
-    1 (0.8, 0.8, 0.8, 0.2) p=0.8, grayscale 0.2, blur p=0.5, flip (spec_supervised 4.3)."""
-    return simclr(strength=1.0, blur_prob=0.5) | overrides
-
-
-def paco_sim(**overrides) -> dict:
-    """PaCo's `sim` view (`augmentation_sim` of PaCo/LT/paco_lt.py; the key view of `randcls_sim` and
-    both views of `sim_sim`): crop (0.08-1), jitter (0.4, 0.4, 0.4, 0) always, grayscale 0.2, blur p=0.5,
-    flip (spec_supervised 3.5). PaCo's CIFAR key view is MoCo v2 aug+ (`mocov2`)."""
-    return dict(scale=(0.08, 1.0), jitter=(0.4, 0.4, 0.4, 0.0), jitter_prob=1.0, blur_prob=0.5) | overrides
-
-
-def byol1(**overrides) -> dict:
-    """First view of the asymmetric BYOL pair that SCE uses on ImageNet (eztorch
-    `imagenet_two_crops_mocov3`, spec_selfsup 5.3): crop (0.2-1), jitter (0.4, 0.4, 0.2, 0.1) p=0.8,
-    grayscale 0.2, blur always, no solarisation, flip. BYOL's own crops are 0.08-1 (`scale: [0.08, 1.0]`)."""
-    return dict(jitter=(0.4, 0.4, 0.2, 0.1), blur_prob=1.0) | overrides
-
-
-def byol2(**overrides) -> dict:
-    """Second view of the pair: as `byol1` but blur p=0.1 and solarisation (threshold 0.5) p=0.2."""
-    return byol1(blur_prob=0.1, solarize_prob=0.2) | overrides
-
-
-CONTRASTIVE_PRESETS: dict[str, Callable[..., dict]] = {
-    "augment": lambda **overrides: overrides,  # the family with its own defaults
-    "byol1": byol1,
-    "byol2": byol2,
-    "crop_flip": crop_flip,
-    "mocov2": mocov2,
-    "npid": npid,
-    "paco_sim": paco_sim,
-    "simaugment": simaugment,
-    "simclr": simclr,
-}
 
 
 # ---- policy presets (per image only)
@@ -202,9 +122,8 @@ def randaugment(
     with timm's implementation (PaCo's `randaugment.py` is a copy of it), translations up to 45% of the
     size, fill colour `fill` (RGB in [0, 1]; default the dataset mean: PaCo fills with the ImageNet mean on
     every dataset, iNat included). `gray_prob: 0.2, blur_prob: 0.5` gives `randclsstack` (ResNeXt
-    runs), `num_ops: 3` the ResNeXt-101 one. Other `augment` parameters are accepted as overrides."""
-    family = dict(scale=(0.08, 1.0), jitter=(0.4, 0.4, 0.4, 0.0), jitter_prob=1.0, gray_prob=0.0) | family
-    base = augment(size, mean, std, **family)
+    runs), `num_ops: 3` the ResNeXt-101 one. Other `ViewSpec` fields are accepted as overrides."""
+    base = augment(ViewSpec(size, mean, std, **(PACO_RANDCLS | family)))
     policy = rand_augment_transform(
         f"rand-n{num_ops}-m{magnitude}-mstd{magnitude_std}",
         {"translate_const": int(size * 0.45), "img_mean": tuple(min(255, round(255 * value)) for value in (mean if fill is None else fill))},
@@ -234,15 +153,14 @@ PER_IMAGE_PRESETS: dict[str, Callable[..., T.Compose]] = {
     "center": center,
 }
 PRESET_NAMES = sorted(CONTRASTIVE_PRESETS) + sorted(PER_IMAGE_PRESETS)
-FAMILY_PARAMETERS = set(inspect.signature(augment).parameters)
 
 
 def accepted_parameters(factory: Callable) -> set[str]:
-    """The keys a view of this preset may set; `**family` / `**overrides` stand for `augment`'s."""
+    """The keys a view of this per-image preset may set; `**family` stands for the `ViewSpec` fields."""
     parameters = inspect.signature(factory).parameters
     named = {name for name, parameter in parameters.items() if parameter.kind is not inspect.Parameter.VAR_KEYWORD}
     open_ended = any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters.values())
-    return named | (FAMILY_PARAMETERS if open_ended else set())
+    return named | (FIELDS if open_ended else set())
 
 
 class MultipleViews:
@@ -282,9 +200,9 @@ def build_view(view_name: str, spec: dict[str, Any], defaults: dict[str, Any], p
         except ValueError as error:
             raise ValueError(f"view {view_name!r}: {error}") from None
     elif preset in CONTRASTIVE_PRESETS:
-        _check_keys(view_name, preset, params, accepted_parameters(CONTRASTIVE_PRESETS[preset]))
-        arguments = defaults | CONTRASTIVE_PRESETS[preset](**params)
-        transform = augment(**arguments) if pipeline == "cpu" else BatchedAugment(**arguments)
+        _check_keys(view_name, preset, params, accepted_keys(preset))
+        spec = view_spec(preset, params, defaults)
+        transform = augment(spec) if pipeline == "cpu" else BatchedAugment(spec)
     else:
         raise ValueError(f"view {view_name!r}: unknown preset {preset!r}; choose one of {PRESET_NAMES}")
     return MultipleViews(transform, count, batched=pipeline == "gpu") if count > 1 else transform

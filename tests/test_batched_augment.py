@@ -11,8 +11,9 @@ from PIL import Image, ImageFilter
 from torchvision.transforms import v2 as T
 from torchvision.transforms.v2 import functional as TF
 
-import datamodules.transforms as presets
 from datamodules.batched import BatchedAugment, adjust_hue, crop_boxes, gaussian_blur, rgb_to_gray
+from datamodules.transforms import augment
+from datamodules.view_spec import CONTRASTIVE_PRESETS, ViewSpec
 from helpers import TINY_BACKBONE, TINY_PROJECTOR, digits
 
 MEAN, STD = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)
@@ -24,13 +25,13 @@ def unnormalize(x: torch.Tensor) -> torch.Tensor:
 
 def test_identical_images_in_one_batch_get_different_augmentations():
     image = torch.randint(0, 256, (1, 3, 32, 32), dtype=torch.uint8)
-    out = BatchedAugment(32, MEAN, STD, blur_prob=0.5, solarize_prob=0.2)(image.repeat(8, 1, 1, 1))
+    out = BatchedAugment(ViewSpec(32, MEAN, STD, blur_prob=0.5, solarize_prob=0.2))(image.repeat(8, 1, 1, 1))
     assert all(not torch.allclose(out[0], out[i]) for i in range(1, 8))
 
 
 def test_outputs_stay_in_the_normalised_unit_range():
     images = torch.randint(0, 256, (64, 3, 32, 32), dtype=torch.uint8)
-    out = unnormalize(BatchedAugment(24, MEAN, STD, jitter=(0.8, 0.8, 0.8, 0.5), blur_prob=0.5, solarize_prob=0.5)(images))
+    out = unnormalize(BatchedAugment(ViewSpec(24, MEAN, STD, jitter=(0.8, 0.8, 0.8, 0.5), blur_prob=0.5, solarize_prob=0.5))(images))
     assert out.shape == (64, 3, 24, 24)
     assert out.min() >= -1e-5 and out.max() <= 1 + 1e-5
 
@@ -86,18 +87,18 @@ def test_crops_that_never_fit_fall_back_as_torchvision_for_each_image_size():
 
 def test_a_list_of_images_of_one_size_draws_exactly_what_their_batch_tensor_draws():
     images = torch.randint(0, 256, (8, 3, 20, 28), dtype=torch.uint8)
-    augment = BatchedAugment(12, MEAN, STD, blur_prob=0.5, solarize_prob=0.2)
+    batched = BatchedAugment(ViewSpec(12, MEAN, STD, blur_prob=0.5, solarize_prob=0.2))
     torch.manual_seed(1)
-    from_tensor = augment(images)
+    from_tensor = batched(images)
     torch.manual_seed(1)
-    torch.testing.assert_close(augment(list(images)), from_tensor, atol=0, rtol=0)
+    torch.testing.assert_close(batched(list(images)), from_tensor, atol=0, rtol=0)
 
 
 def test_each_image_of_a_list_of_different_sizes_is_cropped_within_itself_and_keeps_its_place():
     sizes = [(40, 24), (24, 40), (9, 50), (33, 33)]
     colours = torch.randint(0, 256, (len(sizes), 3), dtype=torch.uint8)
     images = [colour.view(3, 1, 1).expand(3, height, width) for colour, (height, width) in zip(colours, sizes)]
-    out = unnormalize(BatchedAugment(16, MEAN, STD, jitter=(0.0, 0.0, 0.0, 0.0), gray_prob=0.0)(images))
+    out = unnormalize(BatchedAugment(ViewSpec(16, MEAN, STD, jitter=(0.0, 0.0, 0.0, 0.0), gray_prob=0.0))(images))
     assert out.shape == (len(sizes), 3, 16, 16)
     # a box reaching outside its image would blend in zeros at the border
     torch.testing.assert_close(out, (colours.float() / 255).view(-1, 3, 1, 1).expand_as(out), atol=1e-5, rtol=0)
@@ -114,7 +115,7 @@ def test_colour_primitives_equal_torchvision_per_sample():
 def test_colour_jitter_is_the_torchvision_formula_for_a_single_active_operation():
     torch.manual_seed(0)
     images = torch.rand(16, 3, 8, 8)
-    jitter = BatchedAugment(8, MEAN, STD, jitter=(0.0, 0.6, 0.0, 0.0), jitter_prob=1.0)
+    jitter = BatchedAugment(ViewSpec(8, MEAN, STD, jitter=(0.0, 0.6, 0.0, 0.0), jitter_prob=1.0))
     torch.manual_seed(1)
     out = jitter.color_jitter(images)
     torch.manual_seed(1)
@@ -130,7 +131,7 @@ def test_jitter_order_is_drawn_per_sample():
     both active, identical images must show both orders within one batch."""
     torch.manual_seed(0)
     image = torch.tensor([0.9, 0.5, 0.1]).view(1, 3, 1, 1).expand(256, 3, 4, 4).contiguous()
-    out = BatchedAugment(4, MEAN, STD, jitter=(0.0, 0.0, 0.0, 0.0), jitter_prob=1.0)
+    out = BatchedAugment(ViewSpec(4, MEAN, STD, jitter=(0.0, 0.0, 0.0, 0.0), jitter_prob=1.0))
     out.jitter_ranges = ((1.5, 1.5), (1.0, 1.0), (2.0, 2.0), (0.0, 0.0))  # fixed factors, only the order varies
     result = out.color_jitter(image)[:, :, 0, 0]
     distinct = torch.unique(result.round(decimals=5), dim=0)
@@ -159,11 +160,11 @@ def test_blur_is_pils_gaussian_blur_of_the_per_image_pipeline():
 
 def draw_both_pipelines(image: torch.Tensor, count: int, size: int, **parameters) -> tuple[torch.Tensor, torch.Tensor]:
     """`count` views of one uint8 (3, H, W) image from the batched pipeline (one batch) and from the
-    per-image PIL pipeline of `datamodules.transforms.augment` (one call per view), both in [0, 1]."""
+    per-image PIL pipeline of `datamodules.transforms.augment`, from one `ViewSpec` (one call per view), both in [0, 1]."""
     torch.manual_seed(0)
     random.seed(0)
-    batched = unnormalize(BatchedAugment(size, MEAN, STD, **parameters)(image.expand(count, -1, -1, -1)))
-    per_image = presets.augment(size, MEAN, STD, **parameters)
+    batched = unnormalize(BatchedAugment(ViewSpec(size, MEAN, STD, **parameters))(image.expand(count, -1, -1, -1)))
+    per_image = augment(ViewSpec(size, MEAN, STD, **parameters))
     pil = Image.fromarray(image.permute(1, 2, 0).numpy())
     return batched, unnormalize(torch.stack([per_image(pil) for _ in range(count)]))
 
@@ -257,7 +258,7 @@ def test_presets_draw_views_distributed_as_the_per_image_pipeline():
         ], dim=1)
 
     for preset in ("crop_flip", "mocov2", "simclr", "npid", "byol2", "paco_sim"):
-        batched, per_image = (statistics(views) for views in draw_both_pipelines(image, 2000, 24, **getattr(presets, preset)()))
+        batched, per_image = (statistics(views) for views in draw_both_pipelines(image, 2000, 24, **CONTRASTIVE_PRESETS[preset]))
         quantile_gap = (batched.quantile(QUANTILES, dim=0) - per_image.quantile(QUANTILES, dim=0)).abs().max()
         assert quantile_gap < 0.04, (preset, quantile_gap)
         assert (batched.mean(dim=0) - per_image.mean(dim=0)).abs().max() < 0.02, preset

@@ -32,7 +32,7 @@ from datamodules import (
     TinyImageNetDataModule,
     UnlabeledFolderDataModule,
 )
-from datamodules.folders import TooManyUnreadableImages
+from datamodules.image_files import TooManyUnreadableImages
 from datamodules.imagenet import IMAGENET100_WNIDS
 from datamodules.transforms import MultipleViews
 
@@ -419,7 +419,7 @@ def test_an_unreadable_image_is_logged_counted_and_replaced_by_the_next_one(tmp_
     datamodule = ImageFolderDataModule(root=str(tmp_path), batch_size=2, num_workers=0, views=VIEWS, max_corrupt_fraction=0.2)
     datamodule.setup()
     train = datamodule.splits["train"]
-    with caplog.at_level(logging.WARNING, logger="datamodules.folders"):
+    with caplog.at_level(logging.WARNING, logger="datamodules.image_files"):
         replacement, label = train[0]
     assert train.corrupt_count == 2 and str(tmp_path / "train/a/0.jpg") in caplog.text
     assert np.array_equal(np.asarray(replacement), np.asarray(train[2][0])) and label == train.labels[2]

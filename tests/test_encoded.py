@@ -118,7 +118,7 @@ def write_broken_folder(root: Path) -> Path:
 def test_broken_files_are_logged_counted_and_replaced_so_that_the_batch_keeps_its_size(tmp_path, caplog):
     root = write_broken_folder(tmp_path)
     datamodule = gpu_folder(root, batch_size=10, max_corrupt_fraction=0.2)
-    with caplog.at_level(logging.WARNING, logger="datamodules.folders"):
+    with caplog.at_level(logging.WARNING, logger="datamodules.image_files"):
         batch = next(iter(datamodule.train_dataloader()))
         labels = batch["label"]
         images, shown_labels = datamodule.images_on_device(batch)

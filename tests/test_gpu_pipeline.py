@@ -7,9 +7,11 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from torch.utils.data import Subset
 
 from datamodules import DigitsDataModule, DigitsLTDataModule
 from datamodules.base import RawImageDataset
+from datamodules.pipeline import Pipeline, pipeline_mode
 from helpers import cpu_trainer
 from methods import MethodBase
 from methods.cli import ContrastlabCLI
@@ -49,9 +51,25 @@ def test_resident_and_streamed_raw_batches_come_in_the_same_order_and_train_to_t
         assert torch.equal(resident[key], streamed[key]), key
 
 
-def test_resident_is_only_for_the_gpu_pipeline_with_images_of_one_size():
-    assert not DigitsDataModule(num_workers=0, views=VIEWS, pipeline="cpu").resident
-    assert not DigitsDataModule(num_workers=0, views=VIEWS, pipeline="gpu", resident=False).resident
+def test_the_pipeline_mode_follows_the_pipeline_resident_and_whether_the_images_have_one_size():
+    assert DigitsDataModule(num_workers=0, views=VIEWS, pipeline="cpu").mode is Pipeline.CPU
+    assert DigitsDataModule(num_workers=0, views=VIEWS, pipeline="gpu").mode is Pipeline.RESIDENT
+    assert DigitsDataModule(num_workers=0, views=VIEWS, pipeline="gpu", resident=False).mode is Pipeline.STREAMED
+    assert pipeline_mode("gpu", resident=True, uniform_image_size=False) is Pipeline.ENCODED  # files of any size
+    assert pipeline_mode("cpu", resident=True, uniform_image_size=True) is Pipeline.CPU
+    with pytest.raises(ValueError, match=r"data.pipeline must be one of \['cpu', 'gpu'\], got 'tpu'"):
+        DigitsDataModule(num_workers=0, views=VIEWS, pipeline="tpu")
+
+
+def test_an_analysed_subset_draws_its_views_from_its_own_raw_images_whether_or_not_training_is_resident():
+    def views(resident: bool) -> torch.Tensor:
+        datamodule = DigitsDataModule(num_workers=0, batch_size=8, views=VIEWS, pipeline="gpu", resident=resident)
+        datamodule.setup()
+        torch.manual_seed(0)
+        return torch.cat(list(datamodule.view_batches(Subset(datamodule.splits["val"], range(12)), "query", torch.device("cpu"))))
+
+    resident, streamed = views(True), views(False)
+    assert resident.shape == (12, 3, 32, 32) and torch.equal(resident, streamed)
 
 
 @pytest.mark.slow

@@ -1,7 +1,5 @@
 """The named augmentation presets: the papers' parameters, both pipelines, the per-image policies."""
 
-import inspect
-
 import numpy as np
 import pytest
 import torch
@@ -9,17 +7,21 @@ from PIL import Image
 from timm.data.auto_augment import RandAugment
 from torchvision.transforms import v2 as T
 
-from datamodules.batched import BatchedAugment
-from datamodules.transforms import CONTRASTIVE_PRESETS, Cutout, augment, build_view
+from datamodules.transforms import Cutout, build_view
+from datamodules.view_spec import CONTRASTIVE_PRESETS, ViewSpec
 
 DEFAULTS = {"size": 16, "mean": (0.5, 0.4, 0.3), "std": (0.2, 0.25, 0.3)}
 IMAGE = Image.fromarray(np.random.default_rng(0).integers(0, 256, (20, 24, 3), dtype=np.uint8))
 
 
-def test_the_per_image_and_the_batched_family_take_the_same_parameters_with_the_same_defaults():
-    per_image = inspect.signature(augment).parameters
-    batched = {name: parameter for name, parameter in inspect.signature(BatchedAugment).parameters.items()}
-    assert [(name, p.default) for name, p in per_image.items()] == [(name, p.default) for name, p in batched.items()]
+def test_both_pipelines_of_a_view_run_one_spec_of_the_presets_fields_then_the_views_own():
+    view = {"preset": "simclr", "strength": 1.0, "blur_prob": 0.5, "scale": [0.5, 1.0]}
+    spec = ViewSpec(16, DEFAULTS["mean"], DEFAULTS["std"], scale=(0.5, 1.0), jitter=(0.8, 0.8, 0.8, 0.2), blur_prob=0.5)
+    assert build_view("v", view, DEFAULTS, pipeline="gpu").spec == spec
+    crop, jitter, _, blur = build_view("v", view, DEFAULTS).transforms[:4]
+    assert crop.scale == spec.scale and jitter.transforms[0].brightness == pytest.approx((0.2, 1.8)) and blur.p == 0.5
+    explicit = build_view("v", view | {"jitter": [0.1, 0.1, 0.1, 0.1]}, DEFAULTS, pipeline="gpu").spec
+    assert explicit.jitter == (0.1, 0.1, 0.1, 0.1)  # the view's own jitter wins over its strength
 
 
 @pytest.mark.parametrize("preset", sorted(CONTRASTIVE_PRESETS))
