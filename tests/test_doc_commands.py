@@ -5,8 +5,10 @@ Which text is a command:
   `$ ` prompt); a line ending in `\\` continues on the next one. Blocks tagged otherwise (```text, ```python,
   ```yaml, untagged output) are not commands; a command meant for another project's checkout (detectron2's
   train_net.py) is shown as ```text;
-- a command holding a placeholder `<...>` (e.g. `configs/<method>_digits.yaml`, `<run>/last.ckpt`) is not run:
-  it is a pattern, not a command (the test reports how many it skipped);
+- outside the blocks, an inline code span that starts with `uv run ` is a command too (a synopsis such as
+  `benchmarks/throughput.py --config ... [--profile DIR]` is not);
+- a command holding a placeholder `<...>` outside its `#` comment (e.g. `configs/<method>_digits.yaml`,
+  `<run>/last.ckpt`) is not run: it is a pattern, not a command (the test reports how many it skipped);
 - the blocks of one file are read by bash as one script, in order, as a reader would type them: variables, loops
   and quoting are bash's own. Bash runs with an empty PATH, so that no program starts: each program call is
   recorded (with its argument list and line) instead, in a scratch directory.
@@ -58,9 +60,14 @@ class Command:
     line: int  # 1-based, of its first line
     last_line: int
     text: str  # continuations joined
+    inline: bool = False  # a code span in the prose
 
     def where(self) -> str:
-        return f"{self.file.relative_to(ROOT)}:{self.line}: {self.text}"
+        return f"{shown(self.file)}:{self.line}: {self.text}"
+
+
+def shown(path: Path) -> Path:
+    return path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
 
 
 def shell_commands(path: Path) -> tuple[list[Command], list[Command]]:
@@ -88,9 +95,22 @@ def shell_commands(path: Path) -> tuple[list[Command], list[Command]]:
             start, parts = pending
             text = " ".join(part.rstrip().removesuffix("\\").strip() for part in parts)
             command = Command(path, start, number, text)
-            (placeholders if PLACEHOLDER.search(text) else commands).append(command)
+            (placeholders if has_placeholder(text) else commands).append(command)
             pending = None
+    prose = re.sub(r"```.*?```", lambda block: re.sub(r"[^\n]", " ", block.group()), path.read_text(), flags=re.S)
+    for span in re.finditer(r"`(uv run [^`]+)`", prose):
+        line = prose.count("\n", 0, span.start()) + 1
+        command = Command(path, line, line, " ".join(span.group(1).split()), inline=True)
+        (placeholders if has_placeholder(command.text) else commands).append(command)
     return commands, placeholders
+
+
+def has_placeholder(text: str) -> bool:
+    try:
+        words = shlex.split(text, comments=True)  # a `#` comment may say `<name>`
+    except ValueError:
+        words = [text]
+    return any(PLACEHOLDER.search(word) for word in words)
 
 
 def bash_script(path: Path, commands: list[Command]) -> str:
@@ -99,6 +119,10 @@ def bash_script(path: Path, commands: list[Command]) -> str:
     source = path.read_text().splitlines()
     lines = [""] * len(source)
     for command in commands:
+        if command.inline:
+            assert not lines[command.line - 1], f"{shown(path)}:{command.line}: one command per line"
+            lines[command.line - 1] = command.text
+            continue
         for number in range(command.line, command.last_line + 1):
             lines[number - 1] = source[number - 1]
         lines[command.line - 1] = re.sub(r"^\s*\$ ", "", lines[command.line - 1])  # a console prompt
@@ -113,7 +137,7 @@ def recorded_calls(path: Path, commands: list[Command], scratch: Path) -> list[t
     record.write_bytes(b"")
     result = subprocess.run(["/bin/bash", "--noprofile", "--norc", str(script)], cwd=scratch, capture_output=True,
                             text=True, env={"PATH": str(scratch / "no-programs"), "RECORD": str(record), "HOME": str(scratch)})
-    assert result.returncode == 0 and not result.stderr, f"{path.relative_to(ROOT)}: bash cannot read its commands: {result.stderr}"
+    assert result.returncode == 0 and not result.stderr, f"{shown(path)}: bash cannot read its commands: {result.stderr}"
     fields = record.read_bytes().decode().split("\0")[:-1]
     by_line = {command.line: command for command in commands}
     calls = []
@@ -191,6 +215,8 @@ def check_python(argv: list[str], monkeypatch) -> list[str]:
     outcome, output = run_python(target, with_help(args), monkeypatch)
     if outcome != 0:
         problems.append(f"--help gives {outcome!r}: {output.strip()[-400:]}")
+    if {"-h", "--help"} & set(args[: args.index("--")] if "--" in args else args):
+        return problems  # the documented command is the help
     outcome, output = run_python(target, args, monkeypatch)
     if not isinstance(outcome, _Parsed):
         return [*problems, f"its arguments are not accepted ({outcome!r}): {output.strip()[-400:]}"]
@@ -287,7 +313,7 @@ def test_a_command_with_an_unknown_override_fails_naming_file_line_and_command(t
     monkeypatch.chdir(ROOT)
     page = tmp_path / "page.md"
     page.write_text("# page\n\n```bash\nuv run python main_pretrain.py fit --config configs/moco_digits.yaml \\\n"
-                    "    --model.init_args.temprature 0.1\nuv run python scripts/compare.py runs/a --outdir runs/b\n"
+                    "    --model.init_args.temprature 0.1\nuv run python scripts/compare.py runs/a --out runs/b --colour red\n"
                     "srun python main_pretrain.py fit --config configs/no_such_config.yaml\n```\n")
     commands, _ = shell_commands(page)
     scratch = tmp_path / "scratch"
@@ -296,9 +322,9 @@ def test_a_command_with_an_unknown_override_fails_naming_file_line_and_command(t
     assert [(command.line, argv[0]) for command, argv in calls] == [(4, "uv"), (6, "uv"), (7, "srun")]
     problems = [check_call(argv, monkeypatch) for _, argv in calls]
     assert "temprature" in problems[0][0] and "print_config" in problems[0][0]
-    assert "not accepted" in problems[1][-1] and "--outdir" in problems[1][-1]
+    assert "not accepted" in problems[1][-1] and "unrecognized arguments: --colour red" in problems[1][-1]
     assert problems[2] == ["configs/no_such_config.yaml does not exist"]
-    assert calls[0][0].where() == (f"{page.relative_to(ROOT) if page.is_relative_to(ROOT) else page}:4: uv run python "
+    assert calls[0][0].where() == (f"{page}:4: uv run python "
                                    "main_pretrain.py fit --config configs/moco_digits.yaml --model.init_args.temprature 0.1")
 
 
