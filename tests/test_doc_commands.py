@@ -42,11 +42,6 @@ from pathlib import Path
 
 import pytest
 
-import main_linear
-import main_pretrain
-
-pytestmark = pytest.mark.slow
-
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SHELL_FENCES = {"bash", "sh", "shell", "console"}
@@ -202,6 +197,9 @@ def grid_first_points(grid: list[str]) -> list[str]:
 
 def check_python(argv: list[str], monkeypatch) -> list[str]:
     """Problems of a `python ...` call made through uv run."""
+    import main_linear  # here, not at the top: `pytest -m "not slow"` need not import Lightning for this file
+    import main_pretrain
+
     if argv[0] == "-m":
         target, args = argv[:2], argv[2:]
     else:
@@ -289,6 +287,7 @@ def doc_calls(scratch: Path):
         yield path, recorded_calls(path, commands, directory), placeholders
 
 
+@pytest.mark.slow  # about 50 s: every main_* command resolves its config in this process
 def test_every_documented_command_runs_as_printed(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
     failures, checked, skipped = [], 0, 0
@@ -308,6 +307,7 @@ def test_the_readme_and_the_docs_hold_commands_and_the_readme_fits_300_lines():
     assert len((ROOT / "README.md").read_text().splitlines()) <= 300
 
 
+@pytest.mark.slow  # imports Lightning and resolves a config
 def test_a_command_with_an_unknown_override_fails_naming_file_line_and_command(tmp_path, monkeypatch):
     """The check can fail: a misspelt override, a script option that does not exist and a missing config."""
     monkeypatch.chdir(ROOT)
