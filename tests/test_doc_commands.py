@@ -1,0 +1,352 @@
+"""Every shell command in README.md and docs/*.md runs as printed (issue 22 item 6, issue 23), checked without training.
+
+Which text is a command:
+- the lines of fenced blocks tagged ```bash, ```sh, ```shell or ```console (in ```console only the lines after a
+  `$ ` prompt); a line ending in `\\` continues on the next one. Blocks tagged otherwise (```text, ```python,
+  ```yaml, untagged output) are not commands; a command meant for another project's checkout (detectron2's
+  train_net.py) is shown as ```text;
+- outside the blocks, an inline code span that starts with `uv run ` is a command too (a synopsis such as
+  `benchmarks/throughput.py --config ... [--profile DIR]` is not);
+- a command holding a placeholder `<...>` outside its `#` comment (e.g. `configs/<method>_digits.yaml`,
+  `<run>/last.ckpt`) is not run: it is a pattern, not a command (the test reports how many it skipped);
+- the blocks of one file are read by bash as one script, in order, as a reader would type them: variables, loops
+  and quoting are bash's own. Bash runs with an empty PATH, so that no program starts: each program call is
+  recorded (with its argument list and line) instead, in a scratch directory.
+
+What is checked for each recorded call:
+- `uv run [--locked] python main_pretrain.py|main_linear.py ARGS`: `cli_main([*ARGS, "--print_config"])` in this
+  process exits with 0, i.e. the config and every override parse and resolve (nothing is trained);
+- `uv run [--locked] python SCRIPT ARGS` and `uv run [--locked] python -m MODULE ARGS`: run in this process with
+  `--help` (put before a `--` separator) it exits with 0, and run with ARGS its argparse parser accepts them (the
+  run stops right after parsing); when the parsed arguments name a `--config`, that config with the first point
+  of every `--grid` and the overrides after `--` resolves through `main_pretrain.py --print_config`, and a
+  `--linear` config with its `--linear-override`s through `main_linear.py --print_config`;
+- `uv run [--locked] pytest ARGS`: the test files it names exist and its `-m` markers are registered;
+- every call, `uv run` or not (`pip`, `sbatch`, `srun`, `wandb`, ...): every argument naming a path inside the
+  repository (its first component is a top-level entry of the checkout, `runs/` excepted) exists.
+A failure names the file, the line and the command.
+"""
+
+import argparse
+import contextlib
+import io
+import os
+import re
+import runpy
+import shlex
+import subprocess
+import sys
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+SHELL_FENCES = {"bash", "sh", "shell", "console"}
+PLACEHOLDER = re.compile(r"<[^<>\n]+>")
+UNCHECKED_TOP_LEVEL = {"runs"}  # where runs write their output: not part of a checkout
+
+
+@dataclass(frozen=True)
+class Command:
+    file: Path
+    line: int  # 1-based, of its first line
+    last_line: int
+    text: str  # continuations joined
+    inline: bool = False  # a code span in the prose
+
+    def where(self) -> str:
+        return f"{shown(self.file)}:{self.line}: {self.text}"
+
+
+def shown(path: Path) -> Path:
+    return path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+
+
+def shell_commands(path: Path) -> tuple[list[Command], list[Command]]:
+    """The commands of a markdown file's shell blocks and, separately, those with placeholders."""
+    commands, placeholders = [], []
+    fence, pending = None, None
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        stripped = line.strip()
+        if stripped.startswith("```"):
+            fence = None if fence is not None else stripped[3:].strip().lower()
+            continue
+        if fence not in SHELL_FENCES:
+            continue
+        if pending is None:
+            if fence == "console":
+                if not stripped.startswith("$ "):
+                    continue
+                line = stripped[2:]
+            if not line.strip() or line.lstrip().startswith("#"):
+                continue
+            pending = (number, [line])
+        else:
+            pending[1].append(line)
+        if not line.rstrip().endswith("\\"):
+            start, parts = pending
+            text = " ".join(part.rstrip().removesuffix("\\").strip() for part in parts)
+            command = Command(path, start, number, text)
+            (placeholders if has_placeholder(text) else commands).append(command)
+            pending = None
+    prose = re.sub(r"```.*?```", lambda block: re.sub(r"[^\n]", " ", block.group()), path.read_text(), flags=re.S)
+    for span in re.finditer(r"`(uv run [^`]+)`", prose):
+        line = prose.count("\n", 0, span.start()) + 1
+        command = Command(path, line, line, " ".join(span.group(1).split()), inline=True)
+        (placeholders if has_placeholder(command.text) else commands).append(command)
+    return commands, placeholders
+
+
+def has_placeholder(text: str) -> bool:
+    try:
+        words = shlex.split(text, comments=True)  # a `#` comment may say `<name>`
+    except ValueError:
+        words = [text]
+    return any(PLACEHOLDER.search(word) for word in words)
+
+
+def bash_script(path: Path, commands: list[Command]) -> str:
+    """The file's commands at their own line numbers (all other lines empty), after a line 1 that records every
+    program call instead of starting it (line 1 of a markdown file is never inside a block)."""
+    source = path.read_text().splitlines()
+    lines = [""] * len(source)
+    for command in commands:
+        if command.inline:
+            assert not lines[command.line - 1], f"{shown(path)}:{command.line}: one command per line"
+            lines[command.line - 1] = command.text
+            continue
+        for number in range(command.line, command.last_line + 1):
+            lines[number - 1] = source[number - 1]
+        lines[command.line - 1] = re.sub(r"^\s*\$ ", "", lines[command.line - 1])  # a console prompt
+    lines[0] = 'command_not_found_handle() { printf "%s\\0" "${BASH_LINENO[0]}" "$#" "$@" >> "$RECORD"; return 0; }'
+    return "\n".join(lines) + "\n"
+
+
+def recorded_calls(path: Path, commands: list[Command], scratch: Path) -> list[tuple[Command, list[str]]]:
+    """Every program call the commands make, as bash would make it, with the command it belongs to."""
+    script, record = scratch / "commands.sh", scratch / "calls"
+    script.write_text(bash_script(path, commands))
+    record.write_bytes(b"")
+    result = subprocess.run(["/bin/bash", "--noprofile", "--norc", str(script)], cwd=scratch, capture_output=True,
+                            text=True, env={"PATH": str(scratch / "no-programs"), "RECORD": str(record), "HOME": str(scratch)})
+    assert result.returncode == 0 and not result.stderr, f"{shown(path)}: bash cannot read its commands: {result.stderr}"
+    fields = record.read_bytes().decode().split("\0")[:-1]
+    by_line = {command.line: command for command in commands}
+    calls = []
+    while fields:
+        line, count = int(fields[0]), int(fields[1])
+        argv, fields = fields[2 : 2 + count], fields[2 + count :]
+        calls.append((by_line[line], argv))
+    return calls
+
+
+class _Parsed(Exception):
+    """Raised instead of returning from argparse: the script stops right after parsing its arguments."""
+
+    def __init__(self, namespace):
+        self.namespace = namespace
+
+
+def _run_quietly(function) -> tuple[object, str]:
+    """(exit code or the _Parsed exception or 'returned', the output) of function()."""
+    output = io.StringIO()
+    with contextlib.redirect_stdout(output), contextlib.redirect_stderr(output), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            function()
+            outcome = "returned"
+        except SystemExit as exit_:
+            outcome = 0 if exit_.code is None else exit_.code
+        except _Parsed as parsed:
+            outcome = parsed
+    return outcome, output.getvalue()
+
+
+def print_config(main_module, args: list[str]) -> str | None:
+    """None if the CLI resolves args with --print_config, else what it said."""
+    outcome, output = _run_quietly(lambda: main_module.cli_main([*args, "--print_config"]))
+    return None if outcome == 0 else f"exit {outcome}: {output.strip()[-600:]}"
+
+
+def run_python(target: list[str], args: list[str], monkeypatch) -> tuple[object, str]:
+    """Run `python SCRIPT ARGS` or `python -m MODULE ARGS` in this process, its argparse parsers stopping after
+    parsing."""
+    original = argparse.ArgumentParser.parse_args
+
+    def parse_then_stop(self, args=None, namespace=None):
+        raise _Parsed(original(self, args, namespace))
+
+    with monkeypatch.context() as patch:
+        patch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
+        patch.setattr(sys, "argv", [target[-1], *args])
+        if target[0] == "-m":
+            return _run_quietly(lambda: runpy.run_module(target[1], run_name="__main__", alter_sys=True))
+        return _run_quietly(lambda: runpy.run_path(str(ROOT / target[0]), run_name="__main__"))
+
+
+def with_help(args: list[str]) -> list[str]:
+    return [*args[: args.index("--")], "--help", *args[args.index("--") :]] if "--" in args else [*args, "--help"]
+
+
+def grid_first_points(grid: list[str]) -> list[str]:
+    return [f"--{key}={values.split(',')[0]}" for key, values in (item.split("=", 1) for item in grid)]
+
+
+def check_python(argv: list[str], monkeypatch) -> list[str]:
+    """Problems of a `python ...` call made through uv run."""
+    import main_linear  # here, not at the top: `pytest -m "not slow"` need not import Lightning for this file
+    import main_pretrain
+
+    if argv[0] == "-m":
+        target, args = argv[:2], argv[2:]
+    else:
+        target, args = argv[:1], argv[1:]
+    if target == ["main_pretrain.py"] or target == ["main_linear.py"]:
+        problem = print_config(main_pretrain if target == ["main_pretrain.py"] else main_linear, args)
+        return [] if problem is None else [f"--print_config: {problem}"]
+    if target[0] != "-m" and not (ROOT / target[0]).is_file():
+        return [f"{target[0]} does not exist"]
+    problems = []
+    outcome, output = run_python(target, with_help(args), monkeypatch)
+    if outcome != 0:
+        problems.append(f"--help gives {outcome!r}: {output.strip()[-400:]}")
+    if {"-h", "--help"} & set(args[: args.index("--")] if "--" in args else args):
+        return problems  # the documented command is the help
+    outcome, output = run_python(target, args, monkeypatch)
+    if not isinstance(outcome, _Parsed):
+        return [*problems, f"its arguments are not accepted ({outcome!r}): {output.strip()[-400:]}"]
+    options = vars(outcome.namespace)
+    overrides = args[args.index("--") + 1 :] if "--" in args else []
+    if isinstance(options.get("config"), str) and options["config"].endswith(".yaml"):
+        pretraining = ["fit", "--config", options["config"], *grid_first_points(options.get("grid") or []), *overrides]
+        if (problem := print_config(main_pretrain, pretraining)) is not None:
+            problems.append(f"its pretraining runs do not resolve ({shlex.join(pretraining)}): {problem}")
+    if isinstance(options.get("linear"), str):
+        linear = ["fit", "--config", options["linear"], *(options.get("linear_override") or [])]
+        if (problem := print_config(main_linear, linear)) is not None:
+            problems.append(f"its linear runs do not resolve ({shlex.join(linear)}): {problem}")
+    return problems
+
+
+def registered_markers() -> set[str]:
+    """The marker names of pyproject.toml's `markers = ["name: what", ...]` (tomllib is not in Python 3.10)."""
+    listed = re.search(r"^markers\s*=\s*\[(.*?)\]", (ROOT / "pyproject.toml").read_text(), flags=re.M | re.S)
+    return set(re.findall(r"[\"']\s*(\w+)\s*:", listed.group(1))) if listed else set()
+
+
+def check_pytest(args: list[str]) -> list[str]:
+    problems = []
+    for index, arg in enumerate(args):
+        if arg == "-m":
+            unknown = set(re.findall(r"\w+", args[index + 1])) - {"not", "and", "or"} - registered_markers()
+            problems += [f"pytest marker {name!r} is not registered in pyproject.toml" for name in sorted(unknown)]
+        elif not arg.startswith("-") and (index == 0 or args[index - 1] not in ("-m", "-k")):
+            if not (ROOT / arg.split("::")[0]).exists():
+                problems.append(f"{arg} does not exist")
+    return problems
+
+
+def missing_paths(argv: list[str]) -> list[str]:
+    """Arguments (or the value after `=`) naming a path of the checkout that does not exist."""
+    top_level = {entry.name for entry in ROOT.iterdir() if not entry.name.startswith(".")} - UNCHECKED_TOP_LEVEL
+    problems = []
+    for arg in argv[1:]:
+        for candidate in {arg, arg.split("=", 1)[-1]}:
+            if "/" in candidate and candidate.split("/")[0] in top_level and not (ROOT / candidate).exists():
+                problems.append(f"{candidate} does not exist")
+    return problems
+
+
+def check_call(argv: list[str], monkeypatch) -> list[str]:
+    problems = missing_paths(argv)
+    if argv[0] != "uv":
+        return problems
+    if argv[1] != "run":
+        return [*problems, "uv's only subcommand here is `run`"]
+    rest = argv[2:]
+    while rest and rest[0].startswith("--"):
+        rest = rest[1:]
+    if not rest:
+        return [*problems, "nothing to run"]
+    if rest[0] == "python":
+        return [*problems, *check_python(rest[1:], monkeypatch)]
+    if rest[0] == "pytest":
+        return [*problems, *check_pytest(rest[1:])]
+    return [*problems, f"{rest[0]!r}: only python and pytest are run through uv here"]
+
+
+def doc_calls(scratch: Path):
+    """(file, calls, skipped placeholders) of every documentation file."""
+    for path in DOCS:
+        commands, placeholders = shell_commands(path)
+        directory = scratch / path.stem
+        directory.mkdir()
+        yield path, recorded_calls(path, commands, directory), placeholders
+
+
+@pytest.mark.slow  # about 50 s: every main_* command resolves its config in this process
+def test_every_documented_command_runs_as_printed(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    failures, checked, skipped = [], 0, 0
+    for _, calls, placeholders in doc_calls(tmp_path):
+        skipped += len(placeholders)
+        for command, argv in calls:
+            checked += 1
+            failures += [f"{command.where()}\n    -> {problem}" for problem in check_call(argv, monkeypatch)]
+    print(f"{checked} documented program calls checked, {skipped} commands with placeholders skipped")
+    assert checked > 0, "no documented command found"
+    assert not failures, "documented commands that do not run as printed:\n" + "\n".join(failures)
+
+
+def test_the_readme_and_the_docs_hold_commands_and_the_readme_fits_300_lines():
+    commands = [command for path in DOCS for command in shell_commands(path)[0]]
+    assert any(command.file.name == "README.md" and "main_pretrain.py fit" in command.text for command in commands)
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 300
+
+
+@pytest.mark.slow  # imports Lightning and resolves a config
+def test_a_command_with_an_unknown_override_fails_naming_file_line_and_command(tmp_path, monkeypatch):
+    """The check can fail: a misspelt override, a script option that does not exist and a missing config."""
+    monkeypatch.chdir(ROOT)
+    page = tmp_path / "page.md"
+    page.write_text("# page\n\n```bash\nuv run python main_pretrain.py fit --config configs/moco_digits.yaml \\\n"
+                    "    --model.init_args.temprature 0.1\nuv run python scripts/compare.py runs/a --out runs/b --colour red\n"
+                    "srun python main_pretrain.py fit --config configs/no_such_config.yaml\n```\n")
+    commands, _ = shell_commands(page)
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    calls = recorded_calls(page, commands, scratch)
+    assert [(command.line, argv[0]) for command, argv in calls] == [(4, "uv"), (6, "uv"), (7, "srun")]
+    problems = [check_call(argv, monkeypatch) for _, argv in calls]
+    assert "temprature" in problems[0][0] and "print_config" in problems[0][0]
+    assert "not accepted" in problems[1][-1] and "unrecognized arguments: --colour red" in problems[1][-1]
+    assert problems[2] == ["configs/no_such_config.yaml does not exist"]
+    assert calls[0][0].where() == (f"{page}:4: uv run python "
+                                   "main_pretrain.py fit --config configs/moco_digits.yaml --model.init_args.temprature 0.1")
+
+
+def test_relative_links_of_the_readme_and_the_docs_resolve():
+    """Every relative link target exists, and an anchor names a heading of the target file."""
+    broken = []
+    for path in DOCS:
+        text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):
+                continue
+            file_part, _, anchor = target.partition("#")
+            linked = (path.parent / file_part).resolve() if file_part else path
+            if not linked.exists():
+                broken.append(f"{path.relative_to(ROOT)}: {target} (no such file)")
+            elif anchor and linked.suffix == ".md" and anchor not in heading_anchors(linked):
+                broken.append(f"{path.relative_to(ROOT)}: {target} (no such heading)")
+    assert not broken, "broken links:\n" + "\n".join(broken)
+
+
+def heading_anchors(path: Path) -> set[str]:
+    """GitHub's anchors of a markdown file's headings: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+    headings = re.findall(r"^#+ (.+)$", text, flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-") for heading in headings}
