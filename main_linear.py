@@ -9,8 +9,8 @@ unless `--trainer.default_root_dir` says otherwise.
 
 import warnings
 
+from engine.cli import ContrastlabCLI
 from methods import LinearProbe
-from methods.cli import ContrastlabCLI
 
 # the probed trunk stays in eval mode on purpose (frozen BatchNorm statistics, methods.linear)
 warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")

@@ -9,8 +9,8 @@ A `fit` in a `trainer.default_root_dir` that already holds a run (`checkpoints/l
 unless it resumes it; on SIGTERM the run saves its current step as `last.ckpt` and exits with 143.
 """
 
+from engine.cli import ContrastlabCLI
 from methods import MethodBase
-from methods.cli import ContrastlabCLI
 
 
 def cli_main(args=None) -> ContrastlabCLI:

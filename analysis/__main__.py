@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 
 from analysis.representation import analyse
+from engine.cli import ContrastlabCLI
+from engine.reliability import write_atomically
 from interop import FORMATS, load_official_encoder
 from methods import PretrainMethod
-from methods.cli import ContrastlabCLI
-from methods.reliability import write_atomically
 
 
 def load_method(checkpoint_path: Path) -> PretrainMethod:

@@ -13,14 +13,14 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from torch import Tensor
 
-from methods.reliability import write_atomically
+from engine.reliability import write_atomically
 
 __all__ = ["plot_against_temperature", "plot_local_separation", "plot_negative_entropy"]
 
 SIMILARITY_BINS = [-1 + i / 40 for i in range(81)]  # cosine similarities, 80 bins over [-1, 1]
 
 
-def _save(figure: Figure, path: str | Path) -> Path:
+def save_figure(figure: Figure, path: str | Path) -> Path:
     path = Path(path)
     write_atomically(path, FigureCanvasAgg(figure).print_png)  # a figure is whole or absent
     return path
@@ -39,7 +39,7 @@ def plot_local_separation(positive: Tensor, nearest_negatives: Tensor, path: str
     axes.hist(positive.cpu().numpy(), bins=SIMILARITY_BINS, alpha=0.6, color="tab:red", label="pos")
     axes.set(xlabel="cosine similarity to the anchor", ylabel="anchors", title=title)
     axes.legend(ncol=2, fontsize="small")
-    return _save(figure, path)
+    return save_figure(figure, path)
 
 
 def plot_negative_entropy(entropy: Tensor, path: str | Path, title: str = "") -> Path:
@@ -51,7 +51,7 @@ def plot_negative_entropy(entropy: Tensor, path: str | Path, title: str = "") ->
     axes.axvline(math.log(len(entropy) - 1), color="black", linestyle="--", label="log(N - 1)")
     axes.set(xlabel="entropy of the softmax over negatives (nats)", ylabel="anchors", title=title)
     axes.legend(fontsize="small")
-    return _save(figure, path)
+    return save_figure(figure, path)
 
 
 def plot_against_temperature(
@@ -69,4 +69,4 @@ def plot_against_temperature(
         axes.grid(alpha=0.3)
         axes.legend(fontsize="small")
     figure.suptitle(title)
-    return _save(figure, path)
+    return save_figure(figure, path)

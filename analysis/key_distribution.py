@@ -30,12 +30,12 @@ import torch
 from matplotlib.figure import Figure
 from torch import Tensor
 
-from analysis.figures import _save
-from analysis.representation import _augmented_images, _embed, fixed_subset, isolated_randomness
+from analysis.figures import save_figure
+from analysis.representation import embed, fixed_subset, isolated_randomness
 from datamodules.base import ContrastiveDataModule
+from engine.cli import ContrastlabCLI
+from engine.reliability import write_atomically
 from methods import PretrainMethod
-from methods.cli import ContrastlabCLI
-from methods.reliability import write_atomically
 
 __all__ = ["augmentation_statistics", "key_distribution", "plot_key_distributions"]
 
@@ -67,7 +67,7 @@ def key_distribution(
     was_training = model.training
     model.eval()
     with isolated_randomness(seed, model.device):
-        passes = [torch.cat([_embed(model, images) for images in _augmented_images(datamodule, subset, view, model.device)])
+        passes = [torch.cat([embed(model, images) for images in datamodule.view_batches(subset, view, model.device)])
                   for _ in range(views_per_image)]
     model.train(was_training)
     return augmentation_statistics(torch.stack(passes, dim=1))
@@ -86,7 +86,7 @@ def plot_key_distributions(runs: dict[str, tuple[Tensor, Tensor]], path: str | P
     variance_axes.set(xlabel="mean diagonal of their covariance", ylabel="images")
     similarity_axes.legend(fontsize="small")
     figure.suptitle(title)
-    return _save(figure, path)
+    return save_figure(figure, path)
 
 
 def summary(similarity: Tensor, variance: Tensor) -> dict[str, float]:

@@ -73,7 +73,8 @@ def isolated_randomness(seed: int, device: torch.device) -> Iterator[None]:
             random.setstate(python_state)
 
 
-def _embed(model, images: Tensor) -> Tensor:
+def embed(model, images: Tensor) -> Tensor:
+    """The L2-normalised projections of `images`, in fp32."""
     return model.embed(images.to(model.device))[1].float()
 
 
@@ -119,9 +120,9 @@ def analyse(
     targets, labels = [], []
     with isolated_randomness(seed, model.device):
         for batch in _loader(datamodule, EvalDataset(subset, datamodule.eval_transform)):
-            targets.append(_embed(model, batch["image"]))
+            targets.append(embed(model, batch["image"]))
             labels.append(batch["label"])
-        anchors = torch.cat([_embed(model, images) for images in datamodule.view_batches(subset, view, model.device)])
+        anchors = torch.cat([embed(model, images) for images in datamodule.view_batches(subset, view, model.device)])
     model.train(was_training)
     targets, labels = torch.cat(targets), torch.cat(labels).to(model.device)
 

@@ -27,8 +27,8 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from backbones import BackboneSpec
+from engine.reliability import write_atomically
 from methods import PaCo, PaCoRIDE
-from methods.reliability import write_atomically
 
 BATCH, SIZE, CLASSES = 64, 224, 1000
 # (trunk, experts, the seed's 2080Ti time in ms: Table 10 for RIDE, Table 9 for the plain trunks)

@@ -46,10 +46,10 @@ from torch.utils.flop_counter import FlopCounterMode
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from datamodules.pipeline import PIPELINES  # noqa: E402
+from engine.cli import ContrastlabCLI  # noqa: E402
+from engine.reliability import NonFiniteLossGuard, write_atomically  # noqa: E402
+from engine.tracking import TrainingThroughput  # noqa: E402
 from methods import PretrainMethod  # noqa: E402
-from methods.cli import ContrastlabCLI  # noqa: E402
-from methods.reliability import NonFiniteLossGuard, write_atomically  # noqa: E402
-from methods.tracking import TrainingThroughput  # noqa: E402
 from scripts.sweep import split_overrides  # noqa: E402
 
 # Dense bf16 tensor-core peaks (vendor data sheets), matched in order against torch.cuda.get_device_name().

@@ -329,7 +329,7 @@ class ContrastiveDataModule(L.LightningDataModule):
         seed = int(os.environ.get("PL_GLOBAL_SEED", 0))  # the run's seed_everything
         # The worker seeds come from a generator of the loader's own: creating the iterator draws no
         # number from the global generator, so a resumed run draws the same augmentations as an
-        # uninterrupted one (methods.reliability.RandomStateCheckpoint).
+        # uninterrupted one (engine.reliability.RandomStateCheckpoint).
         return self._loader(dataset, train=True, sampler=self.train_sampler(seed), generator=torch.Generator().manual_seed(seed),
                             num_workers=0 if self.resident else None, collate_fn=collate_fn)  # indices need no workers
 

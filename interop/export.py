@@ -24,8 +24,8 @@ included), and the tau-normalised weights without bias when the model's `tau_nor
 """
 
 import argparse
-import hashlib
 import dataclasses
+import hashlib
 import importlib
 import json
 import pickle
@@ -38,12 +38,12 @@ import torchvision
 
 from backbones import BackboneSpec, load_state_strictly
 from backbones.factory import TORCHVISION_BUILDERS
+from engine.config import as_spec
+from engine.reliability import RECORD_KEY, VERSION, checked_record, write_atomically
 from interop.files import read_checkpoint
 from interop.official import layout_of
 from methods import LinearProbe, LongTailClassifier, PretrainMethod
-from methods.config import as_spec
 from methods.longtail import tau_normalised
-from methods.reliability import RECORD_KEY, VERSION, checked_record, write_atomically
 
 EXPORT_FORMATS = ("torchvision", "timm", "detectron2")
 ENCODER_PREFIXES = {"online": "backbone.", "momentum": "target_backbone."}

@@ -22,11 +22,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from backbones import BackboneSpec, MLPSpec
-from methods.config import as_spec, check_positive, save_plain_hyperparameters
+from engine.compat import attached_trainer
+from engine.config import as_spec, check_positive, save_plain_hyperparameters
+from engine.optim import OptimizerSpec, ScheduleSpec, configure_optimization, parameter_groups
+from engine.reliability import CheckpointRecord
 from methods.evaluation import EvaluationMixin
 from methods.momentum import KeyQueue
-from methods.optim import OptimizerSpec, ScheduleSpec, configure_optimization, parameter_groups
-from methods.reliability import CheckpointRecord
 
 # The method's `on_after_batch_transfer` draws the views on the device from the DataModule's `augment_on_device`, by
 # design: Lightning's warning that the module's hook is used although a DataModule is given tells nothing
@@ -45,7 +46,7 @@ class CompileSpec:
 
 class MethodBase(CheckpointRecord, L.LightningModule):
     """Base of every method trained by `main_pretrain.py`; subclasses set `views` and `channels_last`.
-    Its checkpoints record the contrastlab version and the method class (`methods.reliability`)."""
+    Its checkpoints record the contrastlab version and the method class (`engine.reliability`)."""
 
     views: tuple[str, ...] = ()  # names of the data views the method consumes
     keys_per_sample: int = 1  # keys a queue receives per training image and step
@@ -84,7 +85,7 @@ class MethodBase(CheckpointRecord, L.LightningModule):
                     getattr(self, name).compile(mode=spec.mode, backend=spec.backend, fullgraph=spec.fullgraph)
 
     def on_after_batch_transfer(self, batch: dict, dataloader_idx: int) -> dict:
-        if self._trainer is not None and self.trainer.training and self.trainer.datamodule is not None:
+        if attached_trainer(self) is not None and self.trainer.training and self.trainer.datamodule is not None:
             batch = self.trainer.datamodule.augment_on_device(batch)
         if self.channels_last:
             to_channels_last = lambda x: x.contiguous(memory_format=torch.channels_last) if x.ndim == 4 else x  # noqa: E731

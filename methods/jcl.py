@@ -12,11 +12,11 @@ log[exp(q.mu/tau + lambda/(2 tau^2) q'Sigma q) + sum_j exp(q.n_j/tau)] - q.mu/ta
 
 import torch
 
+from engine.config import as_spec, check_positive
+from engine.optim import RampSpec
 from methods.base import PretrainMethod
-from methods.config import as_spec, check_positive
 from methods.losses import jcl_loss
 from methods.momentum import KeyQueue, MomentumMixin, MomentumSpec
-from methods.optim import RampSpec
 
 
 class JCL(MomentumMixin, PretrainMethod):

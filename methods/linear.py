@@ -3,7 +3,7 @@
 The trunk is loaded **strictly** from the `backbone.*` weights of a pretraining checkpoint (the online
 trunk, as MoCo's `main_lincls.py` uses `encoder_q`), frozen and kept in eval mode (BatchNorm
 statistics frozen), and run without gradients; only the linear layer learns. The checkpoint must be a
-`PretrainMethod`'s, written by a compatible contrastlab version (`methods.reliability`): a long-tail
+`PretrainMethod`'s, written by a compatible contrastlab version (`engine.reliability`): a long-tail
 classifier's or a linear probe's is refused. The default optimizer is the MoCo / SCE small-dataset
 protocol (SGD lr 30, momentum 0.9, no weight decay, x0.1 at epochs 60 and 80 of 100; spec_selfsup 1.6).
 The pretraining checkpoint is a model argument, never `ckpt_path` (which would try to restore this
@@ -22,13 +22,13 @@ import torch.nn.functional as F
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from backbones import BackboneSpec, load_state_strictly
+from engine.config import as_spec, save_plain_hyperparameters
+from engine.optim import OptimizerSpec, ScheduleSpec, configure_optimization, parameter_groups
+from engine.reliability import RECORD_KEY, CheckpointRecord, checked_record
 from interop import official_trunk
 from interop.files import read_checkpoint
 from methods.base import PretrainMethod
-from methods.config import as_spec, save_plain_hyperparameters
 from methods.evaluation import EvaluationMixin
-from methods.optim import OptimizerSpec, ScheduleSpec, configure_optimization, parameter_groups
-from methods.reliability import RECORD_KEY, CheckpointRecord, checked_record
 
 
 def load_backbone_state(checkpoint_path: str) -> tuple[dict[str, torch.Tensor], dict | None]:

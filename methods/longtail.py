@@ -29,12 +29,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from backbones import BackboneSpec, MLPSpec
+from engine.config import as_spec, save_plain_hyperparameters
+from engine.optim import OptimizerSpec, ScheduleSpec, configure_optimization, parameter_groups
 from interop import load_official_classifier
 from methods.base import CompileSpec, MethodBase
-from methods.config import as_spec, save_plain_hyperparameters
 from methods.evaluation import shot_accuracies
 from methods.momentum import KeyQueue, MomentumMixin, MomentumSpec
-from methods.optim import OptimizerSpec, ScheduleSpec, configure_optimization, parameter_groups
 
 
 def tau_normalised(weight: torch.Tensor, tau: float) -> torch.Tensor:

@@ -7,8 +7,8 @@ enqueued after the loss. The official code updates the momentum encoder at the s
 this one right after each optimizer step: the same sequence of updates except for the very last.
 """
 
+from engine.config import check_positive
 from methods.base import PretrainMethod
-from methods.config import check_positive
 from methods.losses import info_nce
 from methods.momentum import KeyQueue, MomentumMixin, MomentumSpec
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from methods.config import as_spec
+from engine.config import as_spec
 
 MomentumSchedule = Literal["constant", "cosine"]
 

@@ -13,8 +13,8 @@ read from the DataModule at setup, or from the checkpoint when a trained model i
 
 from typing import Literal
 
+from engine.config import check_positive
 from methods.base import PretrainMethod
-from methods.config import check_positive
 from methods.losses import contrastive_loss
 from methods.momentum import MemoryBank
 

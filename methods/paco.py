@@ -15,7 +15,7 @@ the centres) is never used by the loss or at inference, so it is not built.
 from typing import Literal
 
 from backbones import MLPSpec
-from methods.config import check_positive
+from engine.config import check_positive
 from methods.longtail import LongTailClassifier, SupervisedMoCoMixin
 from methods.losses import paco_loss
 from methods.momentum import MomentumSpec

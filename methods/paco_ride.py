@@ -23,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from backbones import MLPSpec
-from methods.config import as_spec
+from engine.config import as_spec
 from methods.losses import paco_loss
 from methods.momentum import KeyQueue, MomentumSpec
 from methods.paco import PaCo

@@ -12,8 +12,8 @@ from typing import Sequence
 
 import torch
 
+from engine.config import check_positive
 from methods.base import PretrainMethod
-from methods.config import check_positive
 from methods.losses import ressl_loss
 from methods.momentum import KeyQueue, MomentumMixin, MomentumSpec
 

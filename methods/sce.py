@@ -18,11 +18,11 @@ import torch
 import torch.nn as nn
 
 from backbones import MLPSpec
+from engine.config import as_spec, check_positive
+from engine.optim import RampSpec
 from methods.base import PretrainMethod
-from methods.config import as_spec, check_positive
 from methods.losses import sce_loss
 from methods.momentum import KeyQueue, MomentumMixin, MomentumSpec
-from methods.optim import RampSpec
 
 
 class SCE(MomentumMixin, PretrainMethod):

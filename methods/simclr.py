@@ -10,8 +10,8 @@ With `num_hard`, Wang & Liu's hard contrastive loss replaces NT-Xent (their SimC
 
 import torch
 
+from engine.config import check_positive
 from methods.base import PretrainMethod
-from methods.config import check_positive
 from methods.losses import contrastive_loss, nt_xent
 
 

@@ -14,8 +14,8 @@ linear classifier on the frozen trunk (`main_linear.py`, configs/linear_tcl_<dat
 
 from typing import Literal
 
+from engine.config import check_positive
 from methods.base import PretrainMethod
-from methods.config import check_positive
 from methods.losses import supcon_loss, tcl_loss
 
 

@@ -16,7 +16,7 @@ Runs whose `model`, `data` and `trainer` settings differ only in the seed and in
 directory, logging, batch limits, validation frequency) form one row:
 method x dataset (and, where rows of one method and dataset differ, the settings that set them apart), with
 the mean ± sample standard deviation over seeds of the linear, kNN and online-probe top-1, the training time
-and the training images per second (`methods.tracking.TrainingThroughput`). A metric that no run of a row
+and the training images per second (`engine.tracking.TrainingThroughput`). A metric that no run of a row
 recorded is "n/a"; one that only some recorded says over how many runs it is taken.
 
 Writes `OUT/comparison.md`, `OUT/comparison.csv` (the same rows, metrics in their logged units) and
@@ -41,7 +41,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 (after choosing the backend)
 import yaml  # noqa: E402
 
-from methods.reliability import write_atomically  # noqa: E402
+from engine.reliability import write_atomically  # noqa: E402
 
 COLUMNS = {  # metric key -> (column, scale)
     "linear/val/probe_top1": ("linear top-1 (%)", 100.0),
@@ -258,7 +258,7 @@ def write_table(rows: list[tuple[str, list[Run]]], columns: dict[str, tuple[str,
     markdown = "\n".join(
         [*lines, "", "Mean ± sample standard deviation over the seeds of each row; accuracies in %, on the validation split;",
          "training time: wall time of fit, validation included; images/s: training images per second of training,",
-         "validation excluded (`methods.tracking.TrainingThroughput`). Runs:", "", *run_lines, ""]
+         "validation excluded (`engine.tracking.TrainingThroughput`). Runs:", "", *run_lines, ""]
     )
     write_atomically(out / "comparison.md", lambda partial: partial.write_text(markdown))
     write_atomically(out / "comparison.csv", lambda partial: partial.write_text(table.getvalue()))

@@ -15,7 +15,7 @@ def _deterministic():
 
 @pytest.fixture(autouse=True, scope="session")
 def _wandb_disabled():
-    """The configs log to W&B (`methods.tracking.WandbRun`): no test starts W&B processes or writes W&B files,
+    """The configs log to W&B (`engine.tracking.WandbRun`): no test starts W&B processes or writes W&B files,
     whatever the environment says; a test that needs a W&B run sets WANDB_MODE itself (monkeypatch)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("WANDB_MODE", "disabled")

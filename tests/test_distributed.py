@@ -22,17 +22,17 @@ import lightning as L
 import pytest
 import torch
 import torch.multiprocessing as mp
+from helpers import TINY_PROJECTOR, cpu_trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+from test_reliability import SignalAtStep
 from torch.utils.data import DataLoader, Dataset
 
 from backbones import BackboneSpec
+from engine.reliability import LastCheckpointOnSigterm, PreemptionSignals
 from methods import SCE, MoCoV2, MultiTaskContrast, PaCo, SupCon
 from methods.momentum import MomentumSpec
-from methods.reliability import LastCheckpointOnSigterm, PreemptionSignals
-from helpers import TINY_PROJECTOR, cpu_trainer
-from test_reliability import SignalAtStep
 
 pytestmark = pytest.mark.slow  # two processes each: left out of the inner loop (`pytest -m "not slow"`)
 

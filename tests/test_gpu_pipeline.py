@@ -7,14 +7,14 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from helpers import cpu_trainer
 from torch.utils.data import Subset
 
 from datamodules import DigitsDataModule, DigitsLTDataModule
 from datamodules.base import RawImageDataset
 from datamodules.pipeline import Pipeline, pipeline_mode
-from helpers import cpu_trainer
+from engine.cli import ContrastlabCLI
 from methods import MethodBase
-from methods.cli import ContrastlabCLI
 
 ROOT = Path(__file__).parents[1]
 VIEWS = {"query": {"preset": "mocov2"}, "key": {"preset": "mocov2"}}

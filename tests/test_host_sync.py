@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import cpu_trainer
 from lightning.pytorch.callbacks import Callback
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from datamodules import batched
-from helpers import cpu_trainer
+from engine.cli import ContrastlabCLI
 from methods import MethodBase, losses
-from methods.cli import ContrastlabCLI
 
 ROOT = Path(__file__).parents[1]
 aten = torch.ops.aten

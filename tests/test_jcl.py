@@ -3,12 +3,12 @@
 import numpy as np
 import pytest
 import torch
+from helpers import TINY_BACKBONE, TINY_PROJECTOR, cpu_trainer, digits, fixed_batch_loss
 
+from engine.optim import RampSpec
 from methods import JCL
 from methods.losses import jcl_loss
 from methods.momentum import MomentumSpec
-from methods.optim import RampSpec
-from helpers import TINY_BACKBONE, TINY_PROJECTOR, cpu_trainer, digits, fixed_batch_loss
 
 
 def jcl_views(num_keys: int) -> dict:

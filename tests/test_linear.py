@@ -3,12 +3,12 @@ import warnings
 
 import pytest
 import torch
+from helpers import TINY_BACKBONE, TINY_PROJECTOR, cpu_trainer, digits
 
 from backbones import BackboneSpec
-from helpers import TINY_BACKBONE, TINY_PROJECTOR, cpu_trainer, digits
+from engine.optim import OptimizerSpec, ScheduleSpec
 from methods import LinearProbe, MoCoV2
 from methods.momentum import MomentumSpec
-from methods.optim import OptimizerSpec, ScheduleSpec
 
 LINEAR_VIEWS = {"image": {"preset": "crop_pad_flip"}}
 

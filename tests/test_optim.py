@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from methods.optim import LARS, OptimizerSpec, ScheduleSpec, build_optimizer, lr_factor, parameter_groups
+from engine.optim import LARS, OptimizerSpec, ScheduleSpec, build_optimizer, lr_factor, parameter_groups
 
 
 def test_linear_warmup_then_cosine_per_step():

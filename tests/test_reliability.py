@@ -14,8 +14,11 @@ import lightning as L
 import pytest
 import torch
 import yaml
+from helpers import TINY_PROJECTOR, cpu_trainer, digits
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+from test_cli import CONFIGS, LINEAR_DIGITS, PRETRAIN_DIGITS, ROOT, TINY_RUN, run_failing
+from test_paco import TINY_BN_PROJECTOR
 
 import main_linear
 import main_pretrain
@@ -24,9 +27,7 @@ import methods.moco
 from backbones import BackboneSpec
 from datamodules import SplitFileDataModule
 from datamodules.samplers import EpochSampler
-from methods import NPID, SCE, CrossEntropy, LinearProbe, MoCoV2, PaCo
-from methods.momentum import MomentumSpec
-from methods.reliability import (
+from engine.reliability import (
     VERSION,
     CheckpointMismatch,
     LastCheckpointOnSigterm,
@@ -37,9 +38,8 @@ from methods.reliability import (
     SameDirectoryCheckpointIO,
     compatible,
 )
-from helpers import TINY_PROJECTOR, cpu_trainer, digits
-from test_cli import CONFIGS, LINEAR_DIGITS, PRETRAIN_DIGITS, ROOT, TINY_RUN, run_failing
-from test_paco import TINY_BN_PROJECTOR
+from methods import NPID, SCE, CrossEntropy, LinearProbe, MoCoV2, PaCo
+from methods.momentum import MomentumSpec
 
 FAST_BACKBONE = BackboneSpec(name="timm:test_resnet")  # the digits configs' trunk (0.37 M parameters)
 QUERY_KEY = {"query": {"preset": "mocov2"}, "key": {"preset": "mocov2"}}

@@ -2,13 +2,13 @@
 
 import pytest
 import torch
+from helpers import TINY_BACKBONE, TINY_PROJECTOR, cpu_trainer, digits, fixed_batch_loss
 
 from backbones import MLPSpec
+from engine.optim import RampSpec
 from methods import SCE, MoCoV2, ReSSL
 from methods.losses import ressl_loss, sce_loss
 from methods.momentum import MomentumSpec
-from methods.optim import RampSpec
-from helpers import TINY_BACKBONE, TINY_PROJECTOR, cpu_trainer, digits, fixed_batch_loss
 
 WEAK_STRONG = {"weak": {"preset": "crop_flip"}, "strong": {"preset": "mocov2"}}
 COMMON = dict(backbone=TINY_BACKBONE, projector=TINY_PROJECTOR, queue_size=256, knn_k=0,

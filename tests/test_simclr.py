@@ -2,11 +2,11 @@ import copy
 
 import pytest
 import torch
+from helpers import TINY_BACKBONE, TINY_PROJECTOR, cpu_trainer, digits
 
+from engine.optim import OptimizerSpec
 from methods import SimCLR
 from methods.losses import nt_xent
-from methods.optim import OptimizerSpec
-from helpers import TINY_BACKBONE, TINY_PROJECTOR, cpu_trainer, digits
 
 SIMCLR_VIEWS = {"first": {"preset": "simclr"}, "second": {"preset": "simclr"}}
 

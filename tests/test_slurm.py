@@ -13,8 +13,8 @@ from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.strategies import DDPStrategy
 
 from datamodules.imagenet import IMAGENET100_WNIDS
+from engine.cli import ContrastlabCLI
 from methods import MethodBase
-from methods.cli import ContrastlabCLI
 from scripts.slurm import submit
 
 ROOT = Path(__file__).parents[1]

@@ -9,13 +9,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers import TINY_PROJECTOR, cpu_trainer, digits
 from lightning.pytorch.strategies import DDPStrategy
 
 from backbones import BackboneSpec, MLPSpec
+from engine.optim import OptimizerSpec
 from methods import SupCon
 from methods.losses import supcon_loss, tcl_loss
-from methods.optim import OptimizerSpec
-from helpers import TINY_PROJECTOR, cpu_trainer, digits
 
 CROPS = {"crops": {"preset": "crop_flip", "count": 2}}
 BACKBONE = BackboneSpec(name="timm:test_resnet")  # 0.37 M parameters: fast enough to train in a test

@@ -1,15 +1,15 @@
-"""methods.tracking: the W&B run of every config (its name, offline without credentials, the same id after a
+"""engine.tracking: the W&B run of every config (its name, offline without credentials, the same id after a
 restart, the resolved config sent to it), the training throughput, and two real offline runs compared."""
 
 import json
 import statistics
 
 import pytest
+from test_cli import PRETRAIN_DIGITS, TINY_RUN
 
 import main_pretrain
-from methods.tracking import RUN_ID_FILE, TrainingThroughput, WandbRun, run_name, wandb_mode
+from engine.tracking import RUN_ID_FILE, TrainingThroughput, WandbRun, run_name, wandb_mode
 from scripts import compare
-from test_cli import PRETRAIN_DIGITS, TINY_RUN
 
 CONFIG = {
     "seed_everything": 3,

@@ -14,7 +14,7 @@
 - at the end of `fit` / `validate` / `test`, the final metrics are printed and written to
   `<default_root_dir>/results_val.json` (what `scripts/sweep.py` and `scripts/compare.py` collect),
   `results_validate.json` and `results_test.json`;
-- reliability (`methods.reliability`): `seed_everything` must be an explicit integer; a `non_finite`
+- reliability (`engine.reliability`): `seed_everything` must be an explicit integer; a `non_finite`
   group (NonFiniteLossGuard) stops the run at the first non-finite loss; checkpoints hold the random
   states, the position in the epoch's data order (the DataModule's state), the contrastlab version
   and the resolved config; `fit` in a directory that already holds `checkpoints/last.ckpt` is refused
@@ -45,8 +45,8 @@ from typing import Any, Callable
 import torch
 import yaml
 from lightning.fabric.plugins import TorchCheckpointIO
-from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator, MPSAccelerator
 from lightning.fabric.plugins.environments import SLURMEnvironment
+from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator, MPSAccelerator
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import WandbLogger
@@ -55,8 +55,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from datamodules.base import ContrastiveDataModule
 from datamodules.folders import TooManyUnreadableImages
-from methods.linear import LinearProbe, probe_run_directory
-from methods.reliability import (
+from engine.reliability import (
     RECORD_KEY,
     CheckpointMismatch,
     LastCheckpointOnSigterm,
@@ -69,7 +68,8 @@ from methods.reliability import (
     last_checkpoint_path,
     write_atomically,
 )
-from methods.tracking import TrainingThroughput, WandbRun
+from engine.tracking import TrainingThroughput, WandbRun
+from methods.linear import LinearProbe, probe_run_directory
 
 # Noise a user cannot act on: Lightning's advertisement for LitLogger at every start, and the deprecation that its own
 # pytree helper triggers in torch (lightning/pytorch/utilities/_pytree.py) at every fit

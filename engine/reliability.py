@@ -37,6 +37,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from engine.compat import checkpoint_and_requeue, cluster_environment, stop_at_the_end_of_this_step
+
 VERSION = version("contrastlab")
 RECORD_KEY = "contrastlab"
 
@@ -173,7 +175,7 @@ class PreemptionSignals(Callback):
     def on_train_start(self, trainer, pl_module) -> None:
         # Lightning registered its handlers for this fit and restores the original ones at teardown
         signal.signal(signal.SIGTERM, self._request)
-        environment = trainer._accelerator_connector.cluster_environment
+        environment = cluster_environment(trainer)
         if isinstance(environment, SLURMEnvironment) and environment.auto_requeue:
             self.requeue_signal = environment.requeue_signal
             signal.signal(self.requeue_signal, self._request)
@@ -192,18 +194,18 @@ class PreemptionSignals(Callback):
             stop, requeue = (bool(flag) for flag in trainer.strategy.reduce(flags, reduce_op="max"))
         if requeue:
             self.requested[signal.SIGUSR1] = False
-            trainer._signal_connector._slurm_sigusr_handler_fn(self.requeue_signal, None)  # hpc checkpoint and requeue
+            checkpoint_and_requeue(trainer, self.requeue_signal)
         return stop
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self._agreed_stop(trainer, pl_module):
-            trainer._signal_connector.received_sigterm = True  # Lightning stops at the end of this step
+            stop_at_the_end_of_this_step(trainer)
 
     def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
         if trainer.state.fn != TrainerFn.FITTING or trainer.sanity_checking:
             return  # a validate run has nothing to save; the sanity check comes before the handlers
         if self._agreed_stop(trainer, pl_module):
-            trainer._signal_connector.received_sigterm = True
+            stop_at_the_end_of_this_step(trainer)
             raise SIGTERMException()
 
 

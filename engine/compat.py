@@ -1,0 +1,71 @@
+"""Every use of a private attribute of Lightning or W&B, in one module.
+
+Lightning and W&B offer no public way to do what these functions do (requeue a Slurm job at a batch the
+processes agreed on, stop a fit at the end of a step, bind a W&B run to a directory and id before it is
+created). They reach into private attributes, which a minor release may rename: pyproject.toml pins both
+packages to the minor versions tested here, and tests/test_compat.py checks every attribute below by name on
+the installed versions, so an upgrade that renames one fails there, naming it, and not in a user's run.
+"""
+
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.loggers import WandbLogger
+from wandb.sdk.lib import runid, urls
+from wandb.sdk.lib.wbauth import read_netrc_auth
+
+# (what holds it, attribute path): the private attributes used below, checked by tests/test_compat.py
+PRIVATE_ATTRIBUTES = {
+    "LightningModule": ["_trainer"],
+    "Trainer": [
+        "_accelerator_connector.cluster_environment",
+        "_signal_connector._slurm_sigusr_handler_fn",
+        "_signal_connector.received_sigterm",
+    ],
+    "WandbLogger": ["_experiment", "_name", "_save_dir", "_id", "_wandb_init"],
+    "wandb.sdk.lib": ["runid.generate_id", "urls.DEFAULT_BASE_URL", "wbauth.read_netrc_auth"],
+}
+
+
+def attached_trainer(module: LightningModule) -> Trainer | None:
+    """The trainer a module is attached to, or None (`module.trainer` raises when there is none)."""
+    return module._trainer
+
+
+def cluster_environment(trainer: Trainer):
+    return trainer._accelerator_connector.cluster_environment
+
+
+def checkpoint_and_requeue(trainer: Trainer, signum: int) -> None:
+    """Lightning's own Slurm handler: the hpc checkpoint, then `scontrol requeue` (rank 0)."""
+    trainer._signal_connector._slurm_sigusr_handler_fn(signum, None)
+
+
+def stop_at_the_end_of_this_step(trainer: Trainer) -> None:
+    """What Lightning's SIGTERM handler sets: the fit loop raises `SIGTERMException` after the current step."""
+    trainer._signal_connector.received_sigterm = True
+
+
+def wandb_run_of(logger: WandbLogger):
+    """The logger's W&B run if it was created, else None (`logger.experiment` would create it)."""
+    return logger._experiment
+
+
+def configured_run_name(logger: WandbLogger) -> str | None:
+    return logger._name
+
+
+def bind_wandb_run(logger: WandbLogger, name: str, directory: str, run_id: str, mode: str | None) -> None:
+    """Give a not yet created W&B run its name, directory (also `trainer.log_dir`, where config.yaml goes), id
+    and mode: the fields WandbLogger passes to `wandb.init`. The mode is passed even when WANDB_MODE gives it,
+    since W&B reads its variables once per process."""
+    logger._name, logger._save_dir, logger._id = name, directory, run_id
+    logger._wandb_init.update(name=name, dir=directory, id=run_id, mode=mode)
+    logger._wandb_init.pop("anonymous", None)  # WandbLogger passes None, which W&B >= 0.31 warns about at every start
+
+
+def new_wandb_run_id() -> str:
+    return runid.generate_id()
+
+
+def wandb_credentials_for(host: str | None) -> object | None:
+    """The netrc credentials W&B would use for `host` (its default server when None), or None."""
+    return read_netrc_auth(host=host or urls.DEFAULT_BASE_URL)

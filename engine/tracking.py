@@ -1,0 +1,174 @@
+"""Experiment tracking (issue 10; ecosystem 1.1): Weights & Biases through Lightning's `WandbLogger`, and the
+training throughput that every run reports.
+
+- `WandbRun`: the `trainer.logger` of every shipped config. Project `contrastlab`, the config's group and tags,
+  a run name built from the resolved config (`run_name`), no checkpoint upload (`log_model` off: checkpoints
+  stay in the run directory) and no gradient watching (nothing calls `watch`). The CLI calls
+  `start(root_dir, config)` before the run begins: W&B's files go to `<root_dir>/wandb`, the run id is kept in
+  `<root_dir>/wandb_run_id` so that a resumed or requeued job continues the same W&B run (`resume="allow"`),
+  and without credentials and without `WANDB_MODE` the run is offline (`wandb_mode`), so that no run
+  fails for lack of a network; `wandb sync <root_dir>/wandb/offline-run-*` uploads it later.
+- `TrainingThroughput`: the wall time of `fit` and the training images per second, logged as `train/time_s`
+  and `train/images_per_s` (so they reach `results_val.json`, the CSV log and W&B), summed over the
+  interruptions of a resumed run.
+"""
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import wandb
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import WandbLogger
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+from engine.compat import bind_wandb_run, configured_run_name, new_wandb_run_id, wandb_credentials_for, wandb_run_of
+from engine.reliability import write_atomically
+
+RUN_ID_FILE = "wandb_run_id"
+
+
+def config_value(config: dict, key: str, source: str) -> Any:
+    """The value at a dotted key of a nested config (`model.init_args.temperature`)."""
+    value = config
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            raise ValueError(f"{source}: the resolved config has no key {key!r}")
+        value = value[part]
+    return value
+
+
+def run_name(config: dict, name_keys: dict[str, str]) -> str:
+    """`<method>-<dataset>[-<label>=<value> ...]-s<seed>`: the model and DataModule class names (lower case,
+    without `DataModule`), the value of every `name_keys` entry (label -> dotted key of the resolved config:
+    the hyperparameters a config's header calls key, so that an override of one shows in the name) and the
+    seed, e.g. `sce-imagenet100-tau=0.1-taum=0.05-lambda=0.5-s0`."""
+    method = config_value(config, "model.class_path", "run name").rsplit(".", 1)[-1]
+    dataset = config_value(config, "data.class_path", "run name").rsplit(".", 1)[-1].removesuffix("DataModule")
+    parts = [method.lower(), dataset.lower()]
+    for label, key in name_keys.items():
+        value = config_value(config, key, f"trainer.logger.init_args.name_keys.{label}")
+        parts.append(f"{label}=" + (f"{value:g}" if isinstance(value, float) else str(value).replace(" ", "")))
+    return "-".join([*parts, f"s{config_value(config, 'seed_everything', 'run name')}"])
+
+
+def wandb_mode() -> str | None:
+    """The mode of a new W&B run: WANDB_MODE when set; otherwise "offline" when W&B has no credentials (no
+    WANDB_API_KEY, no .netrc entry for its host, read by W&B's own reader), so that such a run goes offline
+    instead of failing at login; otherwise None (online)."""
+    if mode := os.environ.get(wandb.env.MODE):
+        return mode
+    return None if os.environ.get(wandb.env.API_KEY) or wandb_credentials_for(os.environ.get(wandb.env.BASE_URL)) else "offline"
+
+
+def stored_run_id(root: Path) -> str:
+    """The W&B run id of the run directory `root`: read back when a previous start wrote it, otherwise a new
+    one, written (by the main process, atomically) for every later start of the same run."""
+    path = root / RUN_ID_FILE
+    if path.is_file():
+        return path.read_text().strip()
+    run_id = new_wandb_run_id()
+    if rank_zero_only.rank == 0:
+        write_atomically(path, lambda partial: partial.write_text(run_id))
+    return run_id
+
+
+class WandbRun(WandbLogger):
+    """Lightning's `WandbLogger`, configured from a config's `trainer.logger` block and started by the CLI with
+    the run directory and the resolved config (`start`)."""
+
+    def __init__(
+        self,
+        project: str = "contrastlab",
+        name: str | None = None,
+        group: str | None = None,
+        tags: list[str] | None = None,
+        name_keys: dict[str, str] | None = None,
+        entity: str | None = None,
+    ):
+        """
+        Args:
+            project: the W&B project.
+            name: the run's display name; by default `run_name` of the resolved config.
+            group: the W&B group (the shipped configs: the config's file name).
+            tags: the W&B tags (the shipped configs: method and dataset).
+            name_keys: label -> dotted key of the resolved config, the hyperparameters shown in the default name.
+            entity: the W&B user or team; by default the credentials' own.
+        """
+        super().__init__(name=name, project=project, group=group, tags=tags, entity=entity, log_model=False)
+        self.name_keys = name_keys or {}
+        self.run_dir: Path | None = None
+
+    def start(self, root_dir: str | Path, config: dict) -> None:
+        """Bind the run to its directory and resolved config before its W&B run is created (which happens when
+        the trainer sets up): name, `<root_dir>/wandb`, the stored id and the mode."""
+        if wandb_run_of(self) is not None:
+            raise RuntimeError("WandbRun.start() came after its W&B run was created: its name, directory and id would be ignored")
+        name = configured_run_name(self) or run_name(config, self.name_keys)  # a bad name key fails before anything is written
+        self.run_dir = Path(root_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        bind_wandb_run(self, name, str(self.run_dir), stored_run_id(self.run_dir), wandb_mode())
+
+    @property
+    def experiment(self):
+        if self.run_dir is None:  # WandbLogger would write to the working directory under an unrelated id
+            raise RuntimeError("WandbRun.start(root_dir, config) must be called before the run begins (the CLI does so before fit, validate and test)")
+        return super().experiment
+
+    @rank_zero_only
+    def finalize(self, status: str) -> None:
+        """End the W&B run with the training run: one CLI stage per W&B run, so that the next run started in
+        the same process gets its own. On Slurm's requeue signal ("finished": the job is about to stop and be
+        requeued) the run is marked preempting instead; the requeued job resumes it."""
+        super().finalize(status)
+        run = wandb_run_of(self)
+        if run is None:
+            return
+        if status == "finished":
+            run.mark_preempting()
+        else:
+            run.finish(exit_code=0 if status == "success" else 1)
+
+
+class TrainingThroughput(Callback):
+    """Logs at the end of every training epoch `train/time_s`, the wall time since `fit` started (validation
+    included), and `train/images_per_s`, the training images (dataset samples, all processes; not views) per
+    second of training, validation and sanity check excluded. Both carry over a resumption through the
+    checkpoint, so a resumed run reports its whole training, without the time it spent stopped."""
+
+    def __init__(self):
+        self.earlier = {"time_s": 0.0, "validation_s": 0.0, "images": 0}  # before this process resumed the run
+        self.started = self.validation_started = 0.0
+        self.validation_s = 0.0
+        self.images = 0
+
+    def totals(self) -> dict[str, float]:
+        return {
+            "time_s": self.earlier["time_s"] + time.perf_counter() - self.started,
+            "validation_s": self.earlier["validation_s"] + self.validation_s,
+            "images": self.earlier["images"] + self.images,
+        }
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        self.started = time.perf_counter()
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        self.validation_started = time.perf_counter()
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        self.validation_s += time.perf_counter() - self.validation_started
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.images += len(batch["index"]) * trainer.world_size  # every batch carries its dataset indices
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        totals = self.totals()
+        pl_module.log("train/time_s", totals["time_s"], on_step=False, on_epoch=True)
+        pl_module.log("train/images_per_s", totals["images"] / (totals["time_s"] - totals["validation_s"]), on_step=False, on_epoch=True)
+
+    def state_dict(self) -> dict:
+        return self.totals()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.earlier = dict(state_dict)
