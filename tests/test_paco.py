@@ -14,7 +14,7 @@ from backbones import MLPSpec
 from methods import CrossEntropy, MultiTaskContrast, PaCo
 from methods.losses import paco_loss
 from methods.momentum import MomentumSpec
-from methods.multitask import class_balanced_weights
+from methods.longtail.multitask import class_balanced_weights
 from helpers import TINY_BACKBONE, digits
 from test_longtail_data import write_cifar_batches, write_lists
 

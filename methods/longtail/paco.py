@@ -16,7 +16,7 @@ from typing import Literal
 
 from backbones import MLPSpec
 from methods.config import check_positive
-from methods.longtail import LongTailClassifier, SupervisedMoCoMixin
+from methods.longtail.base import LongTailClassifier, SupervisedMoCoMixin
 from methods.losses import paco_loss
 from methods.momentum import MomentumSpec
 

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from backbones import MLPSpec
 from methods.config import check_positive
-from methods.longtail import LongTailClassifier, SupervisedMoCoMixin
+from methods.longtail.base import LongTailClassifier, SupervisedMoCoMixin
 from methods.losses import paco_loss
 from methods.momentum import MomentumSpec
 
