@@ -180,10 +180,9 @@ class KeyQueue(nn.Module):
 
     @torch.no_grad()
     def push(self, keys: torch.Tensor, labels: torch.Tensor | None = None) -> None:
-        """Enqueue already-gathered keys (and labels) in order, overwriting the oldest entries."""
+        """Enqueue already-gathered keys (and labels) in order, overwriting the oldest entries. At most `size`
+        keys: `MethodBase.check_data` refuses, before training, a queue smaller than the keys of a step."""
         count = keys.shape[0]
-        if count > self.size:
-            raise ValueError(f"cannot enqueue {count} keys into a queue of size {self.size}")
         if (labels is None) != (self.labels is None):
             raise ValueError("labels must be given exactly when the queue keeps labels")
         slots = (self.pointer + torch.arange(count, device=keys.device)) % self.size

@@ -80,11 +80,7 @@ class LongTailClassifier(MethodBase):
             if isinstance(module, nn.Conv2d) and not (name == prefix or name.startswith(prefix + ".")):
                 module.requires_grad_(False)
 
-    # ----------------------------------------------------------------- the method's part
-    def classification_step(self, batch: dict) -> torch.Tensor:
-        """Return the training loss of a batch."""
-        raise NotImplementedError
-
+    # ----------------------------------------------------------------- prediction
     def classify(self, images: torch.Tensor) -> torch.Tensor:
         """Logits used for prediction: the raw classifier on the trunk features."""
         return self.classifier(self.backbone(images))
@@ -112,12 +108,7 @@ class LongTailClassifier(MethodBase):
         if stage != "fit" and self.trainer.datamodule is not None:  # fit checks the data in super().setup
             self.check_data(self.trainer.datamodule, self.trainer.world_size)
 
-    # ----------------------------------------------------------------- training and evaluation
-    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        loss = self.classification_step(batch)
-        self.log("train/loss", loss, prog_bar=True)
-        return loss
-
+    # ----------------------------------------------------------------- evaluation
     def _evaluation_step(self, batch: dict, dataloader_idx: int) -> None:
         if dataloader_idx == 0:  # a kNN bank loader (data.knn_bank) is not used by a classifier
             self._evaluated["predictions"].append(self.classify(batch["image"]).argmax(dim=1))

@@ -44,11 +44,11 @@ class CrossEntropy(LongTailClassifier):
             raise ValueError(f"model.tau_norm must be >= 0, got {tau_norm}")
         self.loss, self.tau_norm = loss, tau_norm
 
-    def classification_step(self, batch):
+    def step(self, batch):
         logits = self.classifier(self.backbone(batch["views"]["image"]))
         if self.loss == "balanced_softmax":
             logits = logits + self.log_prior
-        return F.cross_entropy(logits, batch["label"])
+        return F.cross_entropy(logits, batch["label"]), None
 
     def classify(self, images):
         if not self.tau_norm:

@@ -65,7 +65,7 @@ class PaCo(SupervisedMoCoMixin, LongTailClassifier):
         self.set_in_batch(in_batch)
         self.init_supervised_moco(projector, momentum, queue_size)
 
-    def classification_step(self, batch):
+    def step(self, batch):
         labels = batch["label"]
         features, local_query, local_key = self.embed_query_and_key(batch)
         # centres on the unnormalised trunk feature (spec 3.9 pitfall 10)
@@ -84,4 +84,4 @@ class PaCo(SupervisedMoCoMixin, LongTailClassifier):
             class_prior=self.class_counts / self.class_counts.sum() if self.rebalance else None,
         )
         self.enqueue(local_key, labels)
-        return loss
+        return loss, None

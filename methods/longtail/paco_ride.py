@@ -75,7 +75,7 @@ class PaCoRIDE(PaCo):
         query = F.normalize(self.projector(features), dim=-1)
         return features, query, self.target_embed(batch["views"]["key"]).transpose(1, 2)
 
-    def classification_step(self, batch):
+    def step(self, batch):
         labels = batch["label"]
         features, local_query, local_key = self.embed_query_and_key(batch)
         query, key, batch_labels, center_logits = self.loss_batch(local_query, local_key, labels, self.classifier(features))
@@ -98,7 +98,7 @@ class PaCoRIDE(PaCo):
             for e in range(self.num_experts)
         ]
         self.enqueue(local_key.flatten(1), labels)
-        return torch.stack(expert_losses).mean()
+        return torch.stack(expert_losses).mean(), None
 
     def classify(self, images: torch.Tensor) -> torch.Tensor:
         return self.classifier(self.expert_view(self.backbone(images))).mean(dim=1)
