@@ -1,4 +1,4 @@
-"""PaCo and the long-tail baselines (methods/paco.py, methods/longtail.py, methods/multitask.py)."""
+"""PaCo and the long-tail baselines (methods/longtail/)."""
 
 from pathlib import Path
 

@@ -1,4 +1,4 @@
-"""RIDE multi-expert trunks (backbones/ride.py) and PaCo on them (methods/paco_ride.py)."""
+"""RIDE multi-expert trunks (backbones/ride.py) and PaCo on them (methods/longtail/paco_ride.py)."""
 
 from pathlib import Path
 
