@@ -9,9 +9,7 @@
   (`self.backbone`), the projector, the online linear probe and the kNN monitor, the optimizer with its
   parameter groups and the per-step schedule. A method subclass sets `views` and implements `step`:
   which view goes through which branch, which loss, what is enqueued. Everything else lives here.
-- Hyper-parameters are checked once: those a loss receives by that loss (`methods.losses`, pure functions
-  also called directly), at the first step; a method's constructor checks only what no loss sees.
-- The long-tail classifiers (PaCo and its baselines) build on `MethodBase` in `methods/longtail/`.
+- The long-tail classifiers (PaCo and its baselines) build on `MethodBase` in `methods/longtail.py`.
 """
 
 import warnings

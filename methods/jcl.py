@@ -13,7 +13,7 @@ log[exp(q.mu/tau + lambda/(2 tau^2) q'Sigma q) + sum_j exp(q.n_j/tau)] - q.mu/ta
 import torch
 
 from methods.base import PretrainMethod
-from methods.config import as_spec
+from methods.config import as_spec, check_positive
 from methods.losses import jcl_loss
 from methods.momentum import KeyQueue, MomentumMixin, MomentumSpec
 from methods.optim import RampSpec
@@ -45,6 +45,9 @@ class JCL(MomentumMixin, PretrainMethod):
             **kwargs: the PretrainMethod arguments (backbone, projector, optimizer, schedule, ...).
         """
         super().__init__(**kwargs)
+        check_positive("temperature", temperature)
+        if not jcl_lambda >= 0:
+            raise ValueError(f"jcl_lambda must be >= 0, got {jcl_lambda}")
         self.temperature, self.jcl_lambda = temperature, jcl_lambda
         self.lambda_ramp = lambda_ramp and as_spec(RampSpec, lambda_ramp)
         self.init_momentum(momentum)

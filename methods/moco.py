@@ -8,6 +8,7 @@ this one right after each optimizer step: the same sequence of updates except fo
 """
 
 from methods.base import PretrainMethod
+from methods.config import check_positive
 from methods.losses import info_nce
 from methods.momentum import KeyQueue, MomentumMixin, MomentumSpec
 
@@ -30,6 +31,7 @@ class MoCoV2(MomentumMixin, PretrainMethod):
             **kwargs: the PretrainMethod arguments (backbone, projector, optimizer, schedule, ...).
         """
         super().__init__(**kwargs)
+        check_positive("temperature", temperature)
         self.temperature = temperature
         self.init_momentum(momentum)
         self.queue = KeyQueue(queue_size, self.projection_dim)

@@ -14,6 +14,7 @@ read from the DataModule at setup, or from the checkpoint when a trained model i
 from typing import Literal
 
 from methods.base import PretrainMethod
+from methods.config import check_positive
 from methods.losses import contrastive_loss
 from methods.momentum import MemoryBank
 
@@ -42,10 +43,15 @@ class NPID(PretrainMethod):
             **kwargs: the PretrainMethod arguments (backbone, projector, optimizer, schedule, ...).
         """
         super().__init__(**kwargs)
+        check_positive("temperature", temperature)
         if loss not in ("ordinary", "hard"):
             raise ValueError(f"loss must be 'ordinary' or 'hard', got {loss!r}")
+        if num_hard < 1:
+            raise ValueError(f"num_hard must be >= 1, got {num_hard}")
         if not 0.0 <= bank_momentum < 1.0:
             raise ValueError(f"bank_momentum must lie in [0, 1), got {bank_momentum}")
+        if not log_eps >= 0:
+            raise ValueError(f"log_eps must be >= 0, got {log_eps}")
         self.temperature = temperature
         self.num_hard = num_hard if loss == "hard" else None
         self.bank_momentum = bank_momentum

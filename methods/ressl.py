@@ -13,6 +13,7 @@ from typing import Sequence
 import torch
 
 from methods.base import PretrainMethod
+from methods.config import check_positive
 from methods.losses import ressl_loss
 from methods.momentum import KeyQueue, MomentumMixin, MomentumSpec
 
@@ -38,6 +39,8 @@ class ReSSL(MomentumMixin, PretrainMethod):
             **kwargs: the PretrainMethod arguments (backbone, projector, optimizer, schedule, ...).
         """
         super().__init__(**kwargs)
+        check_positive("temperature", temperature)
+        check_positive("temperature_momentum", temperature_momentum)
         self.temperature, self.temperature_momentum = temperature, temperature_momentum
         self.online_views = ("strong", *small_crops)
         self.views = ("weak", *self.online_views)

@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from backbones import MLPSpec
 from methods.base import PretrainMethod
-from methods.config import as_spec
+from methods.config import as_spec, check_positive
 from methods.losses import sce_loss
 from methods.momentum import KeyQueue, MomentumMixin, MomentumSpec
 from methods.optim import RampSpec
@@ -61,6 +61,10 @@ class SCE(MomentumMixin, PretrainMethod):
             **kwargs: the PretrainMethod arguments (backbone, projector, optimizer, schedule, ...).
         """
         super().__init__(**kwargs)
+        check_positive("temperature", temperature)
+        check_positive("temperature_momentum", temperature_momentum)
+        if not 0.0 <= coeff <= 1.0:
+            raise ValueError(f"coeff must lie in [0, 1], got {coeff}")
         self.temperature, self.temperature_momentum, self.coeff = temperature, temperature_momentum, coeff
         self.symmetric, self.mask_positive_target = symmetric, mask_positive_target
         self.temperature_momentum_warmup = temperature_momentum_warmup and as_spec(RampSpec, temperature_momentum_warmup)

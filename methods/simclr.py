@@ -11,6 +11,7 @@ With `num_hard`, Wang & Liu's hard contrastive loss replaces NT-Xent (their SimC
 import torch
 
 from methods.base import PretrainMethod
+from methods.config import check_positive
 from methods.losses import contrastive_loss, nt_xent
 
 
@@ -26,6 +27,9 @@ class SimCLR(PretrainMethod):
             **kwargs: the PretrainMethod arguments (backbone, projector, optimizer, schedule, ...).
         """
         super().__init__(**kwargs)
+        check_positive("temperature", temperature)
+        if num_hard is not None and num_hard < 1:
+            raise ValueError(f"num_hard must be >= 1 (or None for NT-Xent), got {num_hard}")
         self.temperature, self.num_hard = temperature, num_hard
 
     def step(self, batch):

@@ -132,11 +132,10 @@ def test_memory_kept_for_backward_grows_with_m_only_by_the_small_key_tensor():
 
 
 def test_bad_jcl_settings_are_refused_with_their_values():
-    batch = first_batch(digits(jcl_views(2), batch_size=8))
-    with pytest.raises(ValueError, match="lam must be >= 0, got -1.0"):
-        tiny_jcl(jcl_lambda=-1.0).step(batch)
+    with pytest.raises(ValueError, match="jcl_lambda must be >= 0, got -1.0"):
+        tiny_jcl(jcl_lambda=-1.0)
     with pytest.raises(ValueError, match="temperature must be > 0, got 0.0"):
-        tiny_jcl(temperature=0.0).step(batch)
+        tiny_jcl(temperature=0.0)
     with pytest.raises(ValueError, match=r"consumes the views \['query', 'keys'\] but data.views provides \['query', 'key'\]"):
         tiny_jcl().check_data(digits({"query": {"preset": "mocov2"}, "key": {"preset": "mocov2"}}), world_size=1)
 

@@ -102,9 +102,9 @@ def test_cosine_momentum_reaches_one_at_the_last_step(tmp_path, monkeypatch):
     assert calls[::2] == pytest.approx([0.9, 0.95, 1.0])
 
 
-def test_negative_temperature_is_refused_by_the_loss_and_bad_momentum_at_construction():
+def test_negative_temperature_and_bad_momentum_are_refused():
     with pytest.raises(ValueError, match="temperature must be > 0, got -0.1"):
-        tiny_moco(temperature=-0.1).step(first_batch(digits(MOCO_VIEWS, batch_size=16)))
+        tiny_moco(temperature=-0.1)
     with pytest.raises(ValueError, match=r"momentum.base must lie in \[0, 1\], got 1.5"):
         tiny_moco(momentum=MomentumSpec(base=1.5))
 

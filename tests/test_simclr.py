@@ -60,7 +60,7 @@ def test_simclr_training_steps_lower_the_loss_on_the_embedded_data(tmp_path):
 
 def test_negative_temperature_is_refused():
     with pytest.raises(ValueError, match="temperature must be > 0, got -0.5"):
-        tiny_simclr(temperature=-0.5).step(first_batch(digits(SIMCLR_VIEWS, batch_size=8)))
+        tiny_simclr(temperature=-0.5)
 
 
 def test_hard_loss_keeping_every_negative_is_nt_xent_and_fewer_negatives_lower_it():
@@ -77,5 +77,5 @@ def test_hard_loss_keeping_every_negative_is_nt_xent_and_fewer_negatives_lower_i
 
 
 def test_hard_loss_needs_at_least_one_negative():
-    with pytest.raises(ValueError, match="num_hard must be >= 1, got 0"):
-        tiny_simclr(num_hard=0).step(first_batch(digits(SIMCLR_VIEWS, batch_size=8)))
+    with pytest.raises(ValueError, match="num_hard must be >= 1 .*got 0"):
+        tiny_simclr(num_hard=0)

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from backbones import MLPSpec
+from methods.config import check_positive
 from methods.longtail.base import LongTailClassifier, SupervisedMoCoMixin
 from methods.losses import paco_loss
 from methods.momentum import MomentumSpec
@@ -59,6 +60,7 @@ class MultiTaskContrast(SupervisedMoCoMixin, LongTailClassifier):
             raise ValueError(f"model.reweight_beta must lie in [0, 1), got {reweight_beta}")
         if contrast_weight < 0:
             raise ValueError(f"model.contrast_weight must be >= 0, got {contrast_weight}")
+        check_positive("model.temperature", temperature)
         self.classifier_loss, self.contrast_weight = classifier_loss, contrast_weight
         self.reweight_beta, self.temperature = reweight_beta, temperature
         self.set_in_batch(in_batch)

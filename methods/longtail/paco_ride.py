@@ -23,9 +23,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from backbones import MLPSpec
-from methods.longtail.paco import PaCo
 from methods.losses import paco_loss
 from methods.momentum import KeyQueue
+from methods.longtail.paco import PaCo
 
 
 class PerExpert(nn.Module):
