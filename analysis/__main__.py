@@ -14,7 +14,6 @@ OUT being `<run>/analysis` unless `--out` says otherwise.
 """
 
 import argparse
-import importlib
 import json
 import sys
 from pathlib import Path
@@ -23,19 +22,18 @@ import torch
 
 from analysis.representation import analyse
 from engine.cli import ContrastlabCLI
-from engine.reliability import write_atomically
+from engine.reliability import checkpoint_class, write_atomically
 from interop import FORMATS, load_official_encoder
+from interop.files import read_checkpoint
 from methods import PretrainMethod
 
 
 def load_method(checkpoint_path: Path) -> PretrainMethod:
     """The pretraining method saved in a checkpoint, as the class the CLI instantiated."""
-    hyperparameters = torch.load(checkpoint_path, map_location="cpu", weights_only=True).get("hyper_parameters", {})
-    class_path = hyperparameters.get("_class_path")
-    if class_path is None:
+    recorded = checkpoint_class(read_checkpoint(checkpoint_path, str(checkpoint_path)), str(checkpoint_path))
+    if recorded is None:
         raise ValueError(f"{checkpoint_path} does not name its method class; analyse checkpoints written by main_pretrain.py")
-    module_name, class_name = class_path.rsplit(".", 1)
-    method_class = getattr(importlib.import_module(module_name), class_name)
+    class_path, method_class = recorded
     if not issubclass(method_class, PretrainMethod):
         raise ValueError(f"{checkpoint_path} holds a {class_path}, not a pretraining method")
     return method_class.load_from_checkpoint(checkpoint_path, map_location="cpu")

@@ -1,6 +1,6 @@
 """Cost of JCL's M' positive keys against MoCo v2 (JCL supplement section 2; spec_selfsup 6.4), on CPU.
 
-One training step = the method's `contrastive_step` (online forward of the query view, momentum forward
+One training step = the method's `step` (online forward of the query view, momentum forward
 of the key view(s), loss, enqueue) + backward + SGD step + EMA update, on a fixed random batch. Setting:
 ResNet-18 (ImageNet stem) at 64x64 px, batch 64, projector 512-512-128, queue 4,096, float32. Every case
 runs in a fresh process, so that its memory high-water mark is its own. Reported per case:
@@ -48,7 +48,7 @@ def build(method: str, num_keys: int):
 
 
 def train_step(model, batch, optimizer) -> None:
-    loss, _ = model.contrastive_step(batch)
+    loss, _ = model.step(batch)
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=False)
@@ -60,7 +60,7 @@ def bytes_kept_for_backward(model, batch) -> int:
     saved = []
     pack = lambda tensor: saved.append(tensor.numel() * tensor.element_size()) or tensor  # noqa: E731
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        model.contrastive_step(batch)
+        model.step(batch)
     return sum(saved)
 
 

@@ -64,7 +64,7 @@ from engine.reliability import (
     PreemptionSignals,
     RandomStateCheckpoint,
     SameDirectoryCheckpointIO,
-    checked_record,
+    checkpoint_class,
     last_checkpoint_path,
     write_atomically,
 )
@@ -160,13 +160,13 @@ def check_resumable(checkpoint: dict, source: str, config) -> None:
     """A checkpoint that the configured run may restore: written by a compatible version (`checked_record`), by the
     configured model class, and, for a linear probe, of the same pretraining checkpoint (restoring it would bring
     back the trunk it probed, whatever model.pretrained_ckpt now says)."""
-    record = checked_record(checkpoint, source)
     model = config["model"]
     model_class = class_at(model["class_path"])
-    if record is not None and record["module"] != f"{model_class.__module__}.{model_class.__qualname__}":
+    recorded = checkpoint_class(checkpoint, source)
+    if recorded is not None and recorded[1] is not model_class:
         hint = " (a pretraining checkpoint to probe is --model.pretrained_ckpt)" if issubclass(model_class, LinearProbe) else ""
         raise CheckpointMismatch(
-            f"{source} is a {record['module']} checkpoint, but this run's model is {model['class_path']}: --ckpt_path "
+            f"{source} is a {recorded[0]} checkpoint, but this run's model is {model['class_path']}: --ckpt_path "
             f"resumes or evaluates a run of the same model{hint}"
         )
     probed, given = checkpoint.get("hyper_parameters", {}).get("pretrained_ckpt"), model["init_args"].get("pretrained_ckpt")

@@ -18,6 +18,7 @@ resumption that continues exactly, a stop at the first non-finite loss.
 - `write_atomically`: write-then-rename for the files the project writes itself.
 """
 
+import importlib
 import os
 import random
 import re
@@ -84,6 +85,30 @@ def checked_record(checkpoint: dict, source: str) -> dict | None:
             f"{VERSION} cannot load: checkpoints load within one major version (one minor version before 1.0)"
         )
     return record
+
+
+# Model classes that moved since checkpoints recorded them (issue 23 moved the long-tail family into methods/longtail/)
+MOVED_CLASSES = {
+    "methods.paco.PaCo": "methods.longtail.paco.PaCo",
+    "methods.paco_ride.PaCoRIDE": "methods.longtail.paco_ride.PaCoRIDE",
+    "methods.multitask.MultiTaskContrast": "methods.longtail.multitask.MultiTaskContrast",
+    "methods.longtail.CrossEntropy": "methods.longtail.cross_entropy.CrossEntropy",
+}
+
+
+def checkpoint_class(checkpoint: dict, source: str) -> tuple[str, type] | None:
+    """The class path a loaded checkpoint names for its model (its contrastlab record's, else the `_class_path` that
+    LightningCLI saved with the hyperparameters) and that class, where it lives now (`MOVED_CLASSES`); None when the
+    checkpoint names none. Checks the record's version (`checked_record`)."""
+    record = checked_record(checkpoint, source) or {}
+    class_path = record.get("module") or checkpoint.get("hyper_parameters", {}).get("_class_path")
+    if class_path is None:
+        return None
+    module_name, _, class_name = MOVED_CLASSES.get(class_path, class_path).rpartition(".")
+    try:
+        return class_path, getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError):
+        raise CheckpointMismatch(f"{source} names the class {class_path}, which this contrastlab does not have") from None
 
 
 class CheckpointRecord:

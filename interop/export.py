@@ -39,7 +39,7 @@ import torchvision
 from backbones import BackboneSpec, load_state_strictly
 from backbones.factory import TORCHVISION_BUILDERS
 from engine.config import as_spec
-from engine.reliability import RECORD_KEY, VERSION, checked_record, write_atomically
+from engine.reliability import RECORD_KEY, VERSION, checkpoint_class, write_atomically
 from interop.files import read_checkpoint
 from interop.official import layout_of
 from methods import LinearProbe, LongTailClassifier, PretrainMethod
@@ -109,12 +109,10 @@ def _read_contrastlab(path: Path, source: str) -> tuple[dict, type]:
     checkpoint = read_checkpoint(path, source)
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
         raise ValueError(f"{source} is not a contrastlab checkpoint (no Lightning state_dict); a published one is read by interop.official")
-    record = checked_record(checkpoint, source) or {}
-    class_path = record.get("module") or checkpoint.get("hyper_parameters", {}).get("_class_path")
-    if class_path is None:
+    recorded = checkpoint_class(checkpoint, source)
+    if recorded is None:
         raise ValueError(f"{source} does not name the class that wrote it")
-    module_name, _, class_name = class_path.rpartition(".")
-    method_class = getattr(importlib.import_module(module_name), class_name)
+    class_path, method_class = recorded
     if issubclass(method_class, LinearProbe) or not issubclass(method_class, (PretrainMethod, LongTailClassifier)):
         raise ValueError(
             f"{source} holds a {class_path}: export a pretraining or long-tail checkpoint (a linear probe's trunk is "

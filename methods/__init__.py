@@ -6,12 +6,9 @@ Configs refer to a method by its short name, e.g. `class_path: methods.MoCoV2`.
 from methods.base import MethodBase, PretrainMethod
 from methods.jcl import JCL
 from methods.linear import LinearProbe
-from methods.longtail import CrossEntropy, LongTailClassifier
+from methods.longtail import CrossEntropy, LongTailClassifier, MultiTaskContrast, PaCo, PaCoRIDE
 from methods.moco import MoCoV2
-from methods.multitask import MultiTaskContrast
 from methods.npid import NPID
-from methods.paco import PaCo
-from methods.paco_ride import PaCoRIDE
 from methods.ressl import ReSSL
 from methods.sce import SCE
 from methods.simclr import SimCLR

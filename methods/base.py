@@ -2,12 +2,13 @@
 
 - `MethodBase`: what every trainable method shares with the data: the named views it consumes and the
   checks that the DataModule provides them (and fills its queues), views drawn on the device
-  (`data.pipeline: gpu`), channels-last images, all-gathers across processes, progress in epochs.
+  (`data.pipeline: gpu`), channels-last images, all-gathers across processes, progress in epochs, and
+  the one training-step contract of both families: a method implements `step(batch) -> (loss,
+  features)`, `features` being the online trunk features its probe learns from, or None (a classifier).
 - `PretrainMethod`: a self-supervised or contrastive pretraining method. It owns the trunk
   (`self.backbone`), the projector, the online linear probe and the kNN monitor, the optimizer with its
-  parameter groups and the per-step schedule. A method subclass sets `views` and implements
-  `contrastive_step(batch) -> (loss, online_features)`: which view goes through which branch, which
-  loss, what is enqueued. Everything else lives here.
+  parameter groups and the per-step schedule. A method subclass sets `views` and implements `step`:
+  which view goes through which branch, which loss, what is enqueued. Everything else lives here.
 - The long-tail classifiers (PaCo and its baselines) build on `MethodBase` in `methods/longtail.py`.
 """
 
@@ -120,6 +121,20 @@ class MethodBase(CheckpointRecord, L.LightningModule):
             gathered.register_hook(lambda grad: grad.contiguous())
         return gathered.flatten(0, 1)
 
+    def step(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The method's part: the training loss of a batch and the online trunk features for the probe
+        (None when the method has no probe)."""
+        raise NotImplementedError
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        loss, features = self.step(batch)
+        self.log("train/loss", loss, prog_bar=True)
+        if features is None:
+            return loss
+        probe_loss = self.probe_loss(features.detach(), batch["label"])  # the probe never trains the trunk
+        self.log("train/probe_loss", probe_loss)
+        return loss + probe_loss
+
     def on_train_batch_start(self, batch, batch_idx) -> None:
         self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], on_step=True, on_epoch=False)
 
@@ -170,11 +185,6 @@ class PretrainMethod(EvaluationMixin, MethodBase):
         self.compile_spec = compile and as_spec(CompileSpec, compile)
         self.init_evaluation(num_classes, knn_k, knn_temperature)
 
-    # ----------------------------------------------------------------- the method's part
-    def contrastive_step(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return the pretraining loss and the online trunk features (for the probe)."""
-        raise NotImplementedError
-
     # ----------------------------------------------------------------- shared helpers
     def embed(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Online branch: trunk features and the L2-normalised projection (after the predictor, if any)."""
@@ -191,13 +201,6 @@ class PretrainMethod(EvaluationMixin, MethodBase):
         return [projection for _, projection in embedded], embedded[0][0]
 
     # ----------------------------------------------------------------- training
-    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        loss, features = self.contrastive_step(batch)
-        probe_loss = self.probe_loss(features.detach(), batch["label"])
-        self.log("train/loss", loss, prog_bar=True)
-        self.log("train/probe_loss", probe_loss)
-        return loss + probe_loss
-
     def probe_loss(self, features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Cross-entropy of the online probe; unlabelled samples (label -1) are left out."""
         per_sample = F.cross_entropy(self.probe(features), labels.clamp(min=0), reduction="none")

@@ -64,7 +64,7 @@ class JCL(MomentumMixin, PretrainMethod):
             key_views = key_views[:, None]
         return self.target_embed(key_views.flatten(0, 1)).unflatten(0, key_views.shape[:2])
 
-    def contrastive_step(self, batch):
+    def step(self, batch):
         views = batch["views"]
         features, query = self.embed(views["query"])
         keys = self.embed_keys(views["keys"])

@@ -24,7 +24,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from backbones import BackboneSpec, load_state_strictly
 from engine.config import as_spec, save_plain_hyperparameters
 from engine.optim import OptimizerSpec, ScheduleSpec, configure_optimization, parameter_groups
-from engine.reliability import RECORD_KEY, CheckpointRecord, checked_record
+from engine.reliability import RECORD_KEY, CheckpointRecord, checkpoint_class
 from interop import official_trunk
 from interop.files import read_checkpoint
 from methods.base import PretrainMethod
@@ -41,12 +41,10 @@ def load_backbone_state(checkpoint_path: str) -> tuple[dict[str, torch.Tensor], 
     }
     if not state:
         raise ValueError(f"model.pretrained_ckpt {checkpoint_path!r} holds no 'backbone.*' weights: not a contrastlab pretraining checkpoint")
-    record = checked_record(checkpoint, f"model.pretrained_ckpt {checkpoint_path!r}")
-    module = record["module"] if record else None  # a checkpoint older than the record: family unchecked
-    module_name, _, class_name = (module or "").rpartition(".")
-    if module and not issubclass(getattr(importlib.import_module(module_name), class_name), PretrainMethod):
+    recorded = checkpoint_class(checkpoint, f"model.pretrained_ckpt {checkpoint_path!r}")
+    if recorded is not None and not issubclass(recorded[1], PretrainMethod):
         raise ValueError(
-            f"model.pretrained_ckpt {checkpoint_path!r} is a {module} checkpoint, not a pretraining one: the linear "
+            f"model.pretrained_ckpt {checkpoint_path!r} is a {recorded[0]} checkpoint, not a pretraining one: the linear "
             "stage probes the trunk of a pretraining method (methods.PretrainMethod, e.g. methods.MoCoV2)"
         )
     return state, checkpoint.get("hyper_parameters", {}).get("backbone")

@@ -36,7 +36,7 @@ class MoCoV2(MomentumMixin, PretrainMethod):
         self.init_momentum(momentum)
         self.queue = KeyQueue(queue_size, self.projection_dim)
 
-    def contrastive_step(self, batch):
+    def step(self, batch):
         features, query = self.embed(batch["views"]["query"])
         key = self.target_embed(batch["views"]["key"])
         loss = info_nce(query, key, self.queue.read(), self.temperature)

@@ -58,14 +58,17 @@ class MomentumSpec:
 
 
 class MomentumMixin:
-    """Adds EMA targets of the trunk and projector to a `PretrainMethod`.
+    """Adds EMA targets to a method: for every name in `momentum_modules`, `target_<name>` follows `<name>`.
 
-    `init_momentum(spec)` creates `self.target_backbone` and `self.target_projector` as frozen copies
-    of the online modules (MoCo/eztorch initialise the target as a copy, spec_selfsup 1.2). The update
-    runs once per optimizer step, right after it inside Lightning's `optimizer_step` (so it is correct
-    under gradient accumulation, and a checkpoint written at the end of the batch holds it), and the
-    momentum in use is logged as `train/momentum`.
+    `init_momentum(spec)` creates the targets as frozen copies of the online modules (MoCo/eztorch
+    initialise the target as a copy, spec_selfsup 1.2), so a method declares what has a momentum copy
+    by listing it, and builds its online modules, whatever their shape, before. The update runs once
+    per optimizer step, right after it inside Lightning's `optimizer_step` (so it is correct under
+    gradient accumulation, and a checkpoint written at the end of the batch holds it), and the momentum
+    in use is logged as `train/momentum`. `target_encode` is the key branch's forward, a public hook.
     """
+
+    momentum_modules: tuple[str, ...] = ("backbone", "projector")
 
     def init_momentum(self, spec: MomentumSpec | dict) -> None:
         spec = as_spec(MomentumSpec, spec)
@@ -74,9 +77,12 @@ class MomentumMixin:
         if spec.split_bn < 1:
             raise ValueError(f"momentum.split_bn is a number of BatchNorm groups and must be >= 1, got {spec.split_bn}")
         self.momentum_spec = spec
-        self.target_backbone = self._frozen_copy(self.backbone, split_bn=spec.split_bn)
-        self.target_projector = self._frozen_copy(self.projector, split_bn=1)  # BatchNorm1d is never split
-        self.__dict__["_momentum_pairs"] = [(self.backbone, self.target_backbone), (self.projector, self.target_projector)]
+        for name in self.momentum_modules:  # split-BN converts BatchNorm2d only: a projector's BatchNorm1d is never split
+            setattr(self, f"target_{name}", frozen_copy(getattr(self, name), spec.split_bn))
+
+    def momentum_pairs(self) -> list[tuple[nn.Module, nn.Module]]:
+        """(online, target) module pairs of the EMA update, in `momentum_modules` order."""
+        return [(getattr(self, name), getattr(self, f"target_{name}")) for name in self.momentum_modules]
 
     def on_fit_start(self) -> None:
         super().on_fit_start()
@@ -88,13 +94,6 @@ class MomentumMixin:
                 "(multi-GPU runs shuffle across processes instead: momentum.shuffle_bn)"
             )
 
-    @staticmethod
-    def _frozen_copy(online: nn.Module, split_bn: int) -> nn.Module:
-        target = copy.deepcopy(online)
-        if split_bn > 1:
-            target = convert_to_split_batchnorm(target, split_bn)
-        return target.requires_grad_(False)
-
     @torch.no_grad()
     def target_embed(self, images: torch.Tensor) -> torch.Tensor:
         """L2-normalised target projection of `images`, with the batch shuffled so that BatchNorm
@@ -102,15 +101,16 @@ class MomentumMixin:
         (MoCo's shuffle-BN), on one device only with split-BN (a plain permutation changes nothing)."""
         spec = self.momentum_spec
         if spec.shuffle_bn and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            output = distributed_shuffled_forward(self._target_encode, images)
+            output = distributed_shuffled_forward(self.target_encode, images)
         elif spec.shuffle_bn and spec.split_bn > 1:
             order = torch.randperm(images.shape[0], device=images.device)
-            output = self._target_encode(images[order])[torch.argsort(order)]
+            output = self.target_encode(images[order])[torch.argsort(order)]
         else:
-            output = self._target_encode(images)
+            output = self.target_encode(images)
         return F.normalize(output, dim=1)
 
-    def _target_encode(self, images: torch.Tensor) -> torch.Tensor:
+    def target_encode(self, images: torch.Tensor) -> torch.Tensor:
+        """The key branch before normalisation; a method whose heads differ overrides it (PaCoRIDE)."""
         return self.target_projector(self.target_backbone(images))
 
     def optimizer_step(self, *args, **kwargs) -> None:
@@ -118,9 +118,17 @@ class MomentumMixin:
         spec = self.momentum_spec
         step = self.trainer.global_step  # optimizer steps completed before this one: its 0-based index
         momentum = momentum_at(step, self.trainer.estimated_stepping_batches, spec.base, spec.schedule)
-        for online, target in self._momentum_pairs:
+        for online, target in self.momentum_pairs():
             ema_update_(online, target, momentum)
         self.log("train/momentum", momentum, on_step=True, on_epoch=False)
+
+
+def frozen_copy(online: nn.Module, split_bn: int = 1) -> nn.Module:
+    """A gradient-free copy of `online`, its BatchNorm2d split into `split_bn` groups when > 1."""
+    target = copy.deepcopy(online)
+    if split_bn > 1:
+        target = convert_to_split_batchnorm(target, split_bn)
+    return target.requires_grad_(False)
 
 
 def distributed_shuffled_forward(encoder: Callable[[torch.Tensor], torch.Tensor], images: torch.Tensor) -> torch.Tensor:
@@ -172,10 +180,9 @@ class KeyQueue(nn.Module):
 
     @torch.no_grad()
     def push(self, keys: torch.Tensor, labels: torch.Tensor | None = None) -> None:
-        """Enqueue already-gathered keys (and labels) in order, overwriting the oldest entries."""
+        """Enqueue already-gathered keys (and labels) in order, overwriting the oldest entries. At most `size`
+        keys: `MethodBase.check_data` refuses, before training, a queue smaller than the keys of a step."""
         count = keys.shape[0]
-        if count > self.size:
-            raise ValueError(f"cannot enqueue {count} keys into a queue of size {self.size}")
         if (labels is None) != (self.labels is None):
             raise ValueError("labels must be given exactly when the queue keeps labels")
         slots = (self.pointer + torch.arange(count, device=keys.device)) % self.size

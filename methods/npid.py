@@ -73,7 +73,7 @@ class NPID(PretrainMethod):
         if self.bank is None:  # loaded outside a Trainer: the checkpoint knows the bank's size
             self.build_bank(len(checkpoint["state_dict"]["bank.entries"]))
 
-    def contrastive_step(self, batch):
+    def step(self, batch):
         features, embedding = self.embed(batch["views"]["image"])
         index = batch["index"]
         bank = self.bank.read()  # the entries before this step's update

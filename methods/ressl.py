@@ -47,7 +47,7 @@ class ReSSL(MomentumMixin, PretrainMethod):
         self.init_momentum(momentum)
         self.queue = KeyQueue(queue_size, self.projection_dim)
 
-    def contrastive_step(self, batch):
+    def step(self, batch):
         key = self.target_embed(batch["views"]["weak"])
         online, features = self.embed_crops(batch["views"], self.online_views)
         queue = self.queue.read()

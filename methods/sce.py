@@ -87,7 +87,7 @@ class SCE(MomentumMixin, PretrainMethod):
             coeff = self.coeff_warmup.value_at(coeff, self.epochs_done)
         return tau_m, coeff
 
-    def contrastive_step(self, batch):
+    def step(self, batch):
         views = batch["views"]
         targets = [self.target_embed(views[name]) for name in self.target_views]
         online, features = self.embed_crops(views, self.online_views)

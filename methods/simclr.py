@@ -32,7 +32,7 @@ class SimCLR(PretrainMethod):
             raise ValueError(f"num_hard must be >= 1 (or None for NT-Xent), got {num_hard}")
         self.temperature, self.num_hard = temperature, num_hard
 
-    def contrastive_step(self, batch):
+    def step(self, batch):
         first, second = batch["views"]["first"], batch["views"]["second"]
         features, embeddings = self.embed(torch.cat([first, second]))
         z1, z2 = embeddings.chunk(2)

@@ -64,7 +64,7 @@ class SupCon(PretrainMethod):
         if crops < 2:
             raise ValueError(f"data.views.crops.count must be >= 2 (the crops of one image are positives), got {crops}")
 
-    def contrastive_step(self, batch):
+    def step(self, batch):
         crops = batch["views"]["crops"]  # (B, V, C, H, W)
         batch_size, num_crops = crops.shape[:2]
         features, projections = self.embed(crops.flatten(0, 1))

@@ -35,7 +35,7 @@ def fixed_batch_loss(model, batch: dict, queue: torch.Tensor) -> float:
     frozen = copy.deepcopy(model).train()
     frozen.queue.keys.copy_(queue)
     with torch.no_grad():
-        return frozen.contrastive_step(batch)[0].item()
+        return frozen.step(batch)[0].item()
 
 
 def randomised(module: torch.nn.Module, seed: int = 2) -> torch.nn.Module:

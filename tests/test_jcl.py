@@ -50,7 +50,7 @@ def test_mean_and_covariance_of_the_keys_are_those_of_eq_s3_and_the_means_are_en
     model = tiny_jcl(temperature=0.2, jcl_lambda=4.0)
     batch = first_batch(digits(jcl_views(4), batch_size=16))
     queue_before = model.queue.read()
-    loss, _ = model.contrastive_step(batch)
+    loss, _ = model.step(batch)
     keys = keys_encoded_view_by_view(model, batch["views"]["keys"])
     with torch.no_grad():
         query = model.embed(batch["views"]["query"])[1].double().numpy()
@@ -73,7 +73,7 @@ def test_the_method_loss_is_jcl_loss_on_its_query_keys_queue_and_ramped_lambda(m
     assert model.scheduled_lambda() == pytest.approx(0.1)
     batch = first_batch(digits(jcl_views(3), batch_size=16))
     queue_before = model.queue.read()
-    loss, _ = model.contrastive_step(batch)
+    loss, _ = model.step(batch)
     with torch.no_grad():
         query = model.embed(batch["views"]["query"])[1]
     keys = torch.from_numpy(keys_encoded_view_by_view(model, batch["views"]["keys"])).float()
@@ -94,7 +94,7 @@ def test_a_single_key_view_gives_moco_v2_with_that_key():
     batch = first_batch(digits(jcl_views(1), batch_size=16))
     assert batch["views"]["keys"].shape == (16, 3, 32, 32)
     queue_before = model.queue.read()
-    loss, _ = model.contrastive_step(batch)
+    loss, _ = model.step(batch)
     with torch.no_grad():
         query = model.embed(batch["views"]["query"])[1]
         key = model.target_embed(batch["views"]["keys"])
@@ -106,7 +106,7 @@ def test_no_gradient_reaches_the_target_branch_and_the_keys_carry_no_graph():
     model = tiny_jcl()
     batch = first_batch(digits(jcl_views(3), batch_size=16))
     assert not model.embed_keys(batch["views"]["keys"]).requires_grad
-    loss, _ = model.contrastive_step(batch)
+    loss, _ = model.step(batch)
     loss.backward()
     assert all(p.grad is None for p in [*model.target_backbone.parameters(), *model.target_projector.parameters()])
     assert model.backbone.conv1.weight.grad.abs().sum() > 0
@@ -117,7 +117,7 @@ def bytes_saved_for_backward(model: JCL, batch: dict) -> int:
     saved = []
     pack = lambda tensor: saved.append(tensor.numel() * tensor.element_size()) or tensor  # noqa: E731
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        model.contrastive_step(batch)
+        model.step(batch)
     return sum(saved)
 
 

@@ -41,7 +41,7 @@ def test_loss_uses_the_queue_before_the_step_and_the_keys_are_enqueued_after():
     model = tiny_moco()
     batch = first_batch(digits(MOCO_VIEWS, batch_size=16))
     queue_before = model.queue.read()
-    loss, _ = model.contrastive_step(batch)
+    loss, _ = model.step(batch)
     with torch.no_grad():
         _, query = model.embed(batch["views"]["query"])
         key = model.target_embed(batch["views"]["key"])
@@ -54,7 +54,7 @@ def test_loss_uses_the_queue_before_the_step_and_the_keys_are_enqueued_after():
 def test_no_gradient_reaches_the_target_branch_or_the_queue():
     model = tiny_moco()
     batch = first_batch(digits(MOCO_VIEWS, batch_size=16))
-    loss, features = model.contrastive_step(batch)
+    loss, features = model.step(batch)
     (loss + model.probe_loss(features.detach(), batch["label"])).backward()
     assert all(p.grad is None for p in model.target_backbone.parameters())
     assert all(p.grad is None for p in model.target_projector.parameters())

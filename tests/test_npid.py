@@ -37,7 +37,7 @@ def test_bank_update_follows_the_momentum_rule_by_sample_index():
     batch = first_batch()
     before = model.bank.read()
     embedding = embedding_of(model, batch)
-    model.contrastive_step(batch)
+    model.step(batch)
     index = batch["index"]
     expected = F.normalize(0.5 * before[index] + 0.5 * embedding, dim=1)
     torch.testing.assert_close(model.bank.entries[index], expected, rtol=1e-5, atol=1e-6)
@@ -50,7 +50,7 @@ def test_loss_contrasts_the_own_bank_entry_with_every_other_entry_before_the_upd
     model = tiny_npid()
     batch = first_batch()
     bank = model.bank.read()
-    loss, features = model.contrastive_step(batch)
+    loss, features = model.step(batch)
     index = batch["index"]
     expected = contrastive_loss(embedding_of(model, batch), bank[index], bank, 0.1, exclude=index)
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
@@ -63,7 +63,7 @@ def test_hard_loss_with_num_hard_at_least_the_bank_size_equals_the_ordinary_loss
     for name, options in {"ordinary": {}, "hard": {"loss": "hard", "num_hard": BANK_SIZE}, "hardest5": {"loss": "hard", "num_hard": 5}}.items():
         L.seed_everything(0, verbose=False)
         model = tiny_npid(**options)
-        loss, _ = model.contrastive_step(batch)
+        loss, _ = model.step(batch)
         loss.backward()
         results[name] = (loss.detach(), model.backbone.conv1.weight.grad.clone(), model.bank.read())
     for ordinary, hard in zip(results["ordinary"], results["hard"]):
@@ -96,7 +96,7 @@ def test_loss_with_the_author_guard_equals_minus_log_of_p_plus_1e7(loss, tempera
     bank = model.bank.read()
     if loss == "hard":
         assert torch.equal((embedding @ bank.T).argmax(dim=1), index)
-    step_loss, _ = model.contrastive_step(batch)
+    step_loss, _ = model.step(batch)
     expected = author_code_loss(embedding, bank, index, temperature, n_background=8 if loss == "hard" else None)
     torch.testing.assert_close(step_loss, expected, rtol=1e-12, atol=1e-12)
     unguarded = contrastive_loss(embedding, bank[index], bank, temperature, num_hard=model.num_hard, exclude=index)

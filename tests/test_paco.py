@@ -1,4 +1,4 @@
-"""PaCo and the long-tail baselines (methods/paco.py, methods/longtail.py, methods/multitask.py)."""
+"""PaCo and the long-tail baselines (methods/longtail/)."""
 
 from pathlib import Path
 
@@ -14,7 +14,7 @@ from backbones import MLPSpec
 from methods import CrossEntropy, MultiTaskContrast, PaCo
 from methods.losses import paco_loss
 from methods.momentum import MomentumSpec
-from methods.multitask import class_balanced_weights
+from methods.longtail.multitask import class_balanced_weights
 from helpers import TINY_BACKBONE, digits
 from test_longtail_data import write_cifar_batches, write_lists
 
@@ -43,7 +43,7 @@ def test_paco_loss_is_paco_loss_of_the_query_key_queue_and_centre_logits_with_th
     model = tiny(PaCo, alpha=0.05, temperature=0.2).train()
     batch = batch_of(PACO_VIEWS)
     queue, queue_labels = model.queue.read(), model.queue.read_labels()
-    loss = model.classification_step(batch)
+    loss = model.step(batch)[0]
     features = model.backbone(batch["views"]["query"])
     query = F.normalize(model.projector(features), dim=1)
     with torch.no_grad():
@@ -56,15 +56,15 @@ def test_paco_loss_is_paco_loss_of_the_query_key_queue_and_centre_logits_with_th
     without_prior.queue.keys.copy_(queue)
     without_prior.queue.labels.copy_(queue_labels)
     without_prior.queue.pointer.zero_()
-    assert abs(without_prior.classification_step(batch).item() - loss.item()) > 1e-3  # the prior matters in training
+    assert abs(without_prior.step(batch)[0].item() - loss.item()) > 1e-3  # the prior matters in training
 
 
 def test_paco_queue_keeps_each_key_with_its_own_label_across_the_wrap_around():
     torch.manual_seed(0)
     model = tiny(PaCo)  # queue of 48, batches of 16 and 32: the second push wraps around
     first, second = batch_of(PACO_VIEWS, 16), batch_of(PACO_VIEWS, 32)
-    model.classification_step(first)
-    model.classification_step(second)
+    model.step(first)[0]
+    model.step(second)[0]
     with torch.no_grad():
         keys = model.target_embed(second["views"]["key"])
     slots = torch.arange(16, 48) % 48
@@ -86,7 +86,7 @@ def test_balanced_softmax_adds_the_log_prior_in_training_only():
     batch = batch_of({"image": {"preset": "crop_flip"}})
     logits = model.classifier(model.backbone(batch["views"]["image"]))
     prior = torch.log(COUNTS.float() / COUNTS.sum() + 1e-9)
-    torch.testing.assert_close(model.classification_step(batch), F.cross_entropy(logits + prior, batch["label"]))
+    torch.testing.assert_close(model.step(batch)[0], F.cross_entropy(logits + prior, batch["label"]))
     torch.testing.assert_close(model.classify(batch["views"]["image"]), logits)
 
 
@@ -116,7 +116,7 @@ def test_multitask_loss_is_cross_entropy_plus_the_weighted_reweighted_contrast()
     model = tiny(MultiTaskContrast, classifier_loss="balanced_softmax", contrast_weight=0.3, temperature=0.2).train()
     batch = batch_of(PACO_VIEWS)
     queue, queue_labels = model.queue.read(), model.queue.read_labels()
-    loss = model.classification_step(batch)
+    loss = model.step(batch)[0]
     features = model.backbone(batch["views"]["query"])
     with torch.no_grad():
         key = F.normalize(model.target_projector(model.target_backbone(batch["views"]["key"])), dim=1)

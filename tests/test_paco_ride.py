@@ -1,4 +1,4 @@
-"""RIDE multi-expert trunks (backbones/ride.py) and PaCo on them (methods/paco_ride.py)."""
+"""RIDE multi-expert trunks (backbones/ride.py) and PaCo on them (methods/longtail/paco_ride.py)."""
 
 from pathlib import Path
 
@@ -108,10 +108,10 @@ def test_one_expert_paco_ride_is_paco_on_the_same_trunk_loss_gradients_and_queue
     model = tiny(PaCoRIDE, backbone=backbone, alpha=0.05, temperature=0.2).train()
     paco = paco_on(model, trunk_output_to_features)
     batch = random_batch()
-    loss = model.classification_step(batch)
+    loss = model.step(batch)[0]
     trained = [parameter for parameter in model.parameters() if parameter.requires_grad]
     gradients = torch.autograd.grad(loss, trained, allow_unused=True)
-    paco_loss_value = paco.classification_step(batch)
+    paco_loss_value = paco.step(batch)[0]
     paco_gradients = torch.autograd.grad(paco_loss_value, trained, allow_unused=True)
     torch.testing.assert_close(loss, paco_loss_value)
     for gradient, paco_gradient in zip(gradients, paco_gradients, strict=True):
@@ -127,7 +127,7 @@ def test_loss_is_the_mean_over_experts_of_paco_loss_on_each_experts_query_key_qu
     model = tiny(PaCoRIDE, backbone=narrow(3), alpha=0.05, temperature=0.2).train()
     batch = random_batch()
     queue, queue_labels = model.queue.read().view(48, 3, -1), model.queue.read_labels()
-    loss = model.classification_step(batch)
+    loss = model.step(batch)[0]
     features = model.backbone(batch["views"]["query"])
     with torch.no_grad():
         keys = model.target_projector(model.target_backbone(batch["views"]["key"]))
@@ -157,7 +157,7 @@ def test_queue_row_holds_every_experts_unit_key_with_the_sample_label():
     model = tiny(PaCoRIDE, backbone=narrow(2))
     assert torch.allclose(model.queue.keys.view(48, 2, -1).norm(dim=-1), torch.ones(48, 2))  # unit keys from the start
     batch = random_batch()
-    model.classification_step(batch)
+    model.step(batch)[0]
     with torch.no_grad():
         keys = F.normalize(model.target_projector(model.target_backbone(batch["views"]["key"])), dim=-1)
     torch.testing.assert_close(model.queue.keys[:16].view(16, 2, -1), keys, rtol=1e-5, atol=1e-6)

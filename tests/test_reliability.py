@@ -608,7 +608,7 @@ def record_only_checkpoint(model, path: Path) -> Path:
 def test_the_linear_stage_refuses_a_checkpoint_of_another_method_family_in_one_line(tmp_path, capsys):
     checkpoints = {
         "methods.linear.LinearProbe": record_only_checkpoint(LinearProbe(random_init=True, backbone=FAST_BACKBONE), tmp_path / "probe.ckpt"),
-        "methods.longtail.CrossEntropy": record_only_checkpoint(CrossEntropy(backbone=FAST_BACKBONE), tmp_path / "ce.ckpt"),
+        "methods.longtail.cross_entropy.CrossEntropy": record_only_checkpoint(CrossEntropy(backbone=FAST_BACKBONE), tmp_path / "ce.ckpt"),
     }
     for module, path in checkpoints.items():
         line = run_failing(main_linear, ["fit", "--config", LINEAR_DIGITS, f"--model.pretrained_ckpt={path}", f"--trainer.default_root_dir={tmp_path / 'run'}"], capsys)

@@ -30,8 +30,8 @@ def test_sce_with_coeff_one_is_moco_v2_on_the_same_batch_and_state():
     sce.load_state_dict(moco.state_dict())
     batch = first_batch(digits(WEAK_STRONG, batch_size=16))
     views = batch["views"]
-    moco_loss, _ = moco.contrastive_step(batch | {"views": {"query": views["strong"], "key": views["weak"]}})
-    sce_loss_value, _ = sce.contrastive_step(batch)
+    moco_loss, _ = moco.step(batch | {"views": {"query": views["strong"], "key": views["weak"]}})
+    sce_loss_value, _ = sce.step(batch)
     torch.testing.assert_close(sce_loss_value, moco_loss, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(sce.queue.keys, moco.queue.keys)
 
@@ -40,7 +40,7 @@ def test_weak_view_feeds_the_target_and_strong_view_the_online_branch_then_keys_
     model = tiny(SCE, temperature=0.1, temperature_momentum=0.05, coeff=0.5)
     batch = first_batch(digits(WEAK_STRONG, batch_size=16))
     queue_before = model.queue.read()
-    loss, _ = model.contrastive_step(batch)
+    loss, _ = model.step(batch)
     with torch.no_grad():
         _, query = model.embed(batch["views"]["strong"])
         key = model.target_embed(batch["views"]["weak"])
@@ -55,7 +55,7 @@ def test_symmetric_loss_averages_both_directions_and_enqueues_both_global_keys()
     assert model.views == ("global1", "global2") and model.keys_per_sample == 2
     batch = first_batch(digits(views, batch_size=16))
     queue_before = model.queue.read()
-    loss, _ = model.contrastive_step(batch)
+    loss, _ = model.step(batch)
     with torch.no_grad():
         (_, q1), (_, q2) = model.embed(batch["views"]["global1"]), model.embed(batch["views"]["global2"])
         z1, z2 = model.target_embed(batch["views"]["global1"]), model.target_embed(batch["views"]["global2"])
@@ -72,7 +72,7 @@ def test_small_crops_are_each_predicted_from_the_weak_view():
     batch = first_batch(digits(views, batch_size=16))
     assert batch["views"]["local"].shape == (16, 2, 3, 16, 16)
     queue_before = model.queue.read()
-    loss, _ = model.contrastive_step(batch)
+    loss, _ = model.step(batch)
     with torch.no_grad():
         key = model.target_embed(batch["views"]["weak"])
         crops = [batch["views"]["strong"], batch["views"]["local"][:, 0], batch["views"]["local"][:, 1]]
@@ -84,7 +84,7 @@ def test_small_crops_are_each_predicted_from_the_weak_view():
 def test_no_gradient_reaches_the_target_branch_or_the_queue(method):
     model = tiny(method)
     batch = first_batch(digits(WEAK_STRONG, batch_size=16))
-    loss, _ = model.contrastive_step(batch)
+    loss, _ = model.step(batch)
     loss.backward()
     assert all(p.grad is None for p in [*model.target_backbone.parameters(), *model.target_projector.parameters()])
     assert model.backbone.conv1.weight.grad.abs().sum() > 0
@@ -95,7 +95,7 @@ def test_ressl_matches_the_teacher_relations_of_the_weak_view_over_the_queue():
     model = tiny(ReSSL, temperature=0.1, temperature_momentum=0.04)
     batch = first_batch(digits(WEAK_STRONG, batch_size=16))
     queue_before = model.queue.read()
-    loss, _ = model.contrastive_step(batch)
+    loss, _ = model.step(batch)
     with torch.no_grad():
         _, query = model.embed(batch["views"]["strong"])
         key = model.target_embed(batch["views"]["weak"])

@@ -33,7 +33,7 @@ def test_loss_is_nt_xent_of_the_two_views_encoded_in_one_batch():
     model = tiny_simclr()
     batch = first_batch(digits(SIMCLR_VIEWS, batch_size=16))
     expected = fixed_batch_loss(model, batch)
-    loss, features = model.contrastive_step(batch)
+    loss, features = model.step(batch)
     assert loss.item() == pytest.approx(expected, rel=1e-5)
     with torch.no_grad():
         first_view_features = copy.deepcopy(model).backbone(torch.cat([batch["views"]["first"], batch["views"]["second"]]))[:16]
@@ -43,7 +43,7 @@ def test_loss_is_nt_xent_of_the_two_views_encoded_in_one_batch():
 def test_gradient_reaches_the_encoder_from_both_views():
     model = tiny_simclr()
     batch = first_batch(digits(SIMCLR_VIEWS, batch_size=8))
-    loss, _ = model.contrastive_step(batch)
+    loss, _ = model.step(batch)
     loss.backward()
     assert model.backbone.conv1.weight.grad.abs().sum() > 0
     assert all(p.grad is not None for p in model.projector.parameters())
@@ -72,7 +72,7 @@ def test_hard_loss_keeping_every_negative_is_nt_xent_and_fewer_negatives_lower_i
     hard_few = tiny_simclr(num_hard=3)
     hard_few.load_state_dict(ordinary.state_dict())
     with torch.no_grad():
-        losses = [model.contrastive_step(batch)[0].item() for model in (ordinary, hard_all, hard_few)]
+        losses = [model.step(batch)[0].item() for model in (ordinary, hard_all, hard_few)]
     assert losses[1] == pytest.approx(losses[0], rel=1e-5)
     assert losses[2] < losses[0] - 1e-3
 

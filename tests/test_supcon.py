@@ -48,7 +48,7 @@ def test_the_step_contrasts_every_crop_of_every_image_with_the_configured_positi
     batch = first_batch(digits({"crops": CROPS["crops"] | {"count": num_crops}}, batch_size=8))
     crops = batch["views"]["crops"]
     assert crops.shape[:2] == (8, num_crops)
-    loss, features = model.contrastive_step(batch)
+    loss, features = model.step(batch)
     with torch.no_grad():
         per_crop = [model.embed(crops[:, crop]) for crop in range(num_crops)]
     projections = torch.stack([projection for _, projection in per_crop], dim=1)  # (B, V, D), image-major
@@ -60,12 +60,12 @@ def test_the_step_contrasts_every_crop_of_every_image_with_the_configured_positi
 def test_instance_positives_ignore_the_class_labels():
     model = tiny_supcon(**SETTINGS["tcl_ssl"]).eval()
     batch = first_batch(digits(CROPS, batch_size=8))
-    loss, _ = model.contrastive_step(batch)
-    same_class, _ = model.contrastive_step(batch | {"label": torch.zeros_like(batch["label"])})
+    loss, _ = model.step(batch)
+    same_class, _ = model.step(batch | {"label": torch.zeros_like(batch["label"])})
     torch.testing.assert_close(loss, same_class)
     supervised = tiny_supcon(**SETTINGS["tcl"]).eval()
     supervised.load_state_dict(model.state_dict())
-    assert supervised.contrastive_step(batch | {"label": torch.zeros_like(batch["label"])})[0] != loss
+    assert supervised.step(batch | {"label": torch.zeros_like(batch["label"])})[0] != loss
 
 
 def test_supcon_base_temperature_defaults_to_the_temperature_and_scales_the_loss():
@@ -73,14 +73,14 @@ def test_supcon_base_temperature_defaults_to_the_temperature_and_scales_the_loss
     official = tiny_supcon(loss="supcon", base_temperature=0.07).eval()
     official.load_state_dict(model.state_dict())
     batch = first_batch(digits(CROPS, batch_size=8))
-    loss, _ = model.contrastive_step(batch)
-    torch.testing.assert_close(official.contrastive_step(batch)[0], loss * 0.1 / 0.07)
+    loss, _ = model.step(batch)
+    torch.testing.assert_close(official.step(batch)[0], loss * 0.1 / 0.07)
 
 
 def fixed_batch_loss(model: SupCon, batch: dict) -> float:
     """The method's loss on fixed crops (BN in batch-statistics mode, as in training), on a copy."""
     with torch.no_grad():
-        return copy.deepcopy(model).train().contrastive_step(batch)[0].item()
+        return copy.deepcopy(model).train().step(batch)[0].item()
 
 
 @pytest.mark.parametrize("setting", sorted(SETTINGS))
@@ -109,7 +109,7 @@ def gather_model(setting: str) -> SupCon:
 
 
 def loss_and_gradients(model: SupCon, batch: dict) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    loss, _ = model.contrastive_step(batch)
+    loss, _ = model.step(batch)
     loss.backward()
     return loss.detach(), [p.grad for name, p in model.named_parameters() if not name.startswith("probe.")]
 

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from backbones import MLPSpec
 from engine.config import check_positive
-from methods.longtail import LongTailClassifier, SupervisedMoCoMixin
+from methods.longtail.base import LongTailClassifier, SupervisedMoCoMixin
 from methods.losses import paco_loss
 from methods.momentum import MomentumSpec
 
@@ -66,7 +66,7 @@ class MultiTaskContrast(SupervisedMoCoMixin, LongTailClassifier):
         self.set_in_batch(in_batch)
         self.init_supervised_moco(projector, momentum, queue_size)
 
-    def classification_step(self, batch):
+    def step(self, batch):
         labels = batch["label"]
         features, query, key = self.embed_query_and_key(batch)
         logits = self.classifier(features)
@@ -80,4 +80,4 @@ class MultiTaskContrast(SupervisedMoCoMixin, LongTailClassifier):
         )  # fmt: skip
         self.enqueue(key, labels)
         self.log("train/contrast_loss", contrast)
-        return F.cross_entropy(logits, labels) + self.contrast_weight * contrast
+        return F.cross_entropy(logits, labels) + self.contrast_weight * contrast, None

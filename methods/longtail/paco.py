@@ -16,7 +16,7 @@ from typing import Literal
 
 from backbones import MLPSpec
 from engine.config import check_positive
-from methods.longtail import LongTailClassifier, SupervisedMoCoMixin
+from methods.longtail.base import LongTailClassifier, SupervisedMoCoMixin
 from methods.losses import paco_loss
 from methods.momentum import MomentumSpec
 
@@ -65,7 +65,7 @@ class PaCo(SupervisedMoCoMixin, LongTailClassifier):
         self.set_in_batch(in_batch)
         self.init_supervised_moco(projector, momentum, queue_size)
 
-    def classification_step(self, batch):
+    def step(self, batch):
         labels = batch["label"]
         features, local_query, local_key = self.embed_query_and_key(batch)
         # centres on the unnormalised trunk feature (spec 3.9 pitfall 10)
@@ -84,4 +84,4 @@ class PaCo(SupervisedMoCoMixin, LongTailClassifier):
             class_prior=self.class_counts / self.class_counts.sum() if self.rebalance else None,
         )
         self.enqueue(local_key, labels)
-        return loss
+        return loss, None

@@ -23,10 +23,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from backbones import MLPSpec
-from engine.config import as_spec
+from methods.longtail.paco import PaCo
 from methods.losses import paco_loss
-from methods.momentum import KeyQueue, MomentumSpec
-from methods.paco import PaCo
+from methods.momentum import KeyQueue
 
 
 class PerExpert(nn.Module):
@@ -53,19 +52,20 @@ class PaCoRIDE(PaCo):
     def num_experts(self) -> int:
         return getattr(self.backbone, "num_experts", 1)
 
-    def init_supervised_moco(self, projector: MLPSpec | dict, momentum: MomentumSpec | dict, queue_size: int) -> None:
-        projector = as_spec(MLPSpec, projector)
-        self.projector = PerExpert([projector.build(self.feature_dim) for _ in range(self.num_experts)])
-        self.init_momentum(momentum)
+    def build_projector(self, spec: MLPSpec) -> nn.Module:
+        return PerExpert([spec.build(self.feature_dim) for _ in range(self.num_experts)])
+
+    def build_queue(self, size: int, key_dim: int) -> KeyQueue:
         # One ring of labelled keys, row i holding the E experts' keys of one sample, each a random unit vector at start.
-        self.queue = KeyQueue(queue_size, self.num_experts * projector.output_dim, num_classes=self.num_classes)
-        self.queue.keys.copy_(F.normalize(self.expert_view(self.queue.keys), dim=-1).flatten(1))
+        queue = KeyQueue(size, self.num_experts * key_dim, num_classes=self.num_classes)
+        queue.keys.copy_(F.normalize(self.expert_view(queue.keys), dim=-1).flatten(1))
+        return queue
 
     def expert_view(self, rows: torch.Tensor) -> torch.Tensor:
         """(N, E, ·) from trunk features (N, E, D) or (N, D) and from queue rows (N, E·d)."""
         return rows.view(len(rows), self.num_experts, -1)
 
-    def _target_encode(self, images: torch.Tensor) -> torch.Tensor:
+    def target_encode(self, images: torch.Tensor) -> torch.Tensor:
         # (B, d, E): `target_embed` normalises dim 1, which is then each expert's key
         return self.target_projector(self.expert_view(self.target_backbone(images))).transpose(1, 2)
 
@@ -75,7 +75,7 @@ class PaCoRIDE(PaCo):
         query = F.normalize(self.projector(features), dim=-1)
         return features, query, self.target_embed(batch["views"]["key"]).transpose(1, 2)
 
-    def classification_step(self, batch):
+    def step(self, batch):
         labels = batch["label"]
         features, local_query, local_key = self.embed_query_and_key(batch)
         query, key, batch_labels, center_logits = self.loss_batch(local_query, local_key, labels, self.classifier(features))
@@ -98,7 +98,7 @@ class PaCoRIDE(PaCo):
             for e in range(self.num_experts)
         ]
         self.enqueue(local_key.flatten(1), labels)
-        return torch.stack(expert_losses).mean()
+        return torch.stack(expert_losses).mean(), None
 
     def classify(self, images: torch.Tensor) -> torch.Tensor:
         return self.classifier(self.expert_view(self.backbone(images))).mean(dim=1)

@@ -9,20 +9,7 @@ every epoch (`val/top1`, `val/many_top1`, `val/medium_top1`, `val/few_top1`).
 
 `SupervisedMoCoMixin` is the MoCo machinery that PaCo and the multi-task baselines share: an MLP head
 on the trunk feature, momentum copies of trunk and head, and a queue of keys with their labels.
-
-`CrossEntropy` is the first baseline family: plain cross-entropy, Balanced Softmax (`loss:
-balanced_softmax`, the log prior added to the logits in training) and the tau-normalised classifier of
-Kang et al. (ICLR 2020), a post-hoc rescaling of the trained weights, w_k / ||w_k||^tau without the bias
-(their `tau_normalization` code), chosen on the validation split:
-
-    python main_pretrain.py validate --config configs/ce_cifar100_lt.yaml --ckpt_path runs/ce_cifar100_lt/checkpoints/last.ckpt --model.init_args.tau_norm 1.0
-
-A published model is evaluated the same way from its own file (`interop.official`: PaCo's releases, a
-torchvision or timm classifier), e.g. `validate --config configs/paco_imagenet_lt.yaml
---model.init_args.pretrained_ckpt paco_r50.pth`.
 """
-
-from typing import Literal
 
 import torch
 import torch.nn as nn
@@ -35,11 +22,6 @@ from interop import load_official_classifier
 from methods.base import CompileSpec, MethodBase
 from methods.evaluation import shot_accuracies
 from methods.momentum import KeyQueue, MomentumMixin, MomentumSpec
-
-
-def tau_normalised(weight: torch.Tensor, tau: float) -> torch.Tensor:
-    """Kang et al.'s tau-normalised classifier weights w_k / ||w_k||^tau (rows are classes)."""
-    return weight / weight.norm(dim=1, keepdim=True).pow(tau)
 
 
 class LongTailClassifier(MethodBase):
@@ -98,11 +80,7 @@ class LongTailClassifier(MethodBase):
             if isinstance(module, nn.Conv2d) and not (name == prefix or name.startswith(prefix + ".")):
                 module.requires_grad_(False)
 
-    # ----------------------------------------------------------------- the method's part
-    def classification_step(self, batch: dict) -> torch.Tensor:
-        """Return the training loss of a batch."""
-        raise NotImplementedError
-
+    # ----------------------------------------------------------------- prediction
     def classify(self, images: torch.Tensor) -> torch.Tensor:
         """Logits used for prediction: the raw classifier on the trunk features."""
         return self.classifier(self.backbone(images))
@@ -130,12 +108,7 @@ class LongTailClassifier(MethodBase):
         if stage != "fit" and self.trainer.datamodule is not None:  # fit checks the data in super().setup
             self.check_data(self.trainer.datamodule, self.trainer.world_size)
 
-    # ----------------------------------------------------------------- training and evaluation
-    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        loss = self.classification_step(batch)
-        self.log("train/loss", loss, prog_bar=True)
-        return loss
-
+    # ----------------------------------------------------------------- evaluation
     def _evaluation_step(self, batch: dict, dataloader_idx: int) -> None:
         if dataloader_idx == 0:  # a kNN bank loader (data.knn_bank) is not used by a classifier
             self._evaluated["predictions"].append(self.classify(batch["image"]).argmax(dim=1))
@@ -169,47 +142,23 @@ class LongTailClassifier(MethodBase):
         return configure_optimization(self.trainer, groups, self.optimizer_spec, self.schedule_spec)
 
 
-class CrossEntropy(LongTailClassifier):
-    """Cross-entropy, Balanced Softmax and tau-normalisation baselines (seed Tables 9, 11, 13)."""
-
-    views = ("image",)
-
-    def __init__(self, loss: Literal["ce", "balanced_softmax"] = "ce", tau_norm: float = 0.0, **kwargs):
-        """
-        Args:
-            loss: `ce` or `balanced_softmax` (cross-entropy of the logits plus the log prior, Ren et al. 2020).
-            tau_norm: tau of the post-hoc weight normalisation at evaluation (0: the raw classifier).
-            **kwargs: the LongTailClassifier arguments (backbone, optimizer, schedule, ...).
-        """
-        super().__init__(**kwargs)
-        if loss not in ("ce", "balanced_softmax"):
-            raise ValueError(f"model.loss must be 'ce' or 'balanced_softmax', got {loss!r}")
-        if tau_norm < 0:
-            raise ValueError(f"model.tau_norm must be >= 0, got {tau_norm}")
-        self.loss, self.tau_norm = loss, tau_norm
-
-    def classification_step(self, batch):
-        logits = self.classifier(self.backbone(batch["views"]["image"]))
-        if self.loss == "balanced_softmax":
-            logits = logits + self.log_prior
-        return F.cross_entropy(logits, batch["label"])
-
-    def classify(self, images):
-        if not self.tau_norm:
-            return super().classify(images)
-        return self.backbone(images) @ tau_normalised(self.classifier.weight, self.tau_norm).T
-
-
 class SupervisedMoCoMixin(MomentumMixin):
     """PaCo's MoCo part (PaCo/LT/moco/builder.py, spec_supervised 3.2) for a `LongTailClassifier`."""
 
     def init_supervised_moco(self, projector: MLPSpec | dict, momentum: MomentumSpec | dict, queue_size: int) -> None:
         projector = as_spec(MLPSpec, projector)
-        self.projector = projector.build(self.feature_dim)
+        self.projector = self.build_projector(projector)
         self.init_momentum(momentum)
+        self.queue = self.build_queue(queue_size, projector.output_dim)
+
+    def build_projector(self, spec: MLPSpec) -> nn.Module:
+        """The head on the trunk feature (PaCoRIDE builds one per expert)."""
+        return spec.build(self.feature_dim)
+
+    def build_queue(self, size: int, key_dim: int) -> KeyQueue:
         # PaCo starts its queue from random keys with random labels: early steps see spurious positives
         # (rows unit-norm here; the official code normalises its random matrix per column).
-        self.queue = KeyQueue(queue_size, projector.output_dim, num_classes=self.num_classes)
+        return KeyQueue(size, key_dim, num_classes=self.num_classes)
 
     def set_in_batch(self, in_batch: str) -> None:
         if in_batch not in ("local", "global"):

@@ -1,0 +1,9 @@
+"""Long-tailed recognition: the classifier family of PaCo and its baselines (spec_supervised 3)."""
+
+from methods.longtail.base import LongTailClassifier, SupervisedMoCoMixin
+from methods.longtail.cross_entropy import CrossEntropy, tau_normalised
+from methods.longtail.multitask import MultiTaskContrast
+from methods.longtail.paco import PaCo
+from methods.longtail.paco_ride import PaCoRIDE
+
+__all__ = ["CrossEntropy", "LongTailClassifier", "MultiTaskContrast", "PaCo", "PaCoRIDE", "SupervisedMoCoMixin", "tau_normalised"]
