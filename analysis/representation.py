@@ -1,4 +1,4 @@
-"""Wang & Liu's analysis of a pretrained encoder on one split of a DataModule (spec_selfsup 7.3).
+"""Wang & Liu's analysis of a pretrained encoder on one split of a DataModule (uniformity, tolerance and local separation as Wang & Liu define them).
 
 Every image of a fixed random subset is embedded twice by the online branch (trunk, projector, L2
 normalisation; the 128-d output in the paper): under the evaluation view (the *targets*, the

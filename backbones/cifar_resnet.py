@@ -1,5 +1,5 @@
 """The CIFAR ResNets (He et al. 2016, §4.2: 6n+2 layers, three stages of n BasicBlocks, widths 16/32/64,
-parameter-free "option A" shortcuts), the trunk of PaCo's CIFAR-LT runs (spec_supervised 3.2/3.5).
+parameter-free "option A" shortcuts), the trunk of PaCo's CIFAR-LT runs (PaCo's LT/models/resnet_cifar.py and its CIFAR scripts).
 
 Follows `ResNet_s` of PaCo's `LT/models/resnet_cifar.py` (dvlab-research/Parametric-Contrastive-Learning),
 copied from LDAM-DRW (kaidic/LDAM-DRW `models/resnet_cifar.py`): 3x3 stem convolution + BN + ReLU, no

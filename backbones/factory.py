@@ -65,14 +65,14 @@ def build_backbone(
     gives (B, num_experts, feature_dim), see `backbones.ride`) and `timm:<model_name>`.
 
     `small_input=True` replaces the 7x7/2 stem and max-pool by a 3x3 stride-1 convolution (no bias,
-    no pooling): the ResNet variant SCE, ReSSL and SimCLR use for 32-64 px images (spec_selfsup 1.5).
+    no pooling): the ResNet variant SCE, ReSSL and SimCLR use for 32-64 px images (CEA-LIST/SCE create_resnet(small_input=True)).
 
     `weights=None` keeps the random initialisation. A value ending in `.pth`/`.pt` or containing a
     `/` is a local state dict of the trunk as built here, loaded strictly; the `fc.*` keys of the
     removed classifier are ignored, so torchvision's checkpoint files (e.g. `resnet152-394f9c45.pth`)
     load as they are. Any other value is a torchvision weights name of the backbone (`IMAGENET1K_V1`,
     `DEFAULT`, ...), downloaded by torchvision on first use: PaCo's Places-LT run starts ResNet-152
-    from `IMAGENET1K_V1` (spec_supervised 3.5). timm and CIFAR backbones take local files only.
+    from `IMAGENET1K_V1` (PaCo's training scripts). timm and CIFAR backbones take local files only.
     """
     weights_file = weights if weights is not None and _names_a_file(weights) else None
     weights_name = weights if weights_file is None else None

@@ -1,4 +1,4 @@
-"""Cost of JCL's M' positive keys against MoCo v2 (JCL supplement section 2; spec_selfsup 6.4), on CPU.
+"""Cost of JCL's M' positive keys against MoCo v2 (JCL supplement section 2), on CPU.
 
 One training step = the method's `step` (online forward of the query view, momentum forward
 of the key view(s), loss, enqueue) + backward + SGD step + EMA update, on a fixed random batch. Setting:

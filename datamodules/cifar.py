@@ -14,7 +14,7 @@ from datamodules.torchvision_datasets import TorchvisionDataModule
 class CIFAR10DataModule(TorchvisionDataModule):
     num_classes = 10
     image_size = 32
-    # The CIFAR constants of the MoCo CIFAR recipe, ReSSL and SCE (spec_selfsup 4, ReSSL issue #5).
+    # The CIFAR constants of the MoCo CIFAR recipe, ReSSL and SCE (ReSSL issue #5).
     mean = (0.4914, 0.4822, 0.4465)
     std = (0.2023, 0.1994, 0.2010)
     dataset_class = torchvision.datasets.CIFAR10

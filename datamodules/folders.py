@@ -191,7 +191,7 @@ class UnlabeledFolderDataModule(FolderDataModule):
 
 class SplitFileDataModule(FolderDataModule):
     """Images listed in split files, one `<path relative to root> <integer label>` per line (the format of
-    the ImageNet-LT, iNaturalist 2018 and Places-LT lists, spec_supervised 3.7). Every line is checked
+    the ImageNet-LT, iNaturalist 2018 and Places-LT lists, PaCo's dataset lists). Every line is checked
     when the DataModule is built: a label outside [0, num_classes) or a malformed line is a ValueError
     naming the file and line, images that do not exist are listed with their paths, and a class of
     [0, num_classes) without a training image is named."""

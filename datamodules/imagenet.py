@@ -4,7 +4,7 @@
   into class folders, as torchvision's ImageFolder and the MoCo / SCE code expect).
 - ImageNet-100: the same tree (a full ImageNet works: only the 100 class folders are read, nothing is
   copied or linked); the classes are those of CMC, listed in Table 1 of the SCE supplement (also the
-  JCL and Wang & Liu list, spec_selfsup 0), labelled by their sorted order.
+  JCL and Wang & Liu list), labelled by their sorted order.
 - Tiny-ImageNet: the extracted `tiny-imagenet-200` folder, `train/<wnid>/images/*.JPEG`,
   `val/images/*.JPEG` labelled by `val/val_annotations.txt`; its test split has no labels, so
   validation and test both use `val` (10,000 images).
@@ -75,7 +75,7 @@ class TinyImageNetDataModule(FolderDataModule):
 
     num_classes = 200
     image_size = 64
-    mean = (0.4802, 0.4481, 0.3975)  # ReSSL's Tiny-ImageNet constants (spec_selfsup 4)
+    mean = (0.4802, 0.4481, 0.3975)  # ReSSL's Tiny-ImageNet constants (KyleZheng1997/ReSSL)
     std = (0.2302, 0.2265, 0.2262)
     uniform_image_size = True
     expected_layout = "wnids.txt, train/<wnid>/images/*.JPEG, val/images/*.JPEG and val/val_annotations.txt (the extracted tiny-imagenet-200 folder)"

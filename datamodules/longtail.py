@@ -5,7 +5,7 @@ work on any DataModule, are in `datamodules/samplers.py`).
 - `long_tail_counts` is the exponential profile of LDAM-DRW's `imbalance_cifar.py` (reused verbatim by
   PaCo): class c keeps floor(max_count * (1/ratio)^(c/(C-1))) images, classes in natural label order,
   so class 0 is the head. For CIFAR-100 and ratio 100 / 50 / 10 that is 10,847 / 12,608 / 19,573
-  images (spec_supervised 3.7).
+  images (PaCo's dataset lists).
 - `long_tail_indices` keeps the same images as LDAM-DRW: numpy's generator seeded once with 0, then for
   each class in label order its indices shuffled and the first n_c kept.
 - `LongTailMixin` applies both to the training split of any DataModule whose training dataset exposes
@@ -23,7 +23,7 @@ from datamodules.cifar import CIFAR10DataModule, CIFAR100DataModule
 from datamodules.digits import DigitsDataModule
 from datamodules.folders import SplitFileDataModule
 
-INATURALIST_MEAN = (0.466, 0.471, 0.380)  # PaCo's iNaturalist 2018 normalisation (spec_supervised 3.5)
+INATURALIST_MEAN = (0.466, 0.471, 0.380)  # PaCo's iNaturalist 2018 normalisation (PaCo's training scripts)
 INATURALIST_STD = (0.195, 0.194, 0.192)
 
 
@@ -91,7 +91,7 @@ class CIFAR10LTDataModule(LongTailMixin, CIFAR10DataModule):
 
 class CIFAR100LTDataModule(LongTailMixin, CIFAR100DataModule):
     """CIFAR-100-LT: 500 head images; 10,847 / 12,608 / 19,573 in all at ratio 100 / 50 / 10
-    (spec_supervised 3.7). Evaluation on the balanced 10,000-image test set."""
+    (PaCo's dataset lists). Evaluation on the balanced 10,000-image test set."""
 
     default_max_count = 500
 
@@ -104,7 +104,7 @@ class DigitsLTDataModule(LongTailMixin, DigitsDataModule):
 
 
 class LongTailSplitFileDataModule(SplitFileDataModule):
-    """A long-tailed dataset given by split files (`<relative path> <label>` lines, spec_supervised 3.7).
+    """A long-tailed dataset given by split files (`<relative path> <label>` lines, PaCo's dataset lists).
     A relative split-file name is looked up under `data.root` (absolute names are used as they are).
     Every one of `num_classes` classes must have training images: a training file with fewer classes
     (a truncated or foreign list) is a ValueError (`SplitFileDataModule`)."""
@@ -170,7 +170,7 @@ class INaturalist2018DataModule(LongTailSplitFileDataModule):
 class PlacesLTDataModule(LongTailSplitFileDataModule):
     """Places-LT (OLTR): 62,500 training images of 365 classes (4,980 to 5 each); validation 20 per
     class (7,300), test 100 per class (36,500). PaCo's code evaluates on the validation list
-    (spec_supervised 3.7). `data.root` is the Places-365 folder the listed paths start from."""
+    (PaCo's dataset lists). `data.root` is the Places-365 folder the listed paths start from."""
 
     expected_layout = "the Places-365 images named in the Places-LT lists (train/<class>/*.jpg, ...)"
     how_to_get = "the lists are data/Places_LT/*.txt of facebookresearch/classifier-balancing"

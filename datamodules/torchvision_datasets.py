@@ -108,7 +108,7 @@ class STL10DataModule(TorchvisionDataModule):
 
     num_classes = 10
     image_size = 96
-    mean = (0.4408, 0.4279, 0.3867)  # ReSSL's STL-10 constants (spec_selfsup 4)
+    mean = (0.4408, 0.4279, 0.3867)  # ReSSL's STL-10 constants (KyleZheng1997/ReSSL)
     std = (0.2682, 0.2610, 0.2686)
     dataset_class = torchvision.datasets.STL10
     expected_layout = "stl10_binary/{train_X.bin, train_y.bin, test_X.bin, test_y.bin, unlabeled_X.bin}"

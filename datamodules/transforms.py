@@ -95,11 +95,11 @@ AUTOAUGMENT_POLICIES = {policy.value.lower(): policy for policy in T.AutoAugment
 
 
 def autoaugment(size: int, mean, std, padding: int = 4, policy: str = "imagenet", cutout: int = 0) -> T.Compose:
-    """TCL's supervised pipeline (`--augment autoaug` of its train.py; spec_supervised 4.4): resize to
+    """TCL's supervised pipeline (`--augment autoaug` of its train.py; TCL supplement 2.1 and its train.py): resize to
     size x size, RandomCrop(size, padding) + flip + AutoAugment (torchvision's policies: imagenet, the
     default as in torchvision, cifar10, svhn). TCL's `data_augmentation/auto_augment.py` is the CIFAR-10
     policy (its 25 sub-policies are torchvision's `AutoAugmentPolicy.CIFAR10`), so TCL's configs set
-    `policy: cifar10`. `policy: cifar10, cutout: 16` is PaCo's CIFAR-LT query view (spec_supervised 3.5)."""
+    `policy: cifar10`. `policy: cifar10, cutout: 16` is PaCo's CIFAR-LT query view (PaCo's training scripts)."""
     if policy not in AUTOAUGMENT_POLICIES:
         raise ValueError(f"autoaugment policy must be one of {sorted(AUTOAUGMENT_POLICIES)}, got {policy!r}")
     return T.Compose(
@@ -117,7 +117,7 @@ def autoaugment(size: int, mean, std, padding: int = 4, policy: str = "imagenet"
 def randaugment(
     size: int, mean, std, num_ops: int = 2, magnitude: int = 10, magnitude_std: float = 0.5, fill=None, **family
 ) -> T.Compose:
-    """PaCo's `randcls` query view (ImageNet-LT, iNat, ImageNet; spec_supervised 3.5): crop (0.08-1),
+    """PaCo's `randcls` query view (ImageNet-LT, iNat, ImageNet; PaCo's training scripts): crop (0.08-1),
     flip, jitter (0.4, 0.4, 0.4, 0) always, then RandAugment `rand-n{num_ops}-m{magnitude}-mstd{magnitude_std}`
     with timm's implementation (PaCo's `randaugment.py` is a copy of it), translations up to 45% of the
     size, fill colour `fill` (RGB in [0, 1]; default the dataset mean: PaCo fills with the ImageNet mean on

@@ -72,7 +72,7 @@ def compatible(saved: str, current: str = VERSION) -> bool:
 def checked_record(checkpoint: dict, source: str) -> dict | None:
     """The contrastlab record of a loaded checkpoint, after checking that this version can load it; None,
     with a warning, for a Lightning checkpoint without one (written before contrastlab 0.1.0 recorded
-    versions: the runs measured in the README), which loads unchecked."""
+    versions: the runs measured in docs/results.md), which loads unchecked."""
     record = checkpoint.get(RECORD_KEY)
     if not isinstance(record, dict) or "version" not in record:
         if "pytorch-lightning_version" not in checkpoint:

@@ -39,7 +39,7 @@ def shot_accuracies(
     """Top-1 accuracy over all samples, and the long-tail groups of Liu et al. (OLTR) as PaCo's
     `shot_acc` computes them: a class is many-shot with more than `many_above` training images, few-shot
     with fewer than `few_below`, medium otherwise; a group's accuracy is the mean of its classes'
-    accuracies. Classes without evaluation samples and empty groups are left out (spec_supervised 3.7)."""
+    accuracies. Classes without evaluation samples and empty groups are left out (PaCo's shot-group accuracy)."""
     num_classes = len(train_counts)
     correct = torch.zeros(num_classes, dtype=torch.float64, device=labels.device).index_add_(0, labels, (predictions == labels).double())
     seen = torch.zeros(num_classes, dtype=torch.float64, device=labels.device).index_add_(0, labels, torch.ones_like(labels, dtype=torch.float64))

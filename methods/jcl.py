@@ -1,4 +1,4 @@
-"""JCL: Joint Contrastive Learning with infinite possibilities (Cai et al., NeurIPS 2020; spec_selfsup 6),
+"""JCL: Joint Contrastive Learning with infinite possibilities (Cai et al., NeurIPS 2020),
 as in caiqi/Joint-Contrastive-Learning (`moco/moco_unlimit_key_default.py`).
 
 MoCo v2 with M' positive keys per query: the query view goes through the online encoder, the M' key
@@ -36,7 +36,7 @@ class JCL(MomentumMixin, PretrainMethod):
             temperature: tau (0.2 in every JCL setting).
             jcl_lambda: lambda of Eq. S.3, the weight of the key covariance (2.0 in the official
                 ImageNet script, 4.0 in the seed's ImageNet-100 ablations; the paper's lambda may be in
-                the first code version's units, 1/tau times this one: spec_selfsup 6.3).
+                the first code version's units, 1/tau times this one: caiqi/Joint-Contrastive-Learning).
             lambda_ramp: the official code's linear per-epoch ramp lambda_t = jcl_lambda (epoch + 1) / E
                 is `{start: jcl_lambda / E, epochs: E - 1, unit: epoch}` for E training epochs; None
                 keeps lambda constant (the paper's formula).
@@ -69,7 +69,7 @@ class JCL(MomentumMixin, PretrainMethod):
         features, query = self.embed(views["query"])
         keys = self.embed_keys(views["keys"])
         lam = self.scheduled_lambda()
-        # Eq. S.3 with mu_i and the biased (1/M') Sigma_i of the M' keys of image i (spec_selfsup 6.2)
+        # Eq. S.3 with mu_i and the biased (1/M') Sigma_i of the M' keys of image i (JCL's moco/moco_unlimit_key_default.py)
         loss = jcl_loss(query, keys, self.queue.read(), self.temperature, lam)
         self.queue.push(self.gather(keys.mean(dim=1)))  # mu_i, not re-normalised (official code, seed section 3)
         # Mean diagonal of Sigma_i: the per-image key spread of the seed's Fig. M.3(b), tracked in training.

@@ -5,7 +5,7 @@ trunk, as MoCo's `main_lincls.py` uses `encoder_q`), frozen and kept in eval mod
 statistics frozen), and run without gradients; only the linear layer learns. The checkpoint must be a
 `PretrainMethod`'s, written by a compatible contrastlab version (`engine.reliability`): a long-tail
 classifier's or a linear probe's is refused. The default optimizer is the MoCo / SCE small-dataset
-protocol (SGD lr 30, momentum 0.9, no weight decay, x0.1 at epochs 60 and 80 of 100; spec_selfsup 1.6).
+protocol (SGD lr 30, momentum 0.9, no weight decay, x0.1 at epochs 60 and 80 of 100; MoCo's main_lincls.py, CEA-LIST/SCE's linear configs).
 The pretraining checkpoint is a model argument, never `ckpt_path` (which would try to restore this
 module from it).
 """

@@ -1,6 +1,6 @@
 """Contrastive losses of the reproduced papers, as pure functions of tensors.
 
-Conventions shared by every function (see ../shared/specs/spec_selfsup.md and spec_supervised.md):
+Conventions shared by every function:
 
 - embeddings are already L2-normalised rows; a queue or memory bank is a ``(K, D)`` tensor, one key per row;
 - each function returns the mean of its per-anchor losses as a 0-d tensor;

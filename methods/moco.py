@@ -1,5 +1,5 @@
 """MoCo v2 (He et al., CVPR 2020; Chen et al., arXiv 2003.04297), as in facebookresearch/moco with
-`--mlp --moco-t 0.2 --aug-plus --cos` (spec_selfsup 2).
+`--mlp --moco-t 0.2 --aug-plus --cos` (facebookresearch/moco main_moco.py).
 
 The query view goes through the online encoder, the key view through the momentum encoder (with
 shuffle-BN); InfoNCE puts the positive key in column 0 against the queue of past keys; the keys are

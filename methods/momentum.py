@@ -5,7 +5,7 @@
 - `KeyQueue`: FIFO queue of keys (one per row) with optional labels, filled with gathered keys.
 - `MemoryBank`: one entry per training sample, momentum-updated by sample index (NPID).
 - `SplitBatchNorm2d` / `convert_to_split_batchnorm`: the one-device shuffle-BN emulation of the MoCo
-  CIFAR recipe that SCE and ReSSL follow on small datasets (spec_selfsup 1.4).
+  CIFAR recipe that SCE and ReSSL follow on small datasets (MoCo issue #46 and its CIFAR colab).
 """
 
 import copy
@@ -27,7 +27,7 @@ def momentum_at(step: int, total_steps: int, base: float, schedule: MomentumSche
     """Momentum of the EMA update made after optimizer step `step` (0-based).
 
     `cosine` is SCE's per-step schedule m_t = 1 - (1 - m_0)(cos(pi t / T) + 1) / 2 with
-    T = total_steps - 1, so m goes from m_0 at the first step to exactly 1 at the last (spec_selfsup 1.2).
+    T = total_steps - 1, so m goes from m_0 at the first step to exactly 1 at the last (eztorch's momentum scheduler).
     """
     if schedule == "constant":
         return base
@@ -49,7 +49,7 @@ def ema_update_(online: nn.Module, target: nn.Module, momentum: float) -> None:
 @dataclass
 class MomentumSpec:
     """The momentum branch of a config: EMA momentum and its schedule, and how BatchNorm statistics
-    are kept from leaking which key belongs to which query (spec_selfsup 1.4)."""
+    are kept from leaking which key belongs to which query (MoCo issue #46 and its CIFAR colab)."""
 
     base: float = 0.999  # m in theta_target <- m theta_target + (1 - m) theta_online
     schedule: MomentumSchedule = "constant"
@@ -61,7 +61,7 @@ class MomentumMixin:
     """Adds EMA targets to a method: for every name in `momentum_modules`, `target_<name>` follows `<name>`.
 
     `init_momentum(spec)` creates the targets as frozen copies of the online modules (MoCo/eztorch
-    initialise the target as a copy, spec_selfsup 1.2), so a method declares what has a momentum copy
+    initialise the target as a copy: MoCo's builder.py, eztorch's momentum_base.py), so a method declares what has a momentum copy
     by listing it, and builds its online modules, whatever their shape, before. The update runs once
     per optimizer step, right after it inside Lightning's `optimizer_step` (so it is correct under
     gradient accumulation, and a checkpoint written at the end of the batch holds it), and the momentum

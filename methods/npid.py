@@ -1,5 +1,5 @@
 """Instance discrimination with a memory bank (NPID, Wu et al., CVPR 2018), the model behind Wang &
-Liu's study of the contrastive loss (CVPR 2021; spec_selfsup 7, author code WangFeng18/
+Liu's study of the contrastive loss (CVPR 2021; author code WangFeng18/
 UnsupervisedLearningCodes).
 
 One augmented view of each image goes through the online encoder. Its positive is the image's own

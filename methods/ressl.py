@@ -1,4 +1,4 @@
-"""ReSSL: Relational Self-Supervised Learning (Zheng et al., NeurIPS 2021; spec_selfsup 4).
+"""ReSSL: Relational Self-Supervised Learning (Zheng et al., NeurIPS 2021; KyleZheng1997/ReSSL).
 
 No positive pair: the online branch matches, over the queue only, the relation distribution of the
 weak view under the momentum (teacher) encoder, sharpened by a lower temperature:

@@ -1,4 +1,4 @@
-"""SCE: Similarity Contrastive Estimation (Denize et al., WACV 2023; spec_selfsup 5).
+"""SCE: Similarity Contrastive Estimation (Denize et al., WACV 2023).
 
 The online branch predicts, for each strong view, a distribution over {its positive key} + the queue
 whose target mixes the one-hot of InfoNCE with the relations of the weak view to the queue under the

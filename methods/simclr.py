@@ -1,4 +1,4 @@
-"""SimCLR (Chen et al., ICML 2020) with the NT-Xent loss of google-research/simclr (spec_selfsup 3).
+"""SimCLR (Chen et al., ICML 2020) with the NT-Xent loss of google-research/simclr (`objective.add_contrastive_loss`).
 
 Both views of every image go through the same online encoder in one batch (as the official code
 concatenates them, so BatchNorm sees all 2B images). Each embedding's positive is the other view of
@@ -23,7 +23,7 @@ class SimCLR(PretrainMethod):
         Args:
             temperature: tau of NT-Xent (0.5 in SimCLR's CIFAR-10 recipe, 0.1 on ImageNet).
             num_hard: None for NT-Xent; n for Wang & Liu's hard contrastive loss, which keeps only each
-                anchor's n most similar negatives of the 2B_g - 2 in the denominator (spec_selfsup 7.1).
+                anchor's n most similar negatives of the 2B_g - 2 in the denominator (Wang & Liu's hard contrastive loss).
             **kwargs: the PretrainMethod arguments (backbone, projector, optimizer, schedule, ...).
         """
         super().__init__(**kwargs)

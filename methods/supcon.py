@@ -1,10 +1,10 @@
 """Supervised contrastive learning (Khosla et al., NeurIPS 2020) and Tuned Contrastive Learning
-(Animesh & Chandraker, WACV 2025), one method with the loss as a config choice (spec_supervised 2, 4).
+(Animesh & Chandraker, WACV 2025), one method with the loss as a config choice (HobbitLong/SupContrast losses.py, TCL's loss/tcl.py).
 
 Every image arrives as V augmented crops (one data view with `count: V`); all V·B crops go through
 the same encoder and projector, and the normalised projections of the whole global batch are gathered
 with their gradients, so every anchor contrasts against the crops of every process (the papers ran
-under DataParallel: their batch sizes are global, spec_supervised 4.6). No queue, no memory bank: the
+under DataParallel: their batch sizes are global, TCL's train.py). No queue, no memory bank: the
 TCL paper avoids them to compare the two losses directly (seed 2.1).
 
 Positives are the other crops of the anchor's class (`positives: class`, the supervised setting) or of

@@ -1,4 +1,4 @@
-"""Tests of analysis/metrics.py against spec_selfsup.md section 9.8 and the pairwise definitions."""
+"""Tests of analysis/metrics.py against hand-computed values and the pairwise definitions."""
 
 import itertools
 import math

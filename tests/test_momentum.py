@@ -32,7 +32,7 @@ def test_cosine_momentum_goes_from_base_to_exactly_one():
     assert momentum_at(0, total, base, "cosine") == pytest.approx(base, abs=1e-15)
     assert momentum_at(50, total, base, "cosine") == pytest.approx(base + (1 - base) / 2, abs=1e-15)
     assert momentum_at(100, total, base, "cosine") == 1.0
-    # m_t = 1 - (1 - m_0)(cos(pi t / T) + 1) / 2 with T = total - 1 (SCE, spec_selfsup 1.2)
+    # m_t = 1 - (1 - m_0)(cos(pi t / T) + 1) / 2 with T = total - 1 (SCE; eztorch's momentum scheduler)
     assert momentum_at(25, total, base, "cosine") == pytest.approx(1 - 0.01 * (math.cos(math.pi / 4) + 1) / 2, abs=1e-15)
     values = [momentum_at(step, total, base, "cosine") for step in range(total)]
     assert all(a <= b for a, b in zip(values, values[1:]))

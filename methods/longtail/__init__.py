@@ -1,4 +1,4 @@
-"""Long-tailed recognition: the classifier family of PaCo and its baselines (spec_supervised 3)."""
+"""Long-tailed recognition: the classifier family of PaCo and its baselines (Cui et al., ICCV 2021)."""
 
 from methods.longtail.base import LongTailClassifier, SupervisedMoCoMixin
 from methods.longtail.cross_entropy import CrossEntropy, tau_normalised

@@ -1,4 +1,4 @@
-"""Long-tailed recognition: the classifier base of PaCo and its baselines (spec_supervised 3).
+"""Long-tailed recognition: the classifier base of PaCo and its baselines (Cui et al., ICCV 2021).
 
 `LongTailClassifier` is a trunk whose pooled feature feeds a linear classifier (PaCo's class centres,
 bias included). The per-class counts of the training split are read from the DataModule when training
@@ -88,7 +88,7 @@ class LongTailClassifier(MethodBase):
     # ----------------------------------------------------------------- class counts and prior
     @property
     def log_prior(self) -> torch.Tensor:
-        """log(n_k / sum n + 1e-9), the balanced-softmax offset exactly as PaCo's code (spec_supervised 3.4)."""
+        """log(n_k / sum n + 1e-9), the balanced-softmax offset exactly as PaCo's code (PaCo's LT/losses.py)."""
         counts = self.class_counts.float()
         return torch.log(counts / counts.sum() + 1e-9)
 
@@ -143,7 +143,7 @@ class LongTailClassifier(MethodBase):
 
 
 class SupervisedMoCoMixin(MomentumMixin):
-    """PaCo's MoCo part (PaCo/LT/moco/builder.py, spec_supervised 3.2) for a `LongTailClassifier`."""
+    """PaCo's MoCo part (PaCo's LT/moco/builder.py) for a `LongTailClassifier`."""
 
     def init_supervised_moco(self, projector: MLPSpec | dict, momentum: MomentumSpec | dict, queue_size: int) -> None:
         projector = as_spec(MLPSpec, projector)
@@ -167,8 +167,8 @@ class SupervisedMoCoMixin(MomentumMixin):
 
     def loss_batch(self, query: torch.Tensor, key: torch.Tensor, labels: torch.Tensor, center_logits: torch.Tensor | None = None):
         """The anchors and in-batch samples of the loss (query, key, labels, centre logits). `local`: this
-        process's own, as the official code computes the loss per GPU on its local anchors (spec_supervised
-        3.2), so the contrast set depends on the GPU layout. `global`: every process's, gathered in rank
+        process's own, as the official code computes the loss per GPU on its local anchors (PaCo's
+        LT/moco/builder.py), so the contrast set depends on the GPU layout. `global`: every process's, gathered in rank
         order, the queries and centre logits with their gradients, so that W processes with B images train
         as one process with W·B (each process computes the loss of the whole batch; the all-gather's
         backward sums the processes' gradients and DDP averages them, which gives that loss's gradient)."""

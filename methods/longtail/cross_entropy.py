@@ -1,4 +1,4 @@
-"""Cross-entropy baselines of long-tailed recognition (spec_supervised 3).
+"""Cross-entropy baselines of long-tailed recognition (Cui et al., ICCV 2021).
 
 `CrossEntropy` is the first baseline family: plain cross-entropy, Balanced Softmax (`loss:
 balanced_softmax`, the log prior added to the logits in training) and the tau-normalised classifier of

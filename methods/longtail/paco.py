@@ -1,5 +1,5 @@
 """PaCo: Parametric Contrastive Learning (Cui et al., ICCV 2021), as dvlab-research's PaCo/LT code
-trains it (spec_supervised 3.2-3.4).
+trains it (PaCo's LT/moco/builder.py and LT/losses.py).
 
 A supervised MoCo: the query view goes through the online trunk and an MLP head with BatchNorm, the
 key view through the momentum copies (shuffle-BN across processes); the queue keeps past keys **with
