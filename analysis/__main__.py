@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 
 from analysis.representation import analyse
-from engine.cli import ContrastlabCLI
+from engine.cli import instantiate_config
+from engine.config import split_overrides
 from engine.reliability import checkpoint_class, write_atomically
 from interop import FORMATS, load_official_encoder
 from interop.files import read_checkpoint
@@ -40,8 +41,7 @@ def load_method(checkpoint_path: Path) -> PretrainMethod:
 
 
 def main(argv: list[str]) -> int:
-    overrides = argv[argv.index("--") + 1 :] if "--" in argv else []
-    own = argv[: argv.index("--")] if "--" in argv else argv
+    own, overrides = split_overrides(argv)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", type=Path, help="a main_pretrain.py checkpoint, or a published one (--format)")
     parser.add_argument("--format", choices=FORMATS, help="the checkpoint's layout (default: read from its keys)")
@@ -56,7 +56,7 @@ def main(argv: list[str]) -> int:
     if not args.checkpoint.is_file():
         raise SystemExit(f"error: checkpoint {str(args.checkpoint)!r} is not an existing file")
     try:
-        cli = ContrastlabCLI(PretrainMethod, args=["--config", args.config, "--trainer.logger=false", *overrides], run=False)
+        cli = instantiate_config(args.config, overrides)
         official = load_official_encoder(cli.model, args.checkpoint, args.format)  # None: a contrastlab checkpoint
         model = (cli.model if official else load_method(args.checkpoint)).to(args.device)
         datamodule = cli.datamodule

@@ -33,9 +33,9 @@ from torch import Tensor
 from analysis.figures import save_figure
 from analysis.representation import embed, fixed_subset, isolated_randomness
 from datamodules.base import ContrastiveDataModule
-from engine.cli import ContrastlabCLI
+from engine.cli import instantiate_config
+from engine.config import split_overrides
 from engine.reliability import write_atomically
-from methods import PretrainMethod
 
 __all__ = ["augmentation_statistics", "key_distribution", "plot_key_distributions"]
 
@@ -97,8 +97,7 @@ def summary(similarity: Tensor, variance: Tensor) -> dict[str, float]:
 def main(argv: list[str]) -> int:
     from analysis.__main__ import load_method  # not at import time: `python -m analysis` must import it first
 
-    overrides = argv[argv.index("--") + 1 :] if "--" in argv else []
-    own = argv[: argv.index("--")] if "--" in argv else argv
+    own, overrides = split_overrides(argv)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run", nargs="+", action="append", required=True, metavar="CHECKPOINT CONFIG [LABEL]",
                         help="a main_pretrain.py checkpoint, its pretraining config (for the data) and optionally the "
@@ -119,7 +118,7 @@ def main(argv: list[str]) -> int:
             if not Path(checkpoint).is_file():
                 raise ValueError(f"checkpoint {checkpoint!r} is not an existing file")
             model = load_method(Path(checkpoint)).to(args.device)
-            datamodule = ContrastlabCLI(PretrainMethod, args=["--config", config, "--trainer.logger=false", *overrides], run=False).datamodule
+            datamodule = instantiate_config(config, overrides).datamodule
             name = run[2] if len(run) == 3 else f"{type(model).__name__} ({Path(config).stem})"
             runs[name] = key_distribution(model, datamodule, args.split, args.view, args.views_per_image, args.max_samples)
             record[name] = {"checkpoint": checkpoint, **summary(*runs[name])}

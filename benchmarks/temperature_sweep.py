@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from analysis.figures import plot_against_temperature  # noqa: E402
+from engine.config import split_overrides  # noqa: E402
 from engine.reliability import write_atomically  # noqa: E402
 
 LOSSES = ("ordinary", "hard")
@@ -92,8 +93,7 @@ def table(means: dict[str, dict[float, dict[str, float]]], temperatures: list[fl
 
 
 def main(argv: list[str]) -> int:
-    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
-    own = argv[: argv.index("--")] if "--" in argv else argv
+    own, extra = split_overrides(argv)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="a pretraining config of a method with `temperature`, `loss` and `num_hard`")
     parser.add_argument("--out", required=True, type=Path)

@@ -46,11 +46,10 @@ from torch.utils.flop_counter import FlopCounterMode
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from datamodules.pipeline import PIPELINES  # noqa: E402
-from engine.cli import ContrastlabCLI  # noqa: E402
+from engine.cli import ContrastlabCLI, instantiate_config  # noqa: E402
+from engine.config import split_overrides  # noqa: E402
 from engine.reliability import NonFiniteLossGuard, write_atomically  # noqa: E402
 from engine.tracking import TrainingThroughput  # noqa: E402
-from methods import PretrainMethod  # noqa: E402
-from scripts.sweep import split_overrides  # noqa: E402
 
 # Dense bf16 tensor-core peaks (vendor data sheets), matched in order against torch.cuda.get_device_name().
 BF16_PEAK_FLOPS = (("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12))
@@ -127,8 +126,7 @@ class StepTimer(Callback):
 
 
 def build(config: str, pipeline: str, overrides: list[str]) -> ContrastlabCLI:
-    args = ["--config", config, "--trainer.logger=false", f"--data.init_args.pipeline={pipeline}", *overrides]
-    return ContrastlabCLI(PretrainMethod, args=args, run=False)
+    return instantiate_config(config, [f"--data.init_args.pipeline={pipeline}", *overrides])
 
 
 def measure_training(config: str, pipeline: str, steps: int, warmup: int, overrides: list[str], profile_dir: Path | None = None) -> dict:

@@ -40,7 +40,7 @@ import sys
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import yaml
@@ -69,6 +69,7 @@ from engine.reliability import (
     write_atomically,
 )
 from engine.tracking import TrainingThroughput, WandbRun
+from methods.base import PretrainMethod
 from methods.linear import LinearProbe, probe_run_directory
 
 # Noise a user cannot act on: Lightning's advertisement for LitLogger at every start, and the deprecation that its own
@@ -397,3 +398,9 @@ class ContrastlabCLI(LightningCLI):
 
     def after_test(self) -> None:
         self._print_summary("test", "results_test.json")
+
+
+def instantiate_config(config: str, overrides: Sequence[str] = ()) -> ContrastlabCLI:
+    """The model, DataModule and trainer of a pretraining config and its overrides, built without running anything
+    and without a logger: what `python -m analysis`, the key distribution and the throughput benchmark build."""
+    return ContrastlabCLI(PretrainMethod, args=["--config", config, "--trainer.logger=false", *overrides], run=False)

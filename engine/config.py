@@ -26,3 +26,8 @@ def save_plain_hyperparameters(module: L.LightningModule) -> None:
     for key, value in list(module.hparams.items()):
         if is_dataclass(value):
             module.hparams[key] = asdict(value)
+
+
+def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
+    """A script's own arguments and the CLI overrides after `--` (`script.py --out x -- --data.init_args.root y`)."""
+    return (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])

@@ -38,6 +38,7 @@ from scipy import stats
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script: make `scripts` importable
+from engine.config import split_overrides  # noqa: E402
 from scripts.slurm import job  # noqa: E402
 
 DEFAULT_METRICS = ("val/knn_top1", "val/probe_top1", "linear:val/probe_top1")
@@ -194,11 +195,6 @@ def write_slurm_array(runs: list[Run], args) -> Path:
     script = args.out / "sweep.sbatch"
     script.write_text(text)
     return script
-
-
-def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
-    """The script's own arguments and the CLI overrides after `--`."""
-    return (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
 
 
 def parse_args(argv: list[str]):

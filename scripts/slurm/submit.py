@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: make `scripts` importable
+from engine.config import split_overrides  # noqa: E402
 from scripts import sweep  # noqa: E402
 from scripts.slurm import job  # noqa: E402
 
@@ -55,7 +56,7 @@ def render_jobs(args: argparse.Namespace) -> list[tuple[Path, str]]:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    own, overrides = sweep.split_overrides(argv)
+    own, overrides = split_overrides(argv)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="the pretraining config")
     parser.add_argument("--run-dir", type=Path, help="the run directory (default: the config's trainer.default_root_dir)")
