@@ -5,7 +5,7 @@ work on any DataModule, are in `datamodules/samplers.py`).
 - `long_tail_counts` is the exponential profile of LDAM-DRW's `imbalance_cifar.py` (reused verbatim by
   PaCo): class c keeps floor(max_count * (1/ratio)^(c/(C-1))) images, classes in natural label order,
   so class 0 is the head. For CIFAR-100 and ratio 100 / 50 / 10 that is 10,847 / 12,608 / 19,573
-  images (PaCo's dataset lists).
+  images (kaidic/LDAM-DRW imbalance_cifar.py, copied as PaCo/LT/dataset/imbalance_cifar.py).
 - `long_tail_indices` keeps the same images as LDAM-DRW: numpy's generator seeded once with 0, then for
   each class in label order its indices shuffled and the first n_c kept.
 - `LongTailMixin` applies both to the training split of any DataModule whose training dataset exposes
@@ -83,7 +83,7 @@ class LongTailMixin:
 
 
 class CIFAR10LTDataModule(LongTailMixin, CIFAR10DataModule):
-    """CIFAR-10-LT: 5,000 head images; 12,406 in all at ratio 100 (ecosystem 3.1). Evaluation on the
+    """CIFAR-10-LT: 5,000 head images; 12,406 in all at ratio 100 (kaidic/LDAM-DRW imbalance_cifar.py's profile). Evaluation on the
     balanced 10,000-image test set."""
 
     default_max_count = 5000
@@ -91,7 +91,7 @@ class CIFAR10LTDataModule(LongTailMixin, CIFAR10DataModule):
 
 class CIFAR100LTDataModule(LongTailMixin, CIFAR100DataModule):
     """CIFAR-100-LT: 500 head images; 10,847 / 12,608 / 19,573 in all at ratio 100 / 50 / 10
-    (PaCo's dataset lists). Evaluation on the balanced 10,000-image test set."""
+    (kaidic/LDAM-DRW imbalance_cifar.py). Evaluation on the balanced 10,000-image test set."""
 
     default_max_count = 500
 

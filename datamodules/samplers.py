@@ -1,7 +1,7 @@
 """Training samplers whose epoch order is a function of (seed, epoch) and which resume mid-epoch
 (`EpochSampler`), and the class-priority samplers for long-tailed data (Kang et al., "Decoupling
-representation and classifier for long-tailed recognition", ICLR 2020, sampling strategies; ecosystem
-3.4), selected with `data.sampler` on any DataModule: each draw picks a class j with probability p_j,
+representation and classifier for long-tailed recognition", ICLR 2020, sampling strategies; official code
+facebookresearch/classifier-balancing), selected with `data.sampler` on any DataModule: each draw picks a class j with probability p_j,
 then one of its images uniformly."""
 
 from typing import Literal

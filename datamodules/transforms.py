@@ -95,7 +95,7 @@ AUTOAUGMENT_POLICIES = {policy.value.lower(): policy for policy in T.AutoAugment
 
 
 def autoaugment(size: int, mean, std, padding: int = 4, policy: str = "imagenet", cutout: int = 0) -> T.Compose:
-    """TCL's supervised pipeline (`--augment autoaug` of its train.py; TCL supplement 2.1 and its train.py): resize to
+    """TCL's supervised pipeline (`--augment autoaug` of its train.py; TCL supplement 2.1): resize to
     size x size, RandomCrop(size, padding) + flip + AutoAugment (torchvision's policies: imagenet, the
     default as in torchvision, cifar10, svhn). TCL's `data_augmentation/auto_augment.py` is the CIFAR-10
     policy (its 25 sub-policies are torchvision's `AutoAugmentPolicy.CIFAR10`), so TCL's configs set

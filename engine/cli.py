@@ -251,7 +251,7 @@ class ContrastlabCLI(LightningCLI):
         subcommand = self.config.get("subcommand")
         config = self.config[subcommand] if subcommand else self.config
         seed = config.get("seed_everything")
-        if not isinstance(seed, int) or isinstance(seed, bool):  # true means seed 0 every time (ecosystem 1.2, pitfall 7)
+        if not isinstance(seed, int) or isinstance(seed, bool):  # true means seed 0 every time (Lightning >= 2.2 seeds None as 0: Lightning-AI/pytorch-lightning #18846)
             fail(f"seed_everything must be an explicit integer (a config's seed_everything or --seed_everything), got {seed!r}")
         ckpt_path = config.get("ckpt_path")
         if ckpt_path is None or ckpt_path in LIGHTNING_CHECKPOINT_NAMES or "://" in str(ckpt_path) or str(ckpt_path).startswith("registry"):

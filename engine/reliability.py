@@ -1,4 +1,4 @@
-"""What keeps a long run from being wasted (issue 12; ecosystem 6): checkpoints that say what wrote them,
+"""What keeps a long run from being wasted (issue 12): checkpoints that say what wrote them,
 resumption that continues exactly, a stop at the first non-finite loss.
 
 - `CheckpointRecord` (a LightningModule mixin): every checkpoint records the contrastlab version and the

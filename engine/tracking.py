@@ -1,4 +1,4 @@
-"""Experiment tracking (issue 10; ecosystem 1.1): Weights & Biases through Lightning's `WandbLogger`, and the
+"""Experiment tracking (issue 10): Weights & Biases through Lightning's `WandbLogger`, and the
 training throughput that every run reports.
 
 - `WandbRun`: the `trainer.logger` of every shipped config. Project `contrastlab`, the config's group and tags,

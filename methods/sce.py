@@ -5,7 +5,7 @@ whose target mixes the one-hot of InfoNCE with the relations of the weak view to
 momentum encoder:  w = coeff * onehot(0) + (1 - coeff) * softmax([0, k.queue] / tau_m)  (seed eq. 3-5).
 coeff = 1 is MoCo v2's InfoNCE, coeff = 0 ReSSL's relational target plus the "ceiling" term (seed
 Prop. 1). The weak view goes to the momentum branch, the strong one to the online branch (official
-code and configs; the comments of the seed's Algorithm 1 have them swapped, spec 5.2).
+code and configs; the comments of the seed's Algorithm 1 have them swapped).
 
 - asymmetric (small datasets): weak -> target, strong (+ optional multi-crop small crops) -> online;
 - symmetric (ImageNet): two strong global views, each a target for every other crop; the keys of

@@ -5,7 +5,7 @@ Every image arrives as V augmented crops (one data view with `count: V`); all VÂ
 the same encoder and projector, and the normalised projections of the whole global batch are gathered
 with their gradients, so every anchor contrasts against the crops of every process (the papers ran
 under DataParallel: their batch sizes are global, TCL's train.py). No queue, no memory bank: the
-TCL paper avoids them to compare the two losses directly (seed 2.1).
+TCL paper avoids them to compare the two losses directly (TCL supplement 2.1).
 
 Positives are the other crops of the anchor's class (`positives: class`, the supervised setting) or of
 the anchor's own image (`positives: instance`, self-supervised TCL, seed 2.3). The second stage is a

@@ -43,7 +43,7 @@ def test_cifar100_lt_totals_are_those_of_ldam_drw_and_paco(ratio, total):
 
 def test_the_profile_truncates_float_powers_in_natural_class_order():
     assert long_tail_counts(100, 500, 100)[:5] == [500, 477, 455, 434, 415]
-    assert long_tail_counts(10, 5000, 100) == [5000, 2997, 1796, 1077, 645, 387, 232, 139, 83, 50]  # CIFAR-10-LT (ecosystem 3.1)
+    assert long_tail_counts(10, 5000, 100) == [5000, 2997, 1796, 1077, 645, 387, 232, 139, 83, 50]  # CIFAR-10-LT (kaidic/LDAM-DRW imbalance_cifar.py at ratio 100)
     assert long_tail_counts(4, 7, 1) == [7, 7, 7, 7]
 
 

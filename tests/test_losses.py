@@ -1,4 +1,4 @@
-"""Tests of methods/losses.py: spec test vectors, cross-loss identities, gradients, numerics, validation.
+"""Tests of methods/losses.py: hand-computed reference cases, cross-loss identities, gradients, numerics, validation.
 
 The reference cases (S1, S2, H1, T1, T2, P1, ...) were computed for this project with an independent NumPy
 re-implementation of each paper's formula and cross-checked by a second formulation or finite differences; the
@@ -42,7 +42,7 @@ def assert_close(actual, expected, tol=1e-6):
     torch.testing.assert_close(actual, expected, atol=tol, rtol=0)
 
 
-# --- spec fixtures ----------------------------------------------------------------------------------------
+# --- reference cases --------------------------------------------------------------------------------------
 
 # reference case S1: B=4, V=2, d=3, labels (0, 1, 0, 1); features[b, v]
 S1 = F.normalize(
@@ -94,11 +94,11 @@ P1_PRIOR = torch.tensor([100.0, 20, 5], dtype=f64) / 125
         (0.5, 0.5, "all", None, 1.7823475),
     ],
 )
-def test_supcon_reproduces_spec_general_case_s1(temperature, base_temperature, contrast_mode, labels, expected):
+def test_supcon_reproduces_reference_case_s1(temperature, base_temperature, contrast_mode, labels, expected):
     assert_close(supcon_loss(S1, labels, temperature, base_temperature, contrast_mode), expected)
 
 
-def test_supcon_reproduces_spec_hand_cases_h1_and_s2():
+def test_supcon_reproduces_hand_cases_h1_and_s2():
     assert_close(supcon_loss(H1, H1_LABELS, 1.0, 1.0), math.log(1 + 2 * math.exp(-2)))
     assert_close(supcon_loss(S2, torch.tensor([0, 1, 0, 1]), 0.1, 0.07), 2.7798716)
 
@@ -133,7 +133,7 @@ def test_nt_xent_is_half_of_simclr_official_two_direction_sum():
     assert_close(2 * nt_xent(h1, h2, tau), official, tol=1e-12)
 
 
-def test_nt_xent_reproduces_spec_simclr_case():
+def test_nt_xent_reproduces_the_simclr_reference_case():
     assert_close(nt_xent(S1[:, 0], S1[:, 1], 0.5), 1.7823475)
 
 
@@ -144,11 +144,11 @@ def test_nt_xent_reproduces_spec_simclr_case():
     "k1, k2, expected",
     [(5000.0, 1.0, 4.4015279), (4000.0, 1.0, 4.3028799), (1.0, 1.5, 3.8471147), (0.0, 1.0, 3.6559575)],
 )
-def test_tcl_reproduces_spec_general_case_t1(k1, k2, expected):
+def test_tcl_reproduces_reference_case_t1(k1, k2, expected):
     assert_close(tcl_loss(S1, S1_LABELS, 0.1, k1, k2), expected)
 
 
-def test_tcl_reproduces_spec_hand_cases_h1_and_t2():
+def test_tcl_reproduces_hand_cases_h1_and_t2():
     assert_close(tcl_loss(H1, H1_LABELS, 1.0, 5000.0, 1.0), 6.5190692)
     assert_close(tcl_loss(H1, H1_LABELS, 0.1, 5000.0, 1.0), 0.0802044)
     assert_close(tcl_loss(S2, torch.tensor([0, 1, 0, 1]), 0.1, 5000.0, 1.0), 1.9810740)
@@ -177,7 +177,7 @@ def test_tcl_gradient_equals_lemma_2():
     z = S1.transpose(0, 1).reshape(8, 3)
     labels = S1_LABELS.repeat(2)
     g = lemma_2_coefficients(z, labels, 0.1, 5000.0, 1.0)
-    assert_close(g[0] @ z, [-4.164806, -2.604061, -1.956292])  # spec T3
+    assert_close(g[0] @ z, [-4.164806, -2.604061, -1.956292])  # reference case T3 (TCL's Lemma 2 gradient, checked by finite differences)
 
     for features, sample_labels in [(S1, S1_LABELS), (unit(gen(7), 6, 2, 4), torch.tensor([0, 0, 0, 1, 1, 2]))]:
         features = features.clone().requires_grad_()
@@ -194,7 +194,7 @@ def test_supcon_gradient_matches_supplement_formula():
     """With k1 = 0 and k2 = 1, Lemma 2 is SupCon's gradient (P_ip - X_ip on positives, P_in on negatives)."""
     z, labels = S1.transpose(0, 1).reshape(8, 3), S1_LABELS.repeat(2)
     g = lemma_2_coefficients(z, labels, 0.1, 0.0, 1.0)
-    assert_close(g[0] @ z, [0.450673, 0.210438, -0.651595])  # spec S1, anchor 0
+    assert_close(g[0] @ z, [0.450673, 0.210438, -0.651595])  # reference case S1, anchor 0 (checked by finite differences)
     features = S1.clone().requires_grad_()
     supcon_loss(features, S1_LABELS, 0.1, 0.1).backward()
     assert_close(features.grad.transpose(0, 1).reshape(8, 3), (g + g.T) @ z / 8, tol=1e-10)
@@ -214,7 +214,7 @@ def test_supcon_gradient_matches_supplement_formula():
         (0.0, 0.0, 0.2, P1_PRIOR, 0.4412716),
     ],
 )
-def test_paco_reproduces_spec_p1(alpha, gamma, temperature, prior, expected):
+def test_paco_reproduces_reference_case_p1(alpha, gamma, temperature, prior, expected):
     loss = paco_loss(**paco_p1(), alpha=alpha, temperature=temperature, gamma=gamma, class_prior=prior)
     assert_close(loss, expected)
 
@@ -274,7 +274,7 @@ def test_paco_center_gradient_is_p_minus_t_times_h():
     assert_close(inputs["center_logits"].grad, (p - targets) / 2, tol=1e-12)
     assert_close(inputs["center_logits"].grad.T @ h, [[-0.213203, 0.086586, -0.431091],
                                                       [-0.545009, -0.136400, 0.182201],
-                                                      [0.000137, 0.000001, 0.000074]])  # spec P4: dL/dW
+                                                      [0.000137, 0.000001, 0.000074]])  # reference case P4: dL/dW (matches finite differences)
 
 
 # --- SCE, ReSSL, MoCo InfoNCE -------------------------------------------------------------------------------

@@ -68,7 +68,7 @@ class PaCo(SupervisedMoCoMixin, LongTailClassifier):
     def step(self, batch):
         labels = batch["label"]
         features, local_query, local_key = self.embed_query_and_key(batch)
-        # centres on the unnormalised trunk feature (spec 3.9 pitfall 10)
+        # centres on the unnormalised trunk feature (PaCo/LT/moco/builder.py: the avgpool output, not the projection)
         query, key, batch_labels, center_logits = self.loss_batch(local_query, local_key, labels, self.classifier(features))
         loss = paco_loss(
             query,
