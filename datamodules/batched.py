@@ -1,8 +1,8 @@
 """Per-sample random augmentation of a whole batch of tensors, on whatever device the batch is on.
 
 `BatchedAugment` runs the `ViewSpec` (`datamodules.view_spec`) that `datamodules.transforms.augment` runs per
-image and draws every random parameter per sample, like the per-image pipeline does (torchvision v2 applied to a batch would draw
-one set for the whole batch, which is wrong for two-view contrastive learning):
+image and draws every random parameter per sample, like the per-image pipeline does (torchvision v2 applied
+to a batch would draw one set for the whole batch, which is wrong for two-view contrastive learning):
 
 - RandomResizedCrop: torchvision's sampling (10 tries of area and log-ratio, then the clamped centre
   fallback) vectorised, resampled with `roi_align` (bilinear, averaging when it shrinks);

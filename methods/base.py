@@ -9,7 +9,7 @@
   (`self.backbone`), the projector, the online linear probe and the kNN monitor, the optimizer with its
   parameter groups and the per-step schedule. A method subclass sets `views` and implements `step`:
   which view goes through which branch, which loss, what is enqueued. Everything else lives here.
-- The long-tail classifiers (PaCo and its baselines) build on `MethodBase` in `methods/longtail.py`.
+- The long-tail classifiers (PaCo and its baselines) build on `MethodBase` in `methods/longtail/`.
 """
 
 import warnings

@@ -60,12 +60,12 @@ class MomentumSpec:
 class MomentumMixin:
     """Adds EMA targets to a method: for every name in `momentum_modules`, `target_<name>` follows `<name>`.
 
-    `init_momentum(spec)` creates the targets as frozen copies of the online modules (MoCo/eztorch
-    initialise the target as a copy: MoCo's builder.py, eztorch's momentum_base.py), so a method declares what has a momentum copy
-    by listing it, and builds its online modules, whatever their shape, before. The update runs once
-    per optimizer step, right after it inside Lightning's `optimizer_step` (so it is correct under
-    gradient accumulation, and a checkpoint written at the end of the batch holds it), and the momentum
-    in use is logged as `train/momentum`. `target_encode` is the key branch's forward, a public hook.
+    `init_momentum(spec)` creates the targets as frozen copies of the online modules (MoCo's builder.py
+    and eztorch's momentum_base.py initialise the target as a copy), so a method declares what has a
+    momentum copy by listing it, and builds its online modules, whatever their shape, before. The update
+    runs once per optimizer step, right after it inside Lightning's `optimizer_step` (so it is correct
+    under gradient accumulation, and a checkpoint written at the end of the batch holds it), and the
+    momentum in use is logged as `train/momentum`. `target_encode` is the key branch's forward, a public hook.
     """
 
     momentum_modules: tuple[str, ...] = ("backbone", "projector")

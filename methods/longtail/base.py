@@ -168,10 +168,10 @@ class SupervisedMoCoMixin(MomentumMixin):
     def loss_batch(self, query: torch.Tensor, key: torch.Tensor, labels: torch.Tensor, center_logits: torch.Tensor | None = None):
         """The anchors and in-batch samples of the loss (query, key, labels, centre logits). `local`: this
         process's own, as the official code computes the loss per GPU on its local anchors (PaCo's
-        LT/moco/builder.py), so the contrast set depends on the GPU layout. `global`: every process's, gathered in rank
-        order, the queries and centre logits with their gradients, so that W processes with B images train
-        as one process with W·B (each process computes the loss of the whole batch; the all-gather's
-        backward sums the processes' gradients and DDP averages them, which gives that loss's gradient)."""
+        LT/moco/builder.py), so the contrast set depends on the GPU layout. `global`: every process's,
+        gathered in rank order, the queries and centre logits with their gradients, so that W processes
+        with B images train as one process with W·B (each process computes the loss of the whole batch; the
+        all-gather's backward sums the processes' gradients and DDP averages them, which gives that loss's gradient)."""
         if self.in_batch == "local":
             return query, key, labels, center_logits
         gathered_logits = None if center_logits is None else self.gather_with_grad(center_logits)
