@@ -1,4 +1,4 @@
-"""Small helpers for configuration values: spec dataclasses, hyperparameters, range checks."""
+"""Small helpers for configuration values: spec dataclasses, hyperparameters, overrides."""
 
 import inspect
 from dataclasses import asdict, is_dataclass
@@ -12,11 +12,6 @@ Spec = TypeVar("Spec")
 def as_spec(spec_type: type[Spec], value: Spec | dict) -> Spec:
     """Accept a spec dataclass or its dict form (as stored in checkpoints' hyperparameters)."""
     return value if isinstance(value, spec_type) else spec_type(**value)
-
-
-def check_positive(name: str, value: float) -> None:
-    if not value > 0:
-        raise ValueError(f"{name} must be > 0, got {value}")
 
 
 def save_plain_hyperparameters(module: L.LightningModule) -> None:

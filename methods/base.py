@@ -1,14 +1,15 @@
 """The LightningModules every method builds on.
 
-- `MethodBase`: what every trainable method shares with the data: the named views it consumes and the
-  checks that the DataModule provides them (and fills its queues), views drawn on the device
-  (`data.pipeline: gpu`), channels-last images, all-gathers across processes, progress in epochs, and
-  the one training-step contract of both families: a method implements `step(batch) -> (loss,
+- `MethodBase`: what every trainable method shares: the one constructor (the trunk `self.backbone`, optimizer,
+  schedule, number of classes, channels-last, compilation; subclasses pass these on as `**kwargs`), the one
+  evaluation path (`methods.evaluation.EvaluationMixin`), the named views it consumes and the checks that the
+  DataModule provides them (and fills its queues), views drawn on the device (`data.pipeline: gpu`),
+  channels-last images, all-gathers across processes, progress in epochs, the optimizer and its per-step
+  schedule, and the one training-step contract of both families: a method implements `step(batch) -> (loss,
   features)`, `features` being the online trunk features its probe learns from, or None (a classifier).
-- `PretrainMethod`: a self-supervised or contrastive pretraining method. It owns the trunk
-  (`self.backbone`), the projector, the online linear probe and the kNN monitor, the optimizer with its
-  parameter groups and the per-step schedule. A method subclass sets `views` and implements `step`:
-  which view goes through which branch, which loss, what is enqueued. Everything else lives here.
+- `PretrainMethod`: a self-supervised or contrastive pretraining method. It adds the projector, the online
+  linear probe (its own parameter group) and the kNN monitor. A method subclass sets `views` and implements
+  `step`: which view goes through which branch, which loss, what is enqueued. Everything else lives here.
 - The long-tail classifiers (PaCo and its baselines) build on `MethodBase` in `methods/longtail/`.
 """
 
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 
 from backbones import BackboneSpec, MLPSpec
 from engine.compat import attached_trainer
-from engine.config import as_spec, check_positive, save_plain_hyperparameters
+from engine.config import as_spec, save_plain_hyperparameters
 from engine.optim import OptimizerSpec, ScheduleSpec, configure_optimization, parameter_groups
 from engine.reliability import CheckpointRecord
 from methods.evaluation import EvaluationMixin
@@ -45,15 +46,42 @@ class CompileSpec:
     fullgraph: bool = False
 
 
-class MethodBase(CheckpointRecord, L.LightningModule):
-    """Base of every method trained by `main_pretrain.py`; subclasses set `views` and `channels_last`.
+class MethodBase(EvaluationMixin, CheckpointRecord, L.LightningModule):
+    """Base of every method trained by `main_pretrain.py`; subclasses set `views` and implement `step`.
     Its checkpoints record the contrastlab version and the method class (`engine.reliability`)."""
 
     views: tuple[str, ...] = ()  # names of the data views the method consumes
     keys_per_sample: int = 1  # keys a queue receives per training image and step
-    channels_last: bool = False
-    compile_spec: CompileSpec | None = None
     compiled_modules = ("backbone", "target_backbone")  # those a method has are compiled with `compile`
+
+    def __init__(
+        self,
+        backbone: BackboneSpec = BackboneSpec(),
+        optimizer: OptimizerSpec = OptimizerSpec(),
+        schedule: ScheduleSpec = ScheduleSpec(),
+        num_classes: int = 10,
+        channels_last: bool = False,
+        compile: CompileSpec | None = None,
+    ):
+        """
+        Args:
+            backbone: the trunk, see `backbones.build_backbone`.
+            optimizer: optimizer, learning rate (per 256 images when scaled) and weight decay.
+            schedule: warm-up and decay of the learning rate, applied per optimizer step.
+            num_classes: classes of the dataset, for evaluation (linked from the DataModule by the CLI).
+            channels_last: keep convolution weights and input images in channels-last memory layout
+                (faster convolutions on recent GPUs and on CPUs with oneDNN, the same numbers).
+            compile: `torch.compile` the trunks (`CompileSpec`; null: eager).
+        """
+        super().__init__()
+        save_plain_hyperparameters(self)  # with the arguments of every subclass's __init__
+        self.num_classes = num_classes
+        self.backbone_spec = as_spec(BackboneSpec, backbone)
+        self.backbone, self.feature_dim = self.backbone_spec.build()
+        self.optimizer_spec = as_spec(OptimizerSpec, optimizer)
+        self.schedule_spec = as_spec(ScheduleSpec, schedule)
+        self.channels_last = channels_last
+        self.compile_spec = compile and as_spec(CompileSpec, compile)
 
     def check_data(self, datamodule, world_size: int) -> None:
         """Fail before training when the data cannot feed this method (the CLI calls this before
@@ -138,52 +166,41 @@ class MethodBase(CheckpointRecord, L.LightningModule):
     def on_train_batch_start(self, batch, batch_idx) -> None:
         self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], on_step=True, on_epoch=False)
 
+    def optimizer_groups(self) -> list[dict]:
+        """The optimizer's parameter groups: every parameter, weight decay as `optimizer` says."""
+        return parameter_groups(self.named_parameters(), self.optimizer_spec)
 
-class PretrainMethod(EvaluationMixin, MethodBase):
+    def configure_optimizers(self):
+        return configure_optimization(self.trainer, self.optimizer_groups(), self.optimizer_spec, self.schedule_spec)
 
+
+class PretrainMethod(MethodBase):
     def __init__(
         self,
-        backbone: BackboneSpec = BackboneSpec(),
         projector: MLPSpec = MLPSpec(),
-        optimizer: OptimizerSpec = OptimizerSpec(),
-        schedule: ScheduleSpec = ScheduleSpec(),
-        num_classes: int = 10,
         probe_lr: float = 0.1,
         knn_k: int = 200,
         knn_temperature: float = 0.07,
-        channels_last: bool = False,
-        compile: CompileSpec | None = None,
+        **kwargs,
     ):
         """
         Args:
-            backbone: the trunk, see `backbones.build_backbone`.
             projector: the projection head on the trunk's pooled features.
-            optimizer: optimizer, learning rate (per 256 images when scaled) and weight decay.
-            schedule: warm-up and decay of the learning rate, applied per optimizer step.
-            num_classes: classes of the dataset, for the online probe and the kNN monitor (linked
-                from the DataModule by the CLI).
             probe_lr: learning rate of the online linear probe (its own parameter group, no weight
                 decay, never scaled by the batch size); the probe sees detached features only.
             knn_k: neighbours of the kNN monitor (0 disables it); knn_temperature: its vote temperature.
-            channels_last: keep convolution weights and input images in channels-last memory layout
-                (faster convolutions on recent GPUs and on CPUs with oneDNN, the same numbers).
-            compile: `torch.compile` the trunks (`CompileSpec`; null: eager).
+            **kwargs: the MethodBase arguments (backbone, optimizer, schedule, num_classes, channels_last, compile).
         """
-        super().__init__()
-        save_plain_hyperparameters(self)
-        check_positive("probe_lr", probe_lr)
+        if not probe_lr > 0:
+            raise ValueError(f"model.probe_lr must be > 0, got {probe_lr}")
+        super().__init__(**kwargs)
         projector = as_spec(MLPSpec, projector)
-        self.backbone, self.feature_dim = as_spec(BackboneSpec, backbone).build()
         self.projector = projector.build(self.feature_dim)
         self.projection_dim = projector.output_dim
         self.predictor: nn.Module = nn.Identity()  # a method with a predictor head replaces it
-        self.probe = nn.Linear(self.feature_dim, num_classes)
-        self.optimizer_spec = as_spec(OptimizerSpec, optimizer)
-        self.schedule_spec = as_spec(ScheduleSpec, schedule)
+        self.probe = nn.Linear(self.feature_dim, self.num_classes)
         self.probe_lr = probe_lr
-        self.channels_last = channels_last
-        self.compile_spec = compile and as_spec(CompileSpec, compile)
-        self.init_evaluation(num_classes, knn_k, knn_temperature)
+        self.init_evaluation(knn_k, knn_temperature)
 
     # ----------------------------------------------------------------- shared helpers
     def embed(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -207,8 +224,8 @@ class PretrainMethod(EvaluationMixin, MethodBase):
         labelled = (labels >= 0).float()
         return (per_sample * labelled).sum() / labelled.sum().clamp(min=1)
 
-    def configure_optimizers(self):
+    def optimizer_groups(self) -> list[dict]:
+        """The method's groups, then the probe's own: its learning rate, no weight decay, never scaled."""
         method_params = [(name, p) for name, p in self.named_parameters() if not name.startswith("probe.")]
-        groups = parameter_groups(method_params, self.optimizer_spec)
         probe_group = {"params": list(self.probe.parameters()), "lr": self.probe_lr, "weight_decay": 0.0, "lars_exclude": True}
-        return configure_optimization(self.trainer, groups + [probe_group], self.optimizer_spec, self.schedule_spec)
+        return parameter_groups(method_params, self.optimizer_spec) + [probe_group]

@@ -1,15 +1,12 @@
-"""Evaluation shared by pretraining (online probe + kNN monitor) and the linear stage.
+"""Evaluation of every trained module: pretraining (online probe + kNN monitor), the long-tail classifiers
+(top-1 by many / medium / few-shot group) and the linear stage, through one `EvaluationMixin`.
 
-`EvaluationMixin` expects `self.backbone` (images -> pooled features) and `self.probe` (a linear layer
-on those features). On the evaluation split (dataloader 0) it reports the probe's top-1/top-5 and
-collects L2-normalised features; on the kNN bank (dataloader 1, the training split under the
-evaluation view) it collects features and labels; at the end of the epoch it classifies the
-evaluation features with the weighted kNN of NPID (cosine similarity, k nearest, votes exp(s / T)).
+The kNN monitor is the weighted kNN of NPID (cosine similarity, k nearest, votes exp(s / T)) of the evaluation
+features against the training split under the evaluation view.
 """
 
 import torch
 import torch.nn.functional as F
-from torchmetrics.classification import MulticlassAccuracy
 
 
 @torch.no_grad()
@@ -59,63 +56,96 @@ def topk_accuracy(scores: torch.Tensor, labels: torch.Tensor, k: int) -> torch.T
     return (top == labels[:, None]).any(dim=1).float().mean()
 
 
+def ranked_classes(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """(N, 1 + k): the argmax, then the k highest classes; top-1 is scored on the argmax and top-k on `topk`, as
+    torchmetrics' accuracy does (the two differ only on tied logits)."""
+    top = logits.topk(min(k, logits.shape[1]), dim=1).indices if k > 1 else logits.new_empty(len(logits), 0, dtype=torch.long)
+    return torch.cat([logits.argmax(dim=1, keepdim=True), top], dim=1)
+
+
 class EvaluationMixin:
-    def init_evaluation(self, num_classes: int, knn_k: int, knn_temperature: float) -> None:
-        if num_classes < 2:
-            raise ValueError(f"num_classes must be >= 2, got {num_classes}")
+    """The one evaluation path. A module sets `self.num_classes`, calls `init_evaluation` and implements
+    `evaluation_outputs(images) -> (features, logits)` (by default its trunk's features and its probe's logits).
+
+    On the evaluation split (dataloader 0) it collects the ranked predictions of the logits, the labels and, for
+    the kNN monitor, the L2-normalised features; on the kNN bank (dataloader 1) features and labels. At the end of
+    the epoch it gathers them across processes in rank order and logs `{stage}/{prefix}top1` (and `top5` with more
+    than 5 classes), the top-1 of each shot group when `shot_bounds` is set, and `{stage}/knn_top1` (`knn_top5`).
+    """
+
+    def init_evaluation(
+        self, knn_k: int = 0, knn_temperature: float = 0.07, prefix: str = "probe_", shot_bounds: tuple[int, int] | None = None
+    ) -> None:
+        """prefix: of the logits' metric names (`probe_`: an online or linear probe; empty: a classifier's own);
+        shot_bounds: (many_shot_above, few_shot_below) training images per class, counted in `self.class_counts`."""
+        if self.num_classes < 2:
+            raise ValueError(f"num_classes must be >= 2, got {self.num_classes}")
         if knn_k < 0 or knn_temperature <= 0:
             raise ValueError(f"knn_k must be >= 0 and knn_temperature > 0, got {knn_k}, {knn_temperature}")
-        self.num_classes = num_classes
+        if shot_bounds is not None and not 0 < shot_bounds[1] <= shot_bounds[0]:
+            raise ValueError(f"need 0 < few_shot_below <= many_shot_above, got {shot_bounds[1]}, {shot_bounds[0]}")
         self.knn_k, self.knn_temperature = knn_k, knn_temperature
-        top_ks = (1, 5) if num_classes > 5 else (1,)
-        self.probe_metrics = torch.nn.ModuleDict(
-            {
-                f"{stage}_top{k}": MulticlassAccuracy(num_classes, top_k=k, average="micro", ignore_index=-1)
-                for stage in ("val", "test")
-                for k in top_ks
-            }
-        )
+        self.metric_prefix, self.shot_bounds = prefix, shot_bounds
+        self.top_ks = (1, 5) if self.num_classes > 5 else (1,)
         self._collected: dict[str, list[torch.Tensor]] = {}
 
-    def _evaluation_step(self, batch: dict, dataloader_idx: int, stage: str) -> None:
-        features = self.backbone(batch["image"])
-        role = "query" if dataloader_idx == 0 else "bank"
-        if role == "query":
-            logits = self.probe(features)
-            for name, metric in self.probe_metrics.items():
-                if name.startswith(stage):
-                    metric.update(logits, batch["label"])
-                    self.log(f"{stage}/probe_{name.split('_')[1]}", metric, add_dataloader_idx=False)
+    def evaluation_outputs(self, images: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Trunk features (for the kNN monitor; None without one) and class logits of evaluation images."""
+        features = self.backbone(images)
+        return features, self.probe(features)
+
+    def _evaluation_step(self, batch: dict, dataloader_idx: int) -> None:
+        if dataloader_idx == 0:
+            features, logits = self.evaluation_outputs(batch["image"])
+            self._collect("ranked", ranked_classes(logits, max(self.top_ks)))
+            self._collect("labels", batch["label"])
+        elif self.knn_k:  # the kNN bank
+            features = self.backbone(batch["image"])
+            self._collect("bank_labels", batch["label"])
         if self.knn_k:
-            self._collected.setdefault(f"{role}_features", []).append(F.normalize(features.float(), dim=1))
-            self._collected.setdefault(f"{role}_labels", []).append(batch["label"])
+            self._collect("features" if dataloader_idx == 0 else "bank_features", F.normalize(features.float(), dim=1))
+
+    def _collect(self, name: str, tensor: torch.Tensor) -> None:
+        self._collected.setdefault(name, []).append(tensor)
 
     def validation_step(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> None:
-        self._evaluation_step(batch, dataloader_idx, "val")
+        self._evaluation_step(batch, dataloader_idx)
 
     def test_step(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> None:
-        self._evaluation_step(batch, dataloader_idx, "test")
+        self._evaluation_step(batch, dataloader_idx)
 
-    def _finish_knn(self, stage: str) -> None:
+    def _finish_evaluation(self, stage: str) -> None:
         collected, self._collected = self._collected, {}
-        if "bank_features" not in collected or self.trainer.sanity_checking:
+        if "ranked" not in collected:
             return
         gathered = {name: self.all_gather(torch.cat(parts)) for name, parts in collected.items()}
         gathered = {name: tensor.flatten(0, 1) if self.trainer.world_size > 1 else tensor for name, tensor in gathered.items()}
-        labelled = gathered["bank_labels"] >= 0  # unlabelled bank images (label -1) cannot vote
-        scores = knn_predict(
-            gathered["query_features"],
-            gathered["bank_features"][labelled],
-            gathered["bank_labels"][labelled],
-            self.num_classes,
-            self.knn_k,
-            self.knn_temperature,
-        )
-        for k in (1, 5) if self.num_classes > 5 else (1,):
-            self.log(f"{stage}/knn_top{k}", topk_accuracy(scores, gathered["query_labels"], k))
+        ranked, labels = gathered["ranked"], gathered["labels"]
+        labelled = labels >= 0  # unlabelled evaluation images (label -1) are not scored
+        if labelled.any():
+            hits = ranked[labelled] == labels[labelled, None]
+            for k in self.top_ks:  # column 0 is the argmax, columns 1.. the top-k
+                self.log(f"{stage}/{self.metric_prefix}top{k}", (hits[:, 0] if k == 1 else hits[:, 1 : k + 1].any(dim=1)).float().mean())
+        if self.shot_bounds is not None:
+            groups = shot_accuracies(ranked[:, 0], labels, self.class_counts, *self.shot_bounds)
+            for name in ("many_top1", "medium_top1", "few_top1"):
+                if name in groups:
+                    self.log(f"{stage}/{name}", groups[name])
+        if "bank_features" in gathered and not self.trainer.sanity_checking:
+            bank_labelled = gathered["bank_labels"] >= 0  # unlabelled bank images cannot vote
+            scores = knn_predict(
+                gathered["features"],
+                gathered["bank_features"][bank_labelled],
+                gathered["bank_labels"][bank_labelled],
+                self.num_classes,
+                self.knn_k,
+                self.knn_temperature,
+            )
+            for k in self.top_ks:
+                self.log(f"{stage}/knn_top{k}", topk_accuracy(scores, labels, k))
 
     def on_validation_epoch_end(self) -> None:
-        self._finish_knn("val")
+        self._finish_evaluation("val")
 
     def on_test_epoch_end(self) -> None:
-        self._finish_knn("test")
+        self._finish_evaluation("test")

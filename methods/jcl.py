@@ -12,10 +12,10 @@ log[exp(q.mu/tau + lambda/(2 tau^2) q'Sigma q) + sum_j exp(q.n_j/tau)] - q.mu/ta
 
 import torch
 
-from engine.config import as_spec, check_positive
+from engine.config import as_spec
 from engine.optim import RampSpec
 from methods.base import PretrainMethod
-from methods.losses import jcl_loss
+from methods.losses import check_hyperparameters, jcl_loss
 from methods.momentum import KeyQueue, MomentumMixin, MomentumSpec
 
 
@@ -44,10 +44,8 @@ class JCL(MomentumMixin, PretrainMethod):
             momentum: EMA momentum of the key encoder (0.999, constant) and shuffle-BN settings.
             **kwargs: the PretrainMethod arguments (backbone, projector, optimizer, schedule, ...).
         """
+        check_hyperparameters("model.", temperature=temperature, jcl_lambda=jcl_lambda)
         super().__init__(**kwargs)
-        check_positive("temperature", temperature)
-        if not jcl_lambda >= 0:
-            raise ValueError(f"jcl_lambda must be >= 0, got {jcl_lambda}")
         self.temperature, self.jcl_lambda = temperature, jcl_lambda
         self.lambda_ramp = lambda_ramp and as_spec(RampSpec, lambda_ramp)
         self.init_momentum(momentum)

@@ -97,7 +97,8 @@ class LinearProbe(CheckpointRecord, EvaluationMixin, L.LightningModule):
         nn.init.zeros_(self.probe.bias)
         self.optimizer_spec = as_spec(OptimizerSpec, optimizer)
         self.schedule_spec = as_spec(ScheduleSpec, schedule)
-        self.init_evaluation(num_classes, knn_k, knn_temperature)
+        self.num_classes = num_classes
+        self.init_evaluation(knn_k, knn_temperature)
         self.pretraining = pretraining_summary(pretrained_ckpt) if pretrained_ckpt else None
 
     def check_data(self, datamodule, world_size: int) -> None:

@@ -53,14 +53,24 @@ def _float32(loss_fn):
     return wrapper
 
 
-def _check_temperature(name: str, value: float) -> None:
-    if not value > 0:
-        raise ValueError(f"{name} must be > 0, got {float(value)}")
+# The domain of every scalar hyper-parameter of these losses, written once: each loss checks its arguments with it
+# on every call, and each method its constructor's (`where="model."`) before it builds anything.
+_POSITIVE, _NONNEGATIVE = ("be > 0", lambda v: v > 0), ("be >= 0", lambda v: v >= 0)
+HYPERPARAMETER_DOMAINS = {
+    **dict.fromkeys(("temperature", "temperature_momentum", "base_temperature"), _POSITIVE),
+    **dict.fromkeys(("k1", "k2", "alpha", "beta", "gamma", "lam", "log_eps"), _NONNEGATIVE),
+    "jcl_lambda": _NONNEGATIVE,  # JCL's lambda as its method names it (`lam` of `jcl_loss`)
+    "coeff": ("lie in [0, 1]", lambda v: 0 <= v <= 1),
+    "num_hard": ("be >= 1", lambda v: v >= 1),
+}
 
 
-def _check_nonnegative(name: str, value: float) -> None:
-    if not value >= 0:
-        raise ValueError(f"{name} must be >= 0, got {float(value)}")
+def check_hyperparameters(where: str = "", **values: float | Tensor | None) -> None:
+    """Raise a ValueError naming the first value outside its domain in `HYPERPARAMETER_DOMAINS` (None: not set)."""
+    for name, value in values.items():
+        description, holds = HYPERPARAMETER_DOMAINS[name]
+        if value is not None and not holds(value):
+            raise ValueError(f"{where}{name} must {description}, got {float(value) if isinstance(value, Tensor) else value}")
 
 
 def _check_shape(name: str, tensor: Tensor, *expected: int | None) -> None:
@@ -142,7 +152,7 @@ def _check_multiview(features: Tensor, labels: Tensor | None, temperature: float
     _check_shape("features", features, None, None, None)
     if labels is not None:
         _check_labels("labels", labels, features.shape[0])
-    _check_temperature("temperature", temperature)
+    check_hyperparameters(temperature=temperature)
 
 
 # --- losses ---------------------------------------------------------------------------------------------
@@ -152,7 +162,7 @@ def _check_multiview(features: Tensor, labels: Tensor | None, temperature: float
 def info_nce(query: Tensor, key: Tensor, queue: Tensor, temperature: float) -> Tensor:
     """MoCo v2 InfoNCE: cross-entropy of ``[q.k, q.queue] / T`` with the positive in column 0 (moco builder.py)."""
     _check_query_key_bank(query, key, queue)
-    _check_temperature("temperature", temperature)
+    check_hyperparameters(temperature=temperature)
     positive = (query * key).sum(dim=1) / temperature
     return _positive_nll(positive, query @ queue.T / temperature).mean()
 
@@ -165,7 +175,7 @@ def nt_xent(z1: Tensor, z2: Tensor, temperature: float) -> Tensor:
     """
     _check_shape("z1", z1, None, None)
     _check_shape("z2", z2, *z1.shape)
-    _check_temperature("temperature", temperature)
+    check_hyperparameters(temperature=temperature)
     z = torch.cat([z1, z2])
     logits = z @ z.T / temperature
     log_prob = logits - _masked_logsumexp(logits, _not_self(len(z), len(z), z.device))[:, None]
@@ -180,8 +190,7 @@ def ressl_loss(query: Tensor, key: Tensor, queue: Tensor, temperature: float, te
     The positive is not among the candidates (official ReSSL); T = 0.1, T_m = 0.04 in the paper.
     """
     _check_query_key_bank(query, key, queue)
-    _check_temperature("temperature", temperature)
-    _check_temperature("temperature_momentum", temperature_momentum)
+    check_hyperparameters(temperature=temperature, temperature_momentum=temperature_momentum)
     with torch.no_grad():
         target = (key @ queue.T / temperature_momentum).softmax(dim=1)
     log_prob = (query @ queue.T / temperature).log_softmax(dim=1)
@@ -206,10 +215,7 @@ def sce_loss(
     Proposition 1 (then the loss is coeff * InfoNCE + (1 - coeff) * (ReSSL + Ceil)).
     """
     _check_query_key_bank(query, key, queue)
-    _check_temperature("temperature", temperature)
-    _check_temperature("temperature_momentum", temperature_momentum)
-    if not 0 <= coeff <= 1:
-        raise ValueError(f"coeff must lie in [0, 1], got {float(coeff)}")
+    check_hyperparameters(temperature=temperature, temperature_momentum=temperature_momentum, coeff=coeff)
     positive = (query * key).sum(dim=1, keepdim=True)
     log_prob = (torch.cat([positive, query @ queue.T], dim=1) / temperature).log_softmax(dim=1)
     with torch.no_grad():
@@ -235,7 +241,7 @@ def supcon_loss(
     ``labels=None`` is SimCLR. An anchor without a positive contributes 0 and still counts in the mean.
     """
     _check_multiview(features, labels, temperature)
-    _check_temperature("base_temperature", base_temperature)
+    check_hyperparameters(base_temperature=base_temperature)
     if contrast_mode not in ("all", "one"):
         raise ValueError(f"contrast_mode must be 'all' or 'one', got {contrast_mode!r}")
     batch, views, _ = features.shape
@@ -263,8 +269,7 @@ def tcl_loss(
     same mean; an anchor without a positive contributes 0 (the official code gives NaN).
     """
     _check_multiview(features, labels, temperature)
-    _check_nonnegative("k1", k1)
-    _check_nonnegative("k2", k2)
+    check_hyperparameters(k1=k1, k2=k2)
     batch, views, _ = features.shape
     similarity, positive, not_self = _multiview_similarities(features, labels, batch * views)
     logits = similarity / temperature
@@ -315,9 +320,7 @@ def paco_loss(
         raise ValueError("class_prior adjusts centre logits: it needs center_logits")
     _check_labels("labels", labels, batch, num_classes)
     _check_labels("queue_labels", queue_labels, len(queue), num_classes)
-    _check_temperature("temperature", temperature)
-    for name, weight in (("alpha", alpha), ("beta", beta), ("gamma", gamma)):
-        _check_nonnegative(name, weight)
+    check_hyperparameters(temperature=temperature, alpha=alpha, beta=beta, gamma=gamma)
     if class_prior is not None:
         _check_shape("class_prior", class_prior, num_classes)
         if _host_reads_are_free(class_prior) and abs(class_prior.sum().item() - 1) > 1e-3:
@@ -357,8 +360,7 @@ def jcl_loss(query: Tensor, keys: Tensor, queue: Tensor, temperature: float, lam
     _check_shape("query", query, None, None)
     _check_shape("keys", keys, len(query), None, query.shape[1])
     _check_shape("queue", queue, None, query.shape[1])
-    _check_temperature("temperature", temperature)
-    _check_nonnegative("lam", lam)
+    check_hyperparameters(temperature=temperature, lam=lam)
     mean_key = keys.mean(dim=1)
     spread = ((keys - mean_key[:, None]) @ query[:, :, None]).squeeze(2).pow(2).mean(dim=1)  # q' Sigma q
     quadratic = lam / (2 * temperature**2) * spread
@@ -387,10 +389,7 @@ def contrastive_loss(
     by p / (p + log_eps).
     """
     _check_query_key_bank(query, positive, negatives, key_name="positive", bank_name="negatives")
-    _check_temperature("temperature", temperature)
-    if num_hard is not None and num_hard < 1:
-        raise ValueError(f"num_hard must be >= 1, got {num_hard}")
-    _check_nonnegative("log_eps", log_eps)
+    check_hyperparameters(temperature=temperature, num_hard=num_hard, log_eps=log_eps)
     negative_logits = query @ negatives.T / temperature
     if exclude is not None:
         columns = exclude.long().view(len(exclude), -1)

@@ -7,9 +7,8 @@ enqueued after the loss. The official code updates the momentum encoder at the s
 this one right after each optimizer step: the same sequence of updates except for the very last.
 """
 
-from engine.config import check_positive
 from methods.base import PretrainMethod
-from methods.losses import info_nce
+from methods.losses import check_hyperparameters, info_nce
 from methods.momentum import KeyQueue, MomentumMixin, MomentumSpec
 
 
@@ -30,8 +29,8 @@ class MoCoV2(MomentumMixin, PretrainMethod):
             momentum: EMA momentum of the key encoder (0.999, constant) and shuffle-BN settings.
             **kwargs: the PretrainMethod arguments (backbone, projector, optimizer, schedule, ...).
         """
+        check_hyperparameters("model.", temperature=temperature)
         super().__init__(**kwargs)
-        check_positive("temperature", temperature)
         self.temperature = temperature
         self.init_momentum(momentum)
         self.queue = KeyQueue(queue_size, self.projection_dim)

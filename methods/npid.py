@@ -13,9 +13,8 @@ read from the DataModule at setup, or from the checkpoint when a trained model i
 
 from typing import Literal
 
-from engine.config import check_positive
 from methods.base import PretrainMethod
-from methods.losses import contrastive_loss
+from methods.losses import check_hyperparameters, contrastive_loss
 from methods.momentum import MemoryBank
 
 
@@ -42,16 +41,12 @@ class NPID(PretrainMethod):
                 and scales the gradient by p / (p + 1e-7) (large at small tau and early in training).
             **kwargs: the PretrainMethod arguments (backbone, projector, optimizer, schedule, ...).
         """
-        super().__init__(**kwargs)
-        check_positive("temperature", temperature)
+        check_hyperparameters("model.", temperature=temperature, num_hard=num_hard, log_eps=log_eps)
         if loss not in ("ordinary", "hard"):
-            raise ValueError(f"loss must be 'ordinary' or 'hard', got {loss!r}")
-        if num_hard < 1:
-            raise ValueError(f"num_hard must be >= 1, got {num_hard}")
+            raise ValueError(f"model.loss must be 'ordinary' or 'hard', got {loss!r}")
         if not 0.0 <= bank_momentum < 1.0:
-            raise ValueError(f"bank_momentum must lie in [0, 1), got {bank_momentum}")
-        if not log_eps >= 0:
-            raise ValueError(f"log_eps must be >= 0, got {log_eps}")
+            raise ValueError(f"model.bank_momentum must lie in [0, 1), got {bank_momentum}")
+        super().__init__(**kwargs)
         self.temperature = temperature
         self.num_hard = num_hard if loss == "hard" else None
         self.bank_momentum = bank_momentum

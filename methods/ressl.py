@@ -12,9 +12,8 @@ from typing import Sequence
 
 import torch
 
-from engine.config import check_positive
 from methods.base import PretrainMethod
-from methods.losses import ressl_loss
+from methods.losses import check_hyperparameters, ressl_loss
 from methods.momentum import KeyQueue, MomentumMixin, MomentumSpec
 
 
@@ -38,9 +37,8 @@ class ReSSL(MomentumMixin, PretrainMethod):
             momentum: teacher EMA momentum (0.999 ImageNet, 0.99 / 0.996 small datasets) and shuffle-BN.
             **kwargs: the PretrainMethod arguments (backbone, projector, optimizer, schedule, ...).
         """
+        check_hyperparameters("model.", temperature=temperature, temperature_momentum=temperature_momentum)
         super().__init__(**kwargs)
-        check_positive("temperature", temperature)
-        check_positive("temperature_momentum", temperature_momentum)
         self.temperature, self.temperature_momentum = temperature, temperature_momentum
         self.online_views = ("strong", *small_crops)
         self.views = ("weak", *self.online_views)

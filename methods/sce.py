@@ -18,10 +18,10 @@ import torch
 import torch.nn as nn
 
 from backbones import MLPSpec
-from engine.config import as_spec, check_positive
+from engine.config import as_spec
 from engine.optim import RampSpec
 from methods.base import PretrainMethod
-from methods.losses import sce_loss
+from methods.losses import check_hyperparameters, sce_loss
 from methods.momentum import KeyQueue, MomentumMixin, MomentumSpec
 
 
@@ -60,11 +60,8 @@ class SCE(MomentumMixin, PretrainMethod):
             momentum: EMA momentum (0.99 CIFAR, 0.996 STL/Tiny, 0.99 cosine to 1 ImageNet), shuffle-BN.
             **kwargs: the PretrainMethod arguments (backbone, projector, optimizer, schedule, ...).
         """
+        check_hyperparameters("model.", temperature=temperature, temperature_momentum=temperature_momentum, coeff=coeff)
         super().__init__(**kwargs)
-        check_positive("temperature", temperature)
-        check_positive("temperature_momentum", temperature_momentum)
-        if not 0.0 <= coeff <= 1.0:
-            raise ValueError(f"coeff must lie in [0, 1], got {coeff}")
         self.temperature, self.temperature_momentum, self.coeff = temperature, temperature_momentum, coeff
         self.symmetric, self.mask_positive_target = symmetric, mask_positive_target
         self.temperature_momentum_warmup = temperature_momentum_warmup and as_spec(RampSpec, temperature_momentum_warmup)

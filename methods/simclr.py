@@ -10,9 +10,8 @@ With `num_hard`, Wang & Liu's hard contrastive loss replaces NT-Xent (their SimC
 
 import torch
 
-from engine.config import check_positive
 from methods.base import PretrainMethod
-from methods.losses import contrastive_loss, nt_xent
+from methods.losses import check_hyperparameters, contrastive_loss, nt_xent
 
 
 class SimCLR(PretrainMethod):
@@ -26,10 +25,8 @@ class SimCLR(PretrainMethod):
                 anchor's n most similar negatives of the 2B_g - 2 in the denominator (Wang & Liu's hard contrastive loss).
             **kwargs: the PretrainMethod arguments (backbone, projector, optimizer, schedule, ...).
         """
+        check_hyperparameters("model.", temperature=temperature, num_hard=num_hard)
         super().__init__(**kwargs)
-        check_positive("temperature", temperature)
-        if num_hard is not None and num_hard < 1:
-            raise ValueError(f"num_hard must be >= 1 (or None for NT-Xent), got {num_hard}")
         self.temperature, self.num_hard = temperature, num_hard
 
     def step(self, batch):

@@ -14,9 +14,8 @@ linear classifier on the frozen trunk (`main_linear.py`, configs/linear_tcl_<dat
 
 from typing import Literal
 
-from engine.config import check_positive
 from methods.base import PretrainMethod
-from methods.losses import supcon_loss, tcl_loss
+from methods.losses import check_hyperparameters, supcon_loss, tcl_loss
 
 
 class SupCon(PretrainMethod):
@@ -45,18 +44,15 @@ class SupCon(PretrainMethod):
             k2: TCL only, weight of the negatives (1 supervised, 1.5 self-supervised).
             **kwargs: the PretrainMethod arguments (backbone, projector, optimizer, schedule, ...).
         """
-        super().__init__(**kwargs)
         if loss not in ("supcon", "tcl"):
             raise ValueError(f"model.loss must be 'supcon' or 'tcl', got {loss!r}")
         if positives not in ("class", "instance"):
             raise ValueError(f"model.positives must be 'class' or 'instance', got {positives!r}")
-        if not (k1 >= 0 and k2 >= 0):
-            raise ValueError(f"model.k1 and model.k2 must be >= 0, got k1={k1}, k2={k2}")
+        check_hyperparameters("model.", temperature=temperature, base_temperature=base_temperature, k1=k1, k2=k2)
+        super().__init__(**kwargs)
         self.loss, self.positives, self.k1, self.k2 = loss, positives, k1, k2
         self.temperature = temperature
         self.base_temperature = temperature if base_temperature is None else base_temperature
-        check_positive("temperature", temperature)
-        check_positive("base_temperature", self.base_temperature)
 
     def check_data(self, datamodule, world_size: int) -> None:
         super().check_data(datamodule, world_size)

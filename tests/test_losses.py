@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from methods.losses import (
+    check_hyperparameters,
     contrastive_loss,
     info_nce,
     jcl_loss,
@@ -651,3 +652,37 @@ def test_non_positive_temperature_raises_value_error(call, name, bad):
 def test_invalid_hyperparameters_raise_value_error(call, message):
     with pytest.raises(ValueError, match=message):
         call()
+
+
+@pytest.mark.parametrize(
+    "method, name, bad, loss_call",
+    [
+        ("MoCoV2", "temperature", 0.0, lambda v: info_nce(Q, K_, QUEUE, v)),
+        ("ReSSL", "temperature_momentum", -0.1, lambda v: ressl_loss(Q, K_, QUEUE, 0.1, v)),
+        ("SCE", "coeff", 1.5, lambda v: sce_loss(Q, K_, QUEUE, 0.1, 0.05, v)),
+        ("SupCon", "k1", -1.0, lambda v: tcl_loss(S1, S1_LABELS, k1=v)),
+        ("SupCon", "base_temperature", 0.0, lambda v: supcon_loss(S1, S1_LABELS, 0.1, v)),
+        ("SimCLR", "num_hard", 0, lambda v: contrastive_loss(Q, K_, QUEUE, 0.2, num_hard=v)),
+        ("NPID", "log_eps", -1.0, lambda v: contrastive_loss(Q, K_, QUEUE, 0.2, log_eps=v)),
+        ("PaCo", "alpha", -0.1, lambda v: paco(alpha=v)),
+        ("MultiTaskContrast", "temperature", -0.2, lambda v: paco(temperature=v)),
+    ],
+)
+def test_a_method_refuses_a_bad_hyperparameter_with_its_losss_rule_before_building_anything(method, name, bad, loss_call, monkeypatch):
+    import methods
+    from backbones import BackboneSpec
+
+    with pytest.raises(ValueError) as from_loss:
+        loss_call(bad)
+    monkeypatch.setattr(BackboneSpec, "build", lambda spec: pytest.fail(f"{method} built its trunk before checking {name}"))
+    with pytest.raises(ValueError) as from_method:
+        getattr(methods, method)(**{name: bad})
+    assert str(from_method.value) == f"model.{from_loss.value}"
+
+
+def test_check_hyperparameters_names_where_the_value_came_from_and_skips_unset_values():
+    check_hyperparameters(temperature=0.1, num_hard=None, coeff=1.0)
+    with pytest.raises(ValueError, match=r"^model.coeff must lie in \[0, 1\], got 1.5$"):
+        check_hyperparameters("model.", temperature=0.1, coeff=1.5)
+    with pytest.raises(ValueError, match=r"^temperature must be > 0, got -0.5$"):
+        check_hyperparameters(temperature=torch.tensor(-0.5))

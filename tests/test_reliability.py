@@ -655,7 +655,7 @@ def test_a_probe_runs_under_its_pretraining_run_and_resuming_it_with_another_pre
         ("moco_digits", "--model.init_args.queue_size=many", 'Parser key "model.init_args.queue_size": Expected a <class \'int\'>. Got value: many'),
         ("moco_digits", "--model.init_args.temperature=0", "temperature must be > 0, got 0.0"),
         ("sce_digits", "--model.init_args.coeff=1.5", "coeff must lie in [0, 1], got 1.5"),
-        ("tcl_digits", "--model.init_args.k1=-1", "model.k1 and model.k2 must be >= 0, got k1=-1.0"),
+        ("tcl_digits", "--model.init_args.k1=-1", "model.k1 must be >= 0, got -1.0"),
         ("paco_digits_lt", "--model.init_args.temperature=-0.1", "model.temperature must be > 0, got -0.1"),
         ("moco_digits", "--model.init_args.optimizer.lr=-1", "optimizer.lr must be >= 0, got -1"),  # as given, not scaled to -0.5
         ("ce_digits_lt", "--model.init_args.optimizer.weight_decay=-1e-4", "optimizer.weight_decay must be >= 0, got -0.0001"),

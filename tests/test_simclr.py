@@ -78,5 +78,5 @@ def test_hard_loss_keeping_every_negative_is_nt_xent_and_fewer_negatives_lower_i
 
 
 def test_hard_loss_needs_at_least_one_negative():
-    with pytest.raises(ValueError, match="num_hard must be >= 1 .*got 0"):
+    with pytest.raises(ValueError, match="model.num_hard must be >= 1, got 0"):
         tiny_simclr(num_hard=0)

@@ -4,8 +4,8 @@
 bias included). The per-class counts of the training split are read from the DataModule when training
 or evaluation starts (and kept in the checkpoint): they give the log prior of balanced softmax and the
 many / medium / few-shot groups. A prediction is the argmax of the raw classifier logits (no prior at
-inference, Ren et al. 2020; PaCo issue #26); validation and test log top-1 and the top-1 of each group
-every epoch (`val/top1`, `val/many_top1`, `val/medium_top1`, `val/few_top1`).
+inference, Ren et al. 2020; PaCo issue #26); validation and test log top-1 (top-5 too with more than 5 classes) and
+the top-1 of each group every epoch (`val/top1`, `val/many_top1`, `val/medium_top1`, `val/few_top1`).
 
 `SupervisedMoCoMixin` is the MoCo machinery that PaCo and the multi-task baselines share: an MLP head
 on the trunk feature, momentum copies of trunk and head, and a queue of keys with their labels.
@@ -15,62 +15,43 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from backbones import BackboneSpec, MLPSpec
-from engine.config import as_spec, save_plain_hyperparameters
-from engine.optim import OptimizerSpec, ScheduleSpec, configure_optimization, parameter_groups
+from backbones import MLPSpec
+from engine.config import as_spec
+from engine.optim import OptimizerSpec
 from interop import load_official_classifier
-from methods.base import CompileSpec, MethodBase
-from methods.evaluation import shot_accuracies
+from methods.base import MethodBase
 from methods.momentum import KeyQueue, MomentumMixin, MomentumSpec
 
 
 class LongTailClassifier(MethodBase):
     def __init__(
         self,
-        backbone: BackboneSpec = BackboneSpec(),
         optimizer: OptimizerSpec = OptimizerSpec(name="sgd", lr=0.05, weight_decay=5e-4, momentum=0.9),
-        schedule: ScheduleSpec = ScheduleSpec(),
-        num_classes: int = 10,
         trainable_convs: str | None = None,
         many_shot_above: int = 100,
         few_shot_below: int = 20,
-        channels_last: bool = False,
-        compile: CompileSpec | None = None,
         pretrained_ckpt: str | None = None,
         pretrained_format: str | None = None,
+        **kwargs,
     ):
         """
         Args:
-            backbone: the trunk, see `backbones.build_backbone`.
-            optimizer, schedule: the optimizer (lr per 256 images when scaled) and its per-step schedule.
-            num_classes: classes of the dataset (linked from the DataModule by the CLI).
+            optimizer: the optimizer (lr per 256 images when scaled).
             trainable_convs: when set, only the Conv2d layers under this trunk module train (PaCo's
                 Places-LT run: `layer4.2`, the last block of a ResNet-152); BatchNorm stays trainable.
             many_shot_above, few_shot_below: the group bounds in training images per class (100, 20).
-            channels_last: channels-last memory layout for convolutions.
-            compile: `torch.compile` the trunks (`methods.base.CompileSpec`; null: eager).
             pretrained_ckpt, pretrained_format: a published classifier whose trunk and classifier replace the
                 initial ones, e.g. a PaCo release (`interop.official`; format read from its keys by default).
+            **kwargs: the MethodBase arguments (backbone, schedule, num_classes, channels_last, compile).
         """
-        super().__init__()
-        save_plain_hyperparameters(self)
-        if not 0 < few_shot_below <= many_shot_above:
-            raise ValueError(f"need 0 < few_shot_below <= many_shot_above, got {few_shot_below}, {many_shot_above}")
-        backbone = as_spec(BackboneSpec, backbone)
-        self.backbone, self.feature_dim = backbone.build()
-        self.classifier = nn.Linear(self.feature_dim, num_classes)
+        super().__init__(optimizer=optimizer, **kwargs)
+        self.init_evaluation(prefix="", shot_bounds=(many_shot_above, few_shot_below))
+        self.classifier = nn.Linear(self.feature_dim, self.num_classes)
         if pretrained_ckpt is not None:
-            load_official_classifier(self.backbone, self.classifier, pretrained_ckpt, pretrained_format, backbone)
+            load_official_classifier(self.backbone, self.classifier, pretrained_ckpt, pretrained_format, self.backbone_spec)
         if trainable_convs is not None:
             self._freeze_convs_outside(trainable_convs)
-        self.register_buffer("class_counts", torch.zeros(num_classes, dtype=torch.long))
-        self.num_classes = num_classes
-        self.optimizer_spec = as_spec(OptimizerSpec, optimizer)
-        self.schedule_spec = as_spec(ScheduleSpec, schedule)
-        self.shot_bounds = (many_shot_above, few_shot_below)
-        self.channels_last = channels_last
-        self.compile_spec = compile and as_spec(CompileSpec, compile)
-        self._evaluated: dict[str, list[torch.Tensor]] = {"predictions": [], "labels": []}
+        self.register_buffer("class_counts", torch.zeros(self.num_classes, dtype=torch.long))
 
     def _freeze_convs_outside(self, prefix: str) -> None:
         modules = dict(self.backbone.named_modules())
@@ -108,38 +89,8 @@ class LongTailClassifier(MethodBase):
         if stage != "fit" and self.trainer.datamodule is not None:  # fit checks the data in super().setup
             self.check_data(self.trainer.datamodule, self.trainer.world_size)
 
-    # ----------------------------------------------------------------- evaluation
-    def _evaluation_step(self, batch: dict, dataloader_idx: int) -> None:
-        if dataloader_idx == 0:  # a kNN bank loader (data.knn_bank) is not used by a classifier
-            self._evaluated["predictions"].append(self.classify(batch["image"]).argmax(dim=1))
-            self._evaluated["labels"].append(batch["label"])
-
-    def _finish_evaluation(self, stage: str) -> None:
-        collected = {name: torch.cat(parts) for name, parts in self._evaluated.items() if parts}
-        self._evaluated = {"predictions": [], "labels": []}
-        if not collected:
-            return
-        if self.trainer.world_size > 1:
-            collected = {name: self.all_gather(tensor).flatten(0, 1) for name, tensor in collected.items()}
-        accuracies = shot_accuracies(collected["predictions"], collected["labels"], self.class_counts, *self.shot_bounds)
-        for name, value in accuracies.items():
-            self.log(f"{stage}/{name}", value)
-
-    def validation_step(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> None:
-        self._evaluation_step(batch, dataloader_idx)
-
-    def test_step(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> None:
-        self._evaluation_step(batch, dataloader_idx)
-
-    def on_validation_epoch_end(self) -> None:
-        self._finish_evaluation("val")
-
-    def on_test_epoch_end(self) -> None:
-        self._finish_evaluation("test")
-
-    def configure_optimizers(self):
-        groups = parameter_groups(self.named_parameters(), self.optimizer_spec)
-        return configure_optimization(self.trainer, groups, self.optimizer_spec, self.schedule_spec)
+    def evaluation_outputs(self, images: torch.Tensor) -> tuple[None, torch.Tensor]:
+        return None, self.classify(images)
 
 
 class SupervisedMoCoMixin(MomentumMixin):

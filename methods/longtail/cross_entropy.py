@@ -37,11 +37,11 @@ class CrossEntropy(LongTailClassifier):
             tau_norm: tau of the post-hoc weight normalisation at evaluation (0: the raw classifier).
             **kwargs: the LongTailClassifier arguments (backbone, optimizer, schedule, ...).
         """
-        super().__init__(**kwargs)
         if loss not in ("ce", "balanced_softmax"):
             raise ValueError(f"model.loss must be 'ce' or 'balanced_softmax', got {loss!r}")
         if tau_norm < 0:
             raise ValueError(f"model.tau_norm must be >= 0, got {tau_norm}")
+        super().__init__(**kwargs)
         self.loss, self.tau_norm = loss, tau_norm
 
     def step(self, batch):

@@ -18,9 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from backbones import MLPSpec
-from engine.config import check_positive
 from methods.longtail.base import LongTailClassifier, SupervisedMoCoMixin
-from methods.losses import paco_loss
+from methods.losses import check_hyperparameters, paco_loss
 from methods.momentum import MomentumSpec
 
 
@@ -53,14 +52,14 @@ class MultiTaskContrast(SupervisedMoCoMixin, LongTailClassifier):
             temperature, queue_size, projector, momentum, in_batch: the contrast's settings, as PaCo's.
             **kwargs: the LongTailClassifier arguments (backbone, optimizer, schedule, ...).
         """
-        super().__init__(**kwargs)
         if classifier_loss not in ("ce", "balanced_softmax"):
             raise ValueError(f"model.classifier_loss must be 'ce' or 'balanced_softmax', got {classifier_loss!r}")
         if not 0 <= reweight_beta < 1:
             raise ValueError(f"model.reweight_beta must lie in [0, 1), got {reweight_beta}")
         if contrast_weight < 0:
             raise ValueError(f"model.contrast_weight must be >= 0, got {contrast_weight}")
-        check_positive("model.temperature", temperature)
+        check_hyperparameters("model.", temperature=temperature)
+        super().__init__(**kwargs)
         self.classifier_loss, self.contrast_weight = classifier_loss, contrast_weight
         self.reweight_beta, self.temperature = reweight_beta, temperature
         self.set_in_batch(in_batch)

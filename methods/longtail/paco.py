@@ -15,9 +15,8 @@ the centres) is never used by the loss or at inference, so it is not built.
 from typing import Literal
 
 from backbones import MLPSpec
-from engine.config import check_positive
 from methods.longtail.base import LongTailClassifier, SupervisedMoCoMixin
-from methods.losses import paco_loss
+from methods.losses import check_hyperparameters, paco_loss
 from methods.momentum import MomentumSpec
 
 
@@ -53,13 +52,10 @@ class PaCo(SupervisedMoCoMixin, LongTailClassifier):
                 as one process with the global batch), see `SupervisedMoCoMixin.loss_batch`.
             **kwargs: the LongTailClassifier arguments (backbone, optimizer, schedule, ...).
         """
-        super().__init__(**kwargs)
-        check_positive("model.temperature", temperature)
-        for name, value in (("alpha", alpha), ("beta", beta), ("gamma", gamma)):
-            if value < 0:
-                raise ValueError(f"model.{name} must be >= 0, got {value}")
+        check_hyperparameters("model.", temperature=temperature, alpha=alpha, beta=beta, gamma=gamma)
         if gamma == 0 and alpha > 0:  # positives then leave the denominator: the loss is unbounded below
             raise ValueError("model.gamma = 0 with model.alpha > 0 makes the PaCo loss unbounded below")
+        super().__init__(**kwargs)
         self.alpha, self.temperature, self.beta, self.gamma = alpha, temperature, beta, gamma
         self.rebalance = rebalance
         self.set_in_batch(in_batch)
