@@ -138,6 +138,6 @@ def test_training_steps_lower_the_loss_on_the_embedded_data(method, tmp_path):
     batch = first_batch(datamodule)
     queue = model.queue.read()
     before = fixed_batch_loss(model, batch, queue)
-    cpu_trainer(tmp_path, max_steps=20, limit_val_batches=0).fit(model, datamodule)
+    cpu_trainer(tmp_path, max_steps=10, limit_val_batches=0).fit(model, datamodule)
     after = fixed_batch_loss(model, batch, queue)
     assert after < before - 0.1 * abs(before), (before, after)
