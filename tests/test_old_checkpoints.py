@@ -87,11 +87,16 @@ def test_the_linear_stage_probes_the_trunk_of_an_old_pretraining_checkpoint(tmp_
 
 def test_an_old_linear_probe_checkpoint_validates_to_the_recorded_accuracy(tmp_path):
     config, checkpoint = old_run("linear", tmp_path)
-    # the probe's trunk comes from its own checkpoint: built at random, then restored (its pretraining run is gone)
-    trunk = ["--model.init_args.pretrained_ckpt=null", "--model.init_args.random_init=true",
-             "--model.init_args.backbone.name=cifar_resnet20", "--model.init_args.backbone.kwargs.base_width=4"]
+    _, pretrained = old_run("moco", tmp_path)
+    # The probe was made of the MoCo fixture's run at /tmp/fx/moco (make.sh), which does not exist here: the run is
+    # moved into tmp_path, as a user moves a run directory. Lightning reads model.pretrained_ckpt from the probe's
+    # checkpoint (over the command line), so the checkpoint is what must name the moved file.
+    saved = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    assert saved["hyper_parameters"]["pretrained_ckpt"] == "/tmp/fx/moco/checkpoints/last.ckpt"
+    saved["hyper_parameters"]["pretrained_ckpt"] = str(pretrained)
+    torch.save(saved, checkpoint)
     cli = main_linear.cli_main([
-        "validate", "--config", str(config), "--ckpt_path", str(checkpoint), *trunk,
+        "validate", "--config", str(config), "--ckpt_path", str(checkpoint), f"--model.init_args.pretrained_ckpt={pretrained}",
         f"--trainer.default_root_dir={tmp_path / 'validated'}", "--trainer.limit_val_batches=2", *QUIET,
     ])  # fmt: skip
     metrics = {name: value.item() for name, value in cli.trainer.callback_metrics.items() if name.startswith("val")}
