@@ -160,7 +160,7 @@ def same_file(path: str, other: str) -> bool:
 def check_resumable(checkpoint: dict, source: str, config) -> None:
     """A checkpoint that the configured run may restore: written by a compatible version (`checked_record`), by the
     configured model class, and, for a linear probe, of the same pretraining checkpoint (restoring it would bring
-    back the trunk it probed, whatever model.pretrained_ckpt now says)."""
+    back the trunk it probed, whatever model.pretrained_ckpt now says), which must still exist."""
     model = config["model"]
     model_class = class_at(model["class_path"])
     recorded = checkpoint_class(checkpoint, source)
@@ -171,6 +171,12 @@ def check_resumable(checkpoint: dict, source: str, config) -> None:
             f"resumes or evaluates a run of the same model{hint}"
         )
     probed, given = checkpoint.get("hyper_parameters", {}).get("pretrained_ckpt"), model["init_args"].get("pretrained_ckpt")
+    if probed is not None and not Path(probed).expanduser().is_file():
+        # the probe's trunk is built from it, and Lightning reads it from the checkpoint over the command line
+        raise CheckpointMismatch(
+            f"{source} holds a probe of model.pretrained_ckpt {probed!r}, which is not an existing file here (moved or "
+            f"deleted): the probe's trunk is built from it; put that pretraining checkpoint back at {probed!r}"
+        )
     if probed is not None and given is not None and not same_file(probed, given):
         raise CheckpointMismatch(
             f"{source} holds a probe of model.pretrained_ckpt {probed!r}, not of {given!r}: resuming it would restore the "

@@ -104,6 +104,23 @@ def test_an_old_linear_probe_checkpoint_validates_to_the_recorded_accuracy(tmp_p
     check_recorded("validate_linear", metrics)
 
 
+def test_an_old_probe_whose_pretraining_checkpoint_is_gone_is_refused_in_one_line_before_anything_is_written(tmp_path, capsys):
+    config, checkpoint = old_run("linear", tmp_path)
+    gone = tmp_path / "moved" / "last.ckpt"  # not /tmp/fx of make.sh itself, which the machine that made it may still hold
+    saved = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    saved["hyper_parameters"]["pretrained_ckpt"] = str(gone)
+    torch.save(saved, checkpoint)
+    run_dir = tmp_path / "validated"
+    with pytest.raises(SystemExit) as exit_info:
+        main_linear.cli_main(["validate", "--config", str(config), "--ckpt_path", str(checkpoint), f"--trainer.default_root_dir={run_dir}", *QUIET])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: ckpt_path '{checkpoint}' holds a probe of model.pretrained_ckpt '{gone}', which is not an existing file here "
+        f"(moved or deleted): the probe's trunk is built from it; put that pretraining checkpoint back at '{gone}'"
+    )
+    assert not run_dir.exists()
+
+
 def test_the_analysis_rebuilds_the_method_of_an_old_checkpoint_with_its_weights(tmp_path):
     from analysis.__main__ import load_method
 
