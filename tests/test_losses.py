@@ -11,9 +11,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
+from benchmarks.bench_losses import LargestTensor  # the benchmark's memory probe, tested here at small sizes
 from methods.losses import (
     check_hyperparameters,
     contrastive_loss,
@@ -526,19 +525,6 @@ def test_bf16_autocast_gives_finite_float32_value_and_gradient(name):
     assert value.dtype == torch.float32 and value.ndim == 0 and torch.isfinite(value)
     value.backward()
     assert all(torch.isfinite(x.grad).all() for x in leaves)
-
-
-class LargestTensor(TorchDispatchMode):
-    """Records the element count of the largest tensor any op returns (forward and backward)."""
-
-    def __init__(self):
-        super().__init__()
-        self.numel = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.numel = max([self.numel] + [t.numel() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)])
-        return out
 
 
 @pytest.mark.parametrize("name", LOSSES)
