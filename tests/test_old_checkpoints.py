@@ -34,6 +34,15 @@ def old_run(name: str, tmp_path: Path) -> tuple[Path, Path]:
     return tmp_path / name / "config.yaml", tmp_path / name / "last.ckpt"
 
 
+def repoint_probe(checkpoint: Path, pretrained: Path) -> None:
+    """Make the old probe's checkpoint name `pretrained` as its pretraining checkpoint (Lightning reads
+    model.pretrained_ckpt from the checkpoint given as --ckpt_path, over the command line)."""
+    saved = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    assert saved["hyper_parameters"]["pretrained_ckpt"] == "/tmp/fx/moco/checkpoints/last.ckpt"  # make.sh's run
+    saved["hyper_parameters"]["pretrained_ckpt"] = str(pretrained)
+    torch.save(saved, checkpoint)
+
+
 def digest(state_dict: dict[str, torch.Tensor]) -> dict:
     """SHA-256 of every tensor's name and bytes, and the sum of the floating-point ones."""
     hashed, total = hashlib.sha256(), 0.0
@@ -88,13 +97,8 @@ def test_the_linear_stage_probes_the_trunk_of_an_old_pretraining_checkpoint(tmp_
 def test_an_old_linear_probe_checkpoint_validates_to_the_recorded_accuracy(tmp_path):
     config, checkpoint = old_run("linear", tmp_path)
     _, pretrained = old_run("moco", tmp_path)
-    # The probe was made of the MoCo fixture's run at /tmp/fx/moco (make.sh), which does not exist here: the run is
-    # moved into tmp_path, as a user moves a run directory. Lightning reads model.pretrained_ckpt from the probe's
-    # checkpoint (over the command line), so the checkpoint is what must name the moved file.
-    saved = torch.load(checkpoint, map_location="cpu", weights_only=True)
-    assert saved["hyper_parameters"]["pretrained_ckpt"] == "/tmp/fx/moco/checkpoints/last.ckpt"
-    saved["hyper_parameters"]["pretrained_ckpt"] = str(pretrained)
-    torch.save(saved, checkpoint)
+    # the probe was made of the MoCo fixture's run at /tmp/fx/moco (make.sh), which need not exist here
+    repoint_probe(checkpoint, pretrained)
     cli = main_linear.cli_main([
         "validate", "--config", str(config), "--ckpt_path", str(checkpoint), f"--model.init_args.pretrained_ckpt={pretrained}",
         f"--trainer.default_root_dir={tmp_path / 'validated'}", "--trainer.limit_val_batches=2", *QUIET,
@@ -107,9 +111,7 @@ def test_an_old_linear_probe_checkpoint_validates_to_the_recorded_accuracy(tmp_p
 def test_an_old_probe_whose_pretraining_checkpoint_is_gone_is_refused_in_one_line_before_anything_is_written(tmp_path, capsys):
     config, checkpoint = old_run("linear", tmp_path)
     gone = tmp_path / "moved" / "last.ckpt"  # not /tmp/fx of make.sh itself, which the machine that made it may still hold
-    saved = torch.load(checkpoint, map_location="cpu", weights_only=True)
-    saved["hyper_parameters"]["pretrained_ckpt"] = str(gone)
-    torch.save(saved, checkpoint)
+    repoint_probe(checkpoint, gone)
     run_dir = tmp_path / "validated"
     with pytest.raises(SystemExit) as exit_info:
         main_linear.cli_main(["validate", "--config", str(config), "--ckpt_path", str(checkpoint), f"--trainer.default_root_dir={run_dir}", *QUIET])
