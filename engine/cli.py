@@ -172,7 +172,8 @@ def check_resumable(checkpoint: dict, source: str, config) -> None:
         )
     probed, given = checkpoint.get("hyper_parameters", {}).get("pretrained_ckpt"), model["init_args"].get("pretrained_ckpt")
     if probed is not None and not Path(probed).expanduser().is_file():
-        # the probe's trunk is built from it (for a --ckpt_path file, Lightning reads it from the checkpoint over the command line)
+        # the probe's trunk is built from it (for a --ckpt_path file, Lightning reads it from the checkpoint,
+        # over the command line)
         raise CheckpointMismatch(
             f"{source} holds a probe of model.pretrained_ckpt {probed!r}, which is not an existing file here (moved or "
             f"deleted): the probe's trunk is built from it; put that pretraining checkpoint back at {probed!r}"
