@@ -1,0 +1,106 @@
+"""Fingerprints of a model's state after a few training steps, for the tests that pin them (`test_pinned_steps.py`,
+`test_old_checkpoints.py`).
+
+On the machine that recorded them, the state is compared bit for bit (a SHA-256 of every tensor's bytes). On a CPU
+of another kind, kernels round differently, so the bytes differ while the computation is the same. There the
+fingerprint is compared instead, per top-level module (trunk, heads, momentum encoder, queue, ...):
+
+- the integer tensors (queue pointers and labels, class counts, BatchNorm step counts) exactly;
+- the floating-point state x and its change over the training steps, d = x - x_before, each by its norm and its
+  projections on `DIRECTIONS` fixed random directions with N(0, 1) entries. A projection has the size of the norm,
+  so both are compared to a tolerance times the recorded norm. The change matters most: a few steps move the
+  weights little, and two methods that share a trunk and its initialisation (CE and Balanced Softmax) differ in
+  their change only; a parameter sum cannot even see it (cross-entropy gradients sum to zero over the classes).
+
+The directions come from NumPy's PCG64 generator, which gives the same numbers on every CPU.
+"""
+
+import hashlib
+import math
+import zlib
+
+import numpy as np
+import torch
+from lightning.pytorch.callbacks import Callback
+
+DIRECTIONS = 4
+
+
+class InitialState(Callback):
+    """Keeps a copy of the model's state when training starts: after a checkpoint given as --ckpt_path is restored,
+    so that the change is the one this run made."""
+
+    def __init__(self):
+        self.state: dict[str, torch.Tensor] | None = None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.state = {name: tensor.detach().clone() for name, tensor in pl_module.state_dict().items()}
+
+
+def initial_state(trainer) -> dict[str, torch.Tensor]:
+    (callback,) = [callback for callback in trainer.callbacks if isinstance(callback, InitialState)]
+    return callback.state
+
+
+def _float_vector(tensors: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
+    parts = [tensor.detach().cpu().double().reshape(-1) for _, tensor in tensors if tensor.is_floating_point()]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
+
+
+def _projections(vector: torch.Tensor, module: str) -> list[float]:
+    generator = np.random.Generator(np.random.PCG64(zlib.crc32(module.encode())))
+    directions = torch.from_numpy(generator.standard_normal((DIRECTIONS, vector.numel())))
+    return (directions @ vector).tolist()
+
+
+def module_fingerprints(after: dict[str, torch.Tensor], before: dict[str, torch.Tensor]) -> dict[str, dict]:
+    """Per top-level module: `sha256` (every tensor's name and bytes), `integers` (SHA-256 of the integer tensors),
+    and the norm and projections of the float state (`norm`, `projections`) and of its change (`change_norm`,
+    `change_projections`)."""
+    modules: dict[str, list[tuple[str, torch.Tensor]]] = {}
+    for name in sorted(after):
+        modules.setdefault(name.split(".")[0], []).append((name, after[name]))
+    found = {}
+    for module, tensors in modules.items():
+        everything, integers = hashlib.sha256(), hashlib.sha256()
+        for name, tensor in tensors:
+            data = tensor.detach().cpu().contiguous().reshape(-1)
+            entry = name.encode() + str(data.dtype).encode() + data.view(torch.uint8).numpy().tobytes()
+            everything.update(entry)
+            if not data.is_floating_point():
+                integers.update(entry)
+        state = _float_vector(tensors)
+        change = state - _float_vector([(name, before[name]) for name, _ in tensors])
+        found[module] = {
+            "sha256": everything.hexdigest(),
+            "integers": integers.hexdigest(),
+            "norm": state.norm().item(),
+            "projections": _projections(state, module),
+            "change_norm": change.norm().item(),
+            "change_projections": _projections(change, module),
+        }
+    return found
+
+
+def differences(found: dict[str, dict], expected: dict[str, dict], state_tolerance: float, change_tolerance: float) -> list[str]:
+    """What differs beyond rounding between two `module_fingerprints` (empty when they agree): the modules, their
+    integer tensors exactly, the float state and its change each to its tolerance times the recorded norm."""
+    if sorted(found) != sorted(expected):
+        return [f"modules {sorted(found)} instead of {sorted(expected)}"]
+    problems = []
+    for module, recorded in expected.items():
+        got = found[module]
+        if got["integers"] != recorded["integers"]:
+            problems.append(f"{module}: integer tensors differ")
+        for prefix, tolerance in (("", state_tolerance), ("change_", change_tolerance)):
+            scale = tolerance * recorded[f"{prefix}norm"]
+            pairs = [(got[f"{prefix}norm"], recorded[f"{prefix}norm"])] + list(zip(got[f"{prefix}projections"], recorded[f"{prefix}projections"]))
+            worst = max(abs(value - reference) for value, reference in pairs)
+            if worst > scale:
+                what = "change over the steps" if prefix else "state"
+                problems.append(f"{module}: {what} differs by {worst:.3g}, more than {tolerance:g} x its norm {recorded[f'{prefix}norm']:.6g}")
+    return problems
+
+
+def loss_differs(found: float, expected: float, tolerance: float) -> bool:
+    return not math.isclose(found, expected, rel_tol=tolerance, abs_tol=tolerance)
