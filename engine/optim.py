@@ -51,9 +51,16 @@ class OptimizerSpec:
         return self.lr * {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[self.lr_scaling]
 
 
+WarmupShape = Literal["(s+1)/W", "s/W", "s/(W-1)"]
+
+
 @dataclass
 class ScheduleSpec:
-    warmup_epochs: float = 0.0  # linear warm-up from lr / warmup_steps to lr (per epoch: lr / W to lr)
+    warmup_epochs: float = 0.0  # linear warm-up over W = warmup_epochs x steps per epoch steps, of the shape below
+    # The factor of the peak lr at warm-up step s (0-based): (s+1)/W from lr / W (PaCo's adjust_learning_rate per
+    # epoch, MoCo v2's scripts); s/W from 0 (ReSSL's and SimCLR's official code, BYOL, MoCo v3); s/(W-1) from 0 to
+    # the peak at the last warm-up step (eztorch's LinearWarmupCosineAnnealingLR, which SCE's official runs use).
+    warmup_shape: WarmupShape = "(s+1)/W"
     decay: Literal["cosine", "step", "constant"] = "cosine"
     milestones: list[int] = field(default_factory=list)  # epochs at which `step` multiplies by gamma
     gamma: float = 0.1
@@ -68,6 +75,8 @@ class ScheduleSpec:
     lag_epochs: int = 0
 
     def __post_init__(self):
+        if self.warmup_shape not in WarmupShape.__args__:
+            raise ValueError(f"schedule.warmup_shape must be one of {', '.join(WarmupShape.__args__)}, got {self.warmup_shape!r}")
         if not 0 <= self.cosine_offset_epochs <= self.warmup_epochs:
             raise ValueError(f"schedule.cosine_offset_epochs must lie in [0, warmup_epochs = {self.warmup_epochs}], got {self.cosine_offset_epochs}")
         if self.lag_epochs < 0:
@@ -121,17 +130,26 @@ def build_optimizer(groups: list[dict], spec: OptimizerSpec, lr: float) -> Optim
     return torch.optim.AdamW(groups, lr=lr, betas=spec.betas, fused=fused or None)
 
 
+def warmup_factor(step: int, warmup_steps: float, shape: WarmupShape) -> float:
+    """The factor of the peak lr at warm-up step `step` (0-based) of `warmup_steps`, in the given shape."""
+    if shape == "(s+1)/W":
+        return (step + 1) / warmup_steps
+    if shape == "s/W":
+        return step / warmup_steps
+    return step / max(warmup_steps - 1, 1)
+
+
 def lr_factor(step: int, steps_per_epoch: int, total_steps: int, spec: ScheduleSpec) -> float:
     """Multiplier of the peak learning rate at optimizer step `step` (0-based)."""
     step = max(step - spec.lag_epochs * steps_per_epoch, 0)
     if spec.unit == "epoch":
         epoch = step // steps_per_epoch
-        if epoch < spec.warmup_epochs:  # lr (e + 1) / W in epoch e, as PaCo's adjust_learning_rate
-            return (epoch + 1) / spec.warmup_epochs
+        if epoch < spec.warmup_epochs:  # the shape over epochs: (e + 1) / W in epoch e, as PaCo's adjust_learning_rate
+            return warmup_factor(epoch, spec.warmup_epochs, spec.warmup_shape)
         step = epoch * steps_per_epoch
     warmup_steps = round(spec.warmup_epochs * steps_per_epoch)
     if step < warmup_steps:
-        return (step + 1) / warmup_steps
+        return warmup_factor(step, warmup_steps, spec.warmup_shape)
     if spec.decay == "constant":
         return 1.0
     if spec.decay == "step":

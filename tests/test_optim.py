@@ -17,6 +17,22 @@ def test_linear_warmup_then_cosine_per_step():
     assert lr_factor(100, steps_per_epoch, total, spec) == pytest.approx(0.0, abs=1e-12)
 
 
+@pytest.mark.parametrize(
+    "shape, first, last_warmup, after",  # factors at steps 0, W-1 and W of a 20-step warm-up
+    [("(s+1)/W", 1 / 20, 1.0, 1.0), ("s/W", 0.0, 19 / 20, 1.0), ("s/(W-1)", 0.0, 1.0, 1.0)],
+)
+def test_the_warmup_shapes_of_the_official_codes(shape, first, last_warmup, after):
+    """(s+1)/W: PaCo, MoCo v2; s/W from 0: ReSSL, SimCLR, BYOL, MoCo v3; s/(W-1): eztorch (SCE)."""
+    spec = ScheduleSpec(warmup_epochs=2, decay="constant", warmup_shape=shape)
+    assert [lr_factor(step, 10, 100, spec) for step in (0, 19, 20)] == pytest.approx([first, last_warmup, after])
+    assert lr_factor(10, 10, 100, spec) == pytest.approx({"(s+1)/W": 11 / 20, "s/W": 10 / 20, "s/(W-1)": 10 / 19}[shape])
+
+
+def test_an_unknown_warmup_shape_names_the_key():
+    with pytest.raises(ValueError, match=r"schedule.warmup_shape must be one of \(s\+1\)/W, s/W, s/\(W-1\), got 's/2'"):
+        ScheduleSpec(warmup_shape="s/2")
+
+
 def test_cosine_can_end_at_a_fraction_of_the_peak():
     spec = ScheduleSpec(decay="cosine", final_lr_fraction=0.1)
     assert lr_factor(100, 10, 100, spec) == pytest.approx(0.1)
