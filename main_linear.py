@@ -7,13 +7,8 @@ linear run). The probe runs in the pretraining run's `linear/` folder (here `run
 unless `--trainer.default_root_dir` says otherwise.
 """
 
-import warnings
-
 from engine.cli import ContrastlabCLI
 from methods import LinearProbe
-
-# the probed trunk stays in eval mode on purpose (frozen BatchNorm statistics, methods.linear)
-warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
 
 
 def cli_main(args=None) -> ContrastlabCLI:

@@ -23,20 +23,17 @@ import torch
 from analysis.representation import analyse
 from engine.cli import instantiate_config
 from engine.config import split_overrides
-from engine.reliability import checkpoint_class, write_atomically
+from engine.files import read_checkpoint, write_atomically
 from interop import FORMATS, load_official_encoder
-from interop.files import read_checkpoint
 from methods import PretrainMethod
+from methods.checkpoints import require_method
 
 
-def load_method(checkpoint_path: Path) -> PretrainMethod:
-    """The pretraining method saved in a checkpoint, as the class the CLI instantiated."""
-    recorded = checkpoint_class(read_checkpoint(checkpoint_path, str(checkpoint_path)), str(checkpoint_path))
-    if recorded is None:
-        raise ValueError(f"{checkpoint_path} does not name its method class; analyse checkpoints written by main_pretrain.py")
-    class_path, method_class = recorded
-    if not issubclass(method_class, PretrainMethod):
-        raise ValueError(f"{checkpoint_path} holds a {class_path}, not a pretraining method")
+def load_method(checkpoint_path: Path, checkpoint: dict | None = None) -> PretrainMethod:
+    """The pretraining method saved in a checkpoint (read here unless given), as the class the CLI instantiated."""
+    source = str(checkpoint_path)
+    checkpoint = read_checkpoint(checkpoint_path, source) if checkpoint is None else checkpoint
+    method_class = require_method(checkpoint, source, PretrainMethod, "analyse the checkpoint of a pretraining method (main_pretrain.py)")
     return method_class.load_from_checkpoint(checkpoint_path, map_location="cpu")
 
 
@@ -57,8 +54,10 @@ def main(argv: list[str]) -> int:
         raise SystemExit(f"error: checkpoint {str(args.checkpoint)!r} is not an existing file")
     try:
         cli = instantiate_config(args.config, overrides)
-        official = load_official_encoder(cli.model, args.checkpoint, args.format)  # None: a contrastlab checkpoint
-        model = (cli.model if official else load_method(args.checkpoint)).to(args.device)
+        source = f"checkpoint {str(args.checkpoint)!r}"
+        checkpoint = read_checkpoint(args.checkpoint, source)
+        official = load_official_encoder(cli.model, checkpoint, args.format, source)  # None: a contrastlab checkpoint
+        model = (cli.model if official else load_method(args.checkpoint, checkpoint)).to(args.device)
         datamodule = cli.datamodule
         report = analyse(model, datamodule, args.split, args.view, args.temperature, args.max_samples)
     except ValueError as error:

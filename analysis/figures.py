@@ -13,7 +13,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from torch import Tensor
 
-from engine.reliability import write_atomically
+from engine.files import write_atomically
 
 __all__ = ["plot_against_temperature", "plot_local_separation", "plot_negative_entropy"]
 

@@ -35,7 +35,7 @@ from analysis.representation import embed, fixed_subset, isolated_randomness
 from datamodules.base import ContrastiveDataModule
 from engine.cli import instantiate_config
 from engine.config import split_overrides
-from engine.reliability import write_atomically
+from engine.files import write_atomically
 
 __all__ = ["augmentation_statistics", "key_distribution", "plot_key_distributions"]
 

@@ -1,7 +1,6 @@
 """Trunks: torchvision ResNet/ResNeXt (optionally with the small-input stem), the CIFAR ResNets, any
 timm model, each optionally initialised from torchvision's published weights or a local state dict."""
 
-import pickle
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,6 +11,7 @@ from torchvision.models.resnet import Bottleneck, ResNet
 
 from backbones.cifar_resnet import CifarResNet
 from backbones.ride import RIDE_BUILDERS
+from engine.files import read_checkpoint
 
 
 def resnext101_32x4d(weights: None = None, **kwargs: Any) -> ResNet:
@@ -179,12 +179,7 @@ def _build_timm(model_name: str, small_input: bool, weights_name: str | None, **
 def load_weights_file(trunk: nn.Module, path: str, name: str) -> None:
     """Load a local state dict into `trunk` strictly, except for the `fc.*` keys of a classifier the
     trunk does not have (torchvision's checkpoint files carry one)."""
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise ValueError(f"{WEIGHTS_KEY}: file {path!r} does not exist") from None
-    except (RuntimeError, pickle.UnpicklingError) as error:
-        raise ValueError(f"{WEIGHTS_KEY}: file {path!r} cannot be read as a state dict: {error}") from None
+    state = read_checkpoint(path, f"{WEIGHTS_KEY}: file {path!r}")
     if not isinstance(state, dict) or not all(isinstance(value, torch.Tensor) for value in state.values()):
         raise ValueError(f"{WEIGHTS_KEY}: file {path!r} is not a state dict (a mapping of names to tensors)")
     own_keys = trunk.state_dict().keys()

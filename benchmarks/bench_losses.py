@@ -1,4 +1,4 @@
-"""Forward+backward time of every loss in methods/losses.py at realistic sizes, on CPU.
+"""Forward+backward time of every loss of methods/losses/ at realistic sizes, on CPU.
 
 Sizes: B=256, D=128, K=65536 (queue / memory bank), C=1000 classes; SupCon/TCL use B=256 images x V=2 views,
 JCL uses M=5 positive keys. Gradients flow into what a trainer would train (queries, online views, centre
@@ -16,9 +16,8 @@ import time
 
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
+from engine.memory import LargestTensor
 from methods.losses import (
     contrastive_loss,
     info_nce,
@@ -32,19 +31,6 @@ from methods.losses import (
 )
 
 B, D, K, C, V, M = 256, 128, 65536, 1000, 2, 5
-
-
-class LargestTensor(TorchDispatchMode):
-    """Records the element count of the largest tensor any op returns."""
-
-    def __init__(self):
-        super().__init__()
-        self.numel = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.numel = max([self.numel] + [t.numel() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)])
-        return out
 
 
 def cases(gen: torch.Generator):

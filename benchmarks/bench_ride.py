@@ -27,7 +27,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from backbones import BackboneSpec
-from engine.reliability import write_atomically
+from engine.files import write_atomically
 from methods import PaCo, PaCoRIDE
 
 BATCH, SIZE, CLASSES = 64, 224, 1000

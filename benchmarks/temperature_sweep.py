@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 from analysis.figures import plot_against_temperature  # noqa: E402
 from engine.config import split_overrides  # noqa: E402
-from engine.reliability import write_atomically  # noqa: E402
+from engine.files import write_atomically  # noqa: E402
 
 LOSSES = ("ordinary", "hard")
 ANALYSIS_METRICS = ("val/uniformity", "val/tolerance", "val/negative_entropy", "val/local_separation")

@@ -48,7 +48,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from datamodules.pipeline import PIPELINES  # noqa: E402
 from engine.cli import ContrastlabCLI, instantiate_config  # noqa: E402
 from engine.config import split_overrides  # noqa: E402
-from engine.reliability import NonFiniteLossGuard, write_atomically  # noqa: E402
+from engine.files import write_atomically  # noqa: E402
+from engine.non_finite import NonFiniteLossGuard  # noqa: E402
 from engine.tracking import TrainingThroughput  # noqa: E402
 
 # Dense bf16 tensor-core peaks (vendor data sheets), matched in order against torch.cuda.get_device_name().

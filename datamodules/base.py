@@ -30,7 +30,6 @@ normalisation, default evaluation view and the layout it expects under `data.roo
 """
 
 import os
-import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterator, Literal
 
@@ -44,10 +43,8 @@ from datamodules.encoded import EncodedImages, collate_encoded
 from datamodules.pipeline import Pipeline, pipeline_mode
 from datamodules.samplers import ClassPrioritySampler, EpochSampler
 from datamodules.transforms import build_view
+from engine.compat import data_position
 
-# Lightning knows only DataLoaders with a state_dict as resumable mid-epoch; the training sampler here is
-# repositioned from the DataModule's own state instead (ContrastiveDataModule.state_dict).
-warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended")
 
 
 def dataset_labels(dataset: Dataset) -> np.ndarray:
@@ -259,15 +256,20 @@ class ContrastiveDataModule(L.LightningDataModule):
         sampler.resume(self.resume_at["epoch"], self.resume_at["batches"] * self.batch_size)
         return sampler
 
+    def expected_warnings(self) -> tuple[str, ...]:
+        """Messages of the warnings this DataModule triggers by design; the CLI silences them for its runs."""
+        # Lightning knows only DataLoaders with a state_dict as resumable mid-epoch; the training sampler here is
+        # repositioned from the DataModule's own state instead (`state_dict`)
+        expected = ("You're resuming from a checkpoint that ended before the epoch ended",)
+        # a resident training set's loader serves indices, without workers: Lightning's advice to add workers does not apply
+        return expected + (("The 'train_dataloader' does not have many workers",) if self.resident else ())
+
     def state_dict(self) -> dict[str, int]:
         """Where training is in the data order: the epoch and how many of its batches are trained (saved in
         every checkpoint; a checkpoint written at the end of an epoch resumes with the next one)."""
         if self.trainer is None or self.trainer.state.fn != TrainerFn.FITTING:
             return {}
-        loop = self.trainer.fit_loop
-        # the epoch the loop started last: the one its batch count is about (`current_epoch` moves on
-        # before a SIGTERM checkpoint at the end of an epoch is written)
-        epoch, batches = loop.epoch_progress.current.started - 1, loop.epoch_loop.batch_progress.current.processed
+        epoch, batches = data_position(self.trainer)
         if batches >= self.trainer.num_training_batches:
             epoch, batches = epoch + 1, 0
         return {"epoch": epoch, "batches": batches}
@@ -324,12 +326,10 @@ class ContrastiveDataModule(L.LightningDataModule):
         if self.resident:
             if self.resident_images is None:
                 self.resident_images = decode_all(train, self.num_workers)
-            # the loader serves indices, without workers: Lightning's advice to add workers does not apply
-            warnings.filterwarnings("ignore", message="The 'train_dataloader' does not have many workers")
         seed = int(os.environ.get("PL_GLOBAL_SEED", 0))  # the run's seed_everything
         # The worker seeds come from a generator of the loader's own: creating the iterator draws no
         # number from the global generator, so a resumed run draws the same augmentations as an
-        # uninterrupted one (engine.reliability.RandomStateCheckpoint).
+        # uninterrupted one (engine.random_state.RandomStateCheckpoint).
         return self._loader(dataset, train=True, sampler=self.train_sampler(seed), generator=torch.Generator().manual_seed(seed),
                             num_workers=0 if self.resident else None, collate_fn=collate_fn)  # indices need no workers
 

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torchvision.ops import roi_align
 
 from datamodules.view_spec import ViewSpec
+from engine import devices
 
 GRAY_WEIGHTS = (0.2989, 0.587, 0.114)
 
@@ -67,12 +68,6 @@ def _fallback_size(height: torch.Tensor, width: torch.Tensor, ratio) -> tuple[to
     fallback_w = torch.where(in_ratio > max(ratio), torch.round(height * max(ratio)), width)
     fallback_h = torch.where(in_ratio < min(ratio), torch.round(width / min(ratio)), height)
     return fallback_w, fallback_h
-
-
-def _host_reads_are_free(tensor: torch.Tensor) -> bool:
-    """Reading a tensor's values on the host (e.g. which rows to process) costs nothing on the CPU and stalls
-    an accelerator until it has caught up with the queued work."""
-    return tensor.device.type == "cpu"
 
 
 def _unit_range(images: torch.Tensor) -> torch.Tensor:
@@ -182,7 +177,7 @@ class BatchedAugment:
     def _hue_where(selected: torch.Tensor, images: torch.Tensor, others: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
         """Hue-shifted `images` where `selected`, `others` elsewhere. On an accelerator the whole batch is
         shifted and selected (no host synchronisation); on the CPU only the selected quarter is."""
-        if not _host_reads_are_free(images):
+        if not devices.host_reads_are_free(images):
             return torch.where(selected.view(-1, 1, 1, 1), adjust_hue(images, shift), others)
         rows = selected.nonzero()[:, 0]
         return others.index_copy(0, rows, adjust_hue(images[rows], shift[rows]))

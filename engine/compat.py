@@ -1,8 +1,8 @@
 """Every use of a private attribute of Lightning or W&B, in one module.
 
 Lightning and W&B offer no public way to do what these functions do (requeue a Slurm job at a batch the
-processes agreed on, stop a fit at the end of a step, bind a W&B run to a directory and id before it is
-created). They reach into private attributes, which a minor release may rename: pyproject.toml pins both
+processes agreed on, stop a fit at the end of a step, read where the fit loop is in its epoch, bind a W&B run to a
+directory and id before it is created). They reach into private attributes, which a minor release may rename: pyproject.toml pins both
 packages to the minor versions tested here, and tests/test_compat.py checks every attribute below by name on
 the installed versions, so an upgrade that renames one fails there, naming it, and not in a user's run.
 """
@@ -19,6 +19,9 @@ PRIVATE_ATTRIBUTES = {
         "_accelerator_connector.cluster_environment",
         "_signal_connector._slurm_sigusr_handler_fn",
         "_signal_connector.received_sigterm",
+        "fit_loop.epoch_progress.current.started",
+        "fit_loop.epoch_loop.batch_idx",
+        "fit_loop.epoch_loop.batch_progress.current.processed",
     ],
     "WandbLogger": ["_experiment", "_name", "_save_dir", "_id", "_wandb_init"],
     "wandb.sdk.lib": ["runid.generate_id", "urls.DEFAULT_BASE_URL", "wbauth.read_netrc_auth"],
@@ -42,6 +45,18 @@ def checkpoint_and_requeue(trainer: Trainer, signum: int) -> None:
 def stop_at_the_end_of_this_step(trainer: Trainer) -> None:
     """What Lightning's SIGTERM handler sets: the fit loop raises `SIGTERMException` after the current step."""
     trainer._signal_connector.received_sigterm = True
+
+
+def batch_in_epoch(trainer: Trainer) -> int:
+    """The index of the training batch the fit loop is at in its epoch."""
+    return trainer.fit_loop.epoch_loop.batch_idx
+
+
+def data_position(trainer: Trainer) -> tuple[int, int]:
+    """(epoch, training batches processed in it): the epoch is the one the loop started last, the one its batch
+    count is about (`trainer.current_epoch` moves on before a SIGTERM checkpoint at the end of an epoch is written)."""
+    loop = trainer.fit_loop
+    return loop.epoch_progress.current.started - 1, loop.epoch_loop.batch_progress.current.processed
 
 
 def wandb_run_of(logger: WandbLogger):

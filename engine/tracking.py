@@ -24,7 +24,7 @@ from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from engine.compat import bind_wandb_run, configured_run_name, new_wandb_run_id, wandb_credentials_for, wandb_run_of
-from engine.reliability import write_atomically
+from engine.files import write_atomically
 
 RUN_ID_FILE = "wandb_run_id"
 

@@ -8,7 +8,6 @@
   torchvision / timm weights, read into contrastlab's names for the linear stage and kNN
   (`main_linear.py --model.pretrained_ckpt FILE --model.pretrained_format moco`), `validate` of the
   long-tail classifiers (`--model.init_args.pretrained_ckpt`) and the analysis (`python -m analysis FILE --format moco`).
-- `interop.files`: reading checkpoint files written by other code without running any of it.
 """
 
 from interop.official import FORMATS, load_official_classifier, load_official_encoder, official_trunk

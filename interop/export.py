@@ -39,10 +39,11 @@ import torchvision
 from backbones import BackboneSpec, load_state_strictly
 from backbones.factory import TORCHVISION_BUILDERS
 from engine.config import as_spec
-from engine.reliability import RECORD_KEY, VERSION, checkpoint_class, write_atomically
-from interop.files import read_checkpoint
+from engine.checkpoint_record import RECORD_KEY, VERSION
+from engine.files import write_atomically
 from interop.official import layout_of
-from methods import LinearProbe, LongTailClassifier, PretrainMethod
+from methods import LongTailClassifier, PretrainMethod
+from methods.checkpoints import read_method_checkpoint
 from methods.longtail import tau_normalised
 
 EXPORT_FORMATS = ("torchvision", "timm", "detectron2")
@@ -106,19 +107,8 @@ def _save_safetensors(state: dict[str, torch.Tensor], path: Path) -> None:
 
 
 def _read_contrastlab(path: Path, source: str) -> tuple[dict, type]:
-    checkpoint = read_checkpoint(path, source)
-    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
-        raise ValueError(f"{source} is not a contrastlab checkpoint (no Lightning state_dict); a published one is read by interop.official")
-    recorded = checkpoint_class(checkpoint, source)
-    if recorded is None:
-        raise ValueError(f"{source} does not name the class that wrote it")
-    class_path, method_class = recorded
-    if issubclass(method_class, LinearProbe) or not issubclass(method_class, (PretrainMethod, LongTailClassifier)):
-        raise ValueError(
-            f"{source} holds a {class_path}: export a pretraining or long-tail checkpoint (a linear probe's trunk is "
-            "the pretraining checkpoint's)"
-        )
-    return checkpoint, method_class
+    needs = "export a pretraining or long-tail checkpoint (a linear probe's trunk is the pretraining checkpoint's)"
+    return read_method_checkpoint(path, source, (PretrainMethod, LongTailClassifier), needs)
 
 
 def _check_exportable(spec: BackboneSpec, format: str, source: str) -> None:

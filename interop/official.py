@@ -19,13 +19,12 @@ the same blocks under other names (WangFeng18's `avg_pool2d(out, 4)` is the glob
 """
 
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from backbones import BACKBONE_NAMES, BackboneSpec, load_state_strictly
-from interop.files import is_state_dict, read_checkpoint
+from engine.files import is_state_dict, read_checkpoint
 
 FORMATS = ("contrastlab", "moco", "sce", "paco", "supcon", "jcl", "npid", "torchvision", "timm")
 LIGHTNING_KEY = "pytorch-lightning_version"
@@ -169,31 +168,29 @@ def infer_backbone(trunk: dict[str, torch.Tensor], source: str) -> BackboneSpec:
 
 
 # ----------------------------------------------------------------- what the stages call
-def read_official(path: str, format: str | None, backbone_name: str | None, source: str) -> OfficialWeights | None:
-    """The official checkpoint at `path` in contrastlab's names, or None when it is a contrastlab checkpoint."""
+def official_weights(checkpoint: Any, format: str | None, backbone_name: str | None, source: str) -> OfficialWeights | None:
+    """A loaded official checkpoint in contrastlab's names, or None when it is a contrastlab checkpoint."""
     if format == "contrastlab":
         return None
-    checkpoint = read_checkpoint(path, source)
     format = format or detect_format(checkpoint, backbone_name, source)
     return None if format == "contrastlab" else convert(checkpoint, format, backbone_name, source)
 
 
-def official_trunk(path: str, format: str | None, backbone: BackboneSpec | dict | None) -> tuple[dict, BackboneSpec] | None:
-    """The linear stage's trunk weights and spec (`backbone`, else inferred from the weights) from an official
-    checkpoint; None when `path` is a contrastlab checkpoint, which the linear stage reads itself."""
+def official_trunk(checkpoint: Any, format: str | None, backbone: BackboneSpec | dict | None, source: str) -> tuple[dict, BackboneSpec] | None:
+    """The linear stage's trunk weights and spec (`backbone`, else inferred from the weights) from a loaded official
+    checkpoint; None when it is a contrastlab checkpoint, which the linear stage reads itself."""
     check_format(format, "model.pretrained_format")
-    backbone_name = _name(backbone)
-    weights = read_official(path, format, backbone_name, f"model.pretrained_ckpt {path!r}")
+    weights = official_weights(checkpoint, format, _name(backbone), source)
     if weights is None:
         return None
-    return weights.trunk, backbone if backbone is not None else infer_backbone(weights.trunk, f"model.pretrained_ckpt {path!r}")
+    return weights.trunk, backbone if backbone is not None else infer_backbone(weights.trunk, source)
 
 
 def load_official_classifier(trunk: torch.nn.Module, classifier: torch.nn.Module, path: str, format: str | None, backbone: BackboneSpec) -> None:
     """Load a long-tail classifier's trunk and classifier (PaCo's centres, a torchvision/timm `fc`) strictly."""
     check_format(format, "model.pretrained_format")
     source = f"model.pretrained_ckpt {path!r}"
-    weights = read_official(path, format, backbone.name, source)
+    weights = official_weights(read_checkpoint(path, source), format, backbone.name, source)
     if weights is None:
         raise ValueError(f"{source} is a contrastlab checkpoint: evaluate or resume it with --ckpt_path")
     if weights.classifier is None:
@@ -205,13 +202,12 @@ def load_official_classifier(trunk: torch.nn.Module, classifier: torch.nn.Module
     load_state_strictly(classifier, weights.classifier, source, f"the classifier (nn.Linear {classifier.in_features} -> {classifier.out_features})")
 
 
-def load_official_encoder(model, path: Path, format: str | None) -> str | None:
-    """Load an official checkpoint's trunk and projection head(s) into a pretraining method (`backbone`,
+def load_official_encoder(model, checkpoint: Any, format: str | None, source: str) -> str | None:
+    """Load a loaded official checkpoint's trunk and projection head(s) into a pretraining method (`backbone`,
     `projector`, and `predictor` where the official code has one) strictly; return the format read, or
-    None (nothing loaded) when `path` is a contrastlab checkpoint."""
-    source = f"checkpoint {str(path)!r}"
+    None (nothing loaded) when it is a contrastlab checkpoint."""
     spec = BackboneSpec(**model.hparams["backbone"])
-    weights = read_official(str(path), format, spec.name, source)
+    weights = official_weights(checkpoint, format, spec.name, source)
     if weights is None:
         return None
     if "projector" not in weights.heads:

@@ -13,7 +13,6 @@
 - The long-tail classifiers (PaCo and its baselines) build on `MethodBase` in `methods/longtail/`.
 """
 
-import warnings
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
@@ -27,13 +26,10 @@ from backbones import BackboneSpec, MLPSpec
 from engine.compat import attached_trainer
 from engine.config import as_spec, save_plain_hyperparameters
 from engine.optim import OptimizerSpec, ScheduleSpec, configure_optimization, parameter_groups
-from engine.reliability import CheckpointRecord
+from engine.checkpoint_record import CheckpointRecord
 from methods.evaluation import EvaluationMixin
-from methods.momentum import KeyQueue
+from methods.queues import KeyQueue
 
-# The method's `on_after_batch_transfer` draws the views on the device from the DataModule's `augment_on_device`, by
-# design: Lightning's warning that the module's hook is used although a DataModule is given tells nothing
-warnings.filterwarnings("ignore", message="You have overridden `on_after_batch_transfer` in `LightningModule` but have passed in a `LightningDataModule`")
 
 @dataclass
 class CompileSpec:
@@ -46,13 +42,32 @@ class CompileSpec:
     fullgraph: bool = False
 
 
+class MethodMixin:
+    """Base of the mixins that add Lightning hooks to a method (`methods.momentum.MomentumMixin`). Such a mixin must
+    come before the method base in a class's bases: Lightning's own hooks end the `super()` chain, so a mixin
+    placed after them never runs. `MethodBase` refuses the wrong order when the class is created."""
+
+
 class MethodBase(EvaluationMixin, CheckpointRecord, L.LightningModule):
-    """Base of every method trained by `main_pretrain.py`; subclasses set `views` and implement `step`.
-    Its checkpoints record the contrastlab version and the method class (`engine.reliability`)."""
+    """Base of every model the CLI trains (`main_pretrain.py`, `main_linear.py`); subclasses set `views` and implement
+    `step`. Its checkpoints record the contrastlab version and the method class (`engine.checkpoint_record`)."""
 
     views: tuple[str, ...] = ()  # names of the data views the method consumes
     keys_per_sample: int = 1  # keys a queue receives per training image and step
     compiled_modules = ("backbone", "target_backbone")  # those a method has are compiled with `compile`
+    wrong_checkpoint_hint = ""  # added to the CLI's error when --ckpt_path holds another model's checkpoint
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        order = cls.__mro__
+        late = [mixin for mixin in order[order.index(MethodBase):] if issubclass(mixin, MethodMixin)]
+        if late:
+            hooks = sorted(name for name in vars(late[0]) if not name.startswith("__") and hasattr(L.LightningModule, name))
+            base = next(parent for parent in cls.__bases__ if issubclass(parent, MethodBase))
+            raise TypeError(
+                f"class {cls.__name__}: {late[0].__name__} must come before {base.__name__} in its bases "
+                f"(class {cls.__name__}({late[0].__name__}, {base.__name__})), or its hooks {hooks} never run"
+            )
 
     def __init__(
         self,
@@ -82,6 +97,21 @@ class MethodBase(EvaluationMixin, CheckpointRecord, L.LightningModule):
         self.schedule_spec = as_spec(ScheduleSpec, schedule)
         self.channels_last = channels_last
         self.compile_spec = compile and as_spec(CompileSpec, compile)
+
+    @classmethod
+    def default_run_directory(cls, init_args: dict, dataset: str, seed: int) -> str | None:
+        """Where a run of this class goes when trainer.default_root_dir is not given; None: Lightning's default."""
+        return None
+
+    @classmethod
+    def check_resume(cls, saved_hyperparameters: dict, init_args: dict, source: str) -> None:
+        """Refuse (`CheckpointMismatch`) a checkpoint of this class that the configured run must not restore."""
+
+    def expected_warnings(self) -> tuple[str, ...]:
+        """Messages of the warnings this model triggers by design; the CLI silences them for its runs."""
+        # `on_after_batch_transfer` draws the views on the device from the DataModule's `augment_on_device`: Lightning's
+        # warning that the module's hook is used although a DataModule is given tells nothing
+        return ("You have overridden `on_after_batch_transfer` in `LightningModule` but have passed in a `LightningDataModule`",)
 
     def check_data(self, datamodule, world_size: int) -> None:
         """Fail before training when the data cannot feed this method (the CLI calls this before

@@ -1,12 +1,16 @@
 """Evaluation of every trained module: pretraining (online probe + kNN monitor), the long-tail classifiers
-(top-1 by many / medium / few-shot group) and the linear stage, through one `EvaluationMixin`.
+(top-1 by many / medium / few-shot group) and the linear stage, through one `EvaluationMixin`. The accuracies are
+torchmetrics'; the kNN vote is written here (torchmetrics has none).
 
 The kNN monitor is the weighted kNN of NPID (cosine similarity, k nearest, votes exp(s / T)) of the evaluation
 features against the training split under the evaluation view.
 """
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
+from torchmetrics.classification import MulticlassAccuracy, MulticlassStatScores
+from torchmetrics.functional.classification import multiclass_accuracy
 
 
 @torch.no_grad()
@@ -30,20 +34,22 @@ def knn_predict(
     return torch.cat(scores)
 
 
-def shot_accuracies(
-    predictions: torch.Tensor, labels: torch.Tensor, train_counts: torch.Tensor, many_above: int = 100, few_below: int = 20
-) -> dict[str, float]:
-    """Top-1 accuracy over all samples, and the long-tail groups of Liu et al. (OLTR) as PaCo's
-    `shot_acc` computes them: a class is many-shot with more than `many_above` training images, few-shot
-    with fewer than `few_below`, medium otherwise; a group's accuracy is the mean of its classes'
-    accuracies. Classes without evaluation samples and empty groups are left out (PaCo's shot-group accuracy)."""
-    num_classes = len(train_counts)
-    correct = torch.zeros(num_classes, dtype=torch.float64, device=labels.device).index_add_(0, labels, (predictions == labels).double())
-    seen = torch.zeros(num_classes, dtype=torch.float64, device=labels.device).index_add_(0, labels, torch.ones_like(labels, dtype=torch.float64))
+def topk_accuracy(scores: torch.Tensor, labels: torch.Tensor, k: int) -> torch.Tensor:
+    """Top-k accuracy of class scores (torchmetrics'); images labelled -1 are not scored."""
+    return multiclass_accuracy(scores, labels, num_classes=scores.shape[1], top_k=min(k, scores.shape[1]), average="micro", ignore_index=-1)
+
+
+def shot_accuracies(class_stats: torch.Tensor, train_counts: torch.Tensor, many_above: int = 100, few_below: int = 20) -> dict[str, float]:
+    """Top-1 accuracy over all samples, and the long-tail groups of Liu et al. (OLTR) as PaCo's `shot_acc` computes
+    them, from torchmetrics' per-class stat scores (C, 5: tp, fp, tn, fn, support): a class is many-shot with more
+    than `many_above` training images, few-shot with fewer than `few_below`, medium otherwise; a group's accuracy is
+    the mean of its classes' accuracies. Classes without evaluation samples and empty groups are left out (PaCo's
+    shot-group accuracy)."""
+    correct, seen = class_stats[:, 0].double(), class_stats[:, 4].double()
     per_class = correct / seen.clamp(min=1)
-    counts = train_counts.to(labels.device)
+    counts = train_counts.to(class_stats.device)
     groups = {"many": counts > many_above, "medium": (counts >= few_below) & (counts <= many_above), "few": counts < few_below}
-    results = {"top1": float((predictions == labels).double().mean())}
+    results = {"top1": float(correct.sum() / seen.sum().clamp(min=1))}
     for name, members in groups.items():
         members = members & (seen > 0)
         if members.any():
@@ -51,26 +57,16 @@ def shot_accuracies(
     return results
 
 
-def topk_accuracy(scores: torch.Tensor, labels: torch.Tensor, k: int) -> torch.Tensor:
-    top = scores.topk(min(k, scores.shape[1]), dim=1).indices
-    return (top == labels[:, None]).any(dim=1).float().mean()
-
-
-def ranked_classes(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """(N, 1 + k): the argmax, then the k highest classes; top-1 is scored on the argmax and top-k on `topk`, as
-    torchmetrics' accuracy does (the two differ only on tied logits)."""
-    top = logits.topk(min(k, logits.shape[1]), dim=1).indices if k > 1 else logits.new_empty(len(logits), 0, dtype=torch.long)
-    return torch.cat([logits.argmax(dim=1, keepdim=True), top], dim=1)
-
-
 class EvaluationMixin:
     """The one evaluation path. A module sets `self.num_classes`, calls `init_evaluation` and implements
     `evaluation_outputs(images) -> (features, logits)` (by default its trunk's features and its probe's logits).
 
-    On the evaluation split (dataloader 0) it collects the ranked predictions of the logits, the labels and, for
-    the kNN monitor, the L2-normalised features; on the kNN bank (dataloader 1) features and labels. At the end of
-    the epoch it gathers them across processes in rank order and logs `{stage}/{prefix}top1` (and `top5` with more
-    than 5 classes), the top-1 of each shot group when `shot_bounds` is set, and `{stage}/knn_top1` (`knn_top5`).
+    On the evaluation split (dataloader 0), torchmetrics accumulates the top-k accuracies of the logits (and, with
+    `shot_bounds`, the per-class counts of the shot groups) and synchronises them across processes; images labelled
+    -1 are not scored. For the kNN monitor it collects the L2-normalised features and labels of the evaluation split
+    and of the kNN bank (dataloader 1), gathered across processes in rank order at the end of the epoch. It logs
+    `{stage}/{prefix}top1` (and `top5` with more than 5 classes), the top-1 of each shot group, and
+    `{stage}/knn_top1` (`knn_top5`).
     """
 
     def init_evaluation(
@@ -87,6 +83,9 @@ class EvaluationMixin:
         self.knn_k, self.knn_temperature = knn_k, knn_temperature
         self.metric_prefix, self.shot_bounds = prefix, shot_bounds
         self.top_ks = (1, 5) if self.num_classes > 5 else (1,)
+        classes = {"num_classes": self.num_classes, "ignore_index": -1}
+        self.accuracies = nn.ModuleDict({f"top{k}": MulticlassAccuracy(top_k=k, average="micro", **classes) for k in self.top_ks})
+        self.class_stats = MulticlassStatScores(average=None, **classes) if shot_bounds is not None else None
         self._collected: dict[str, list[torch.Tensor]] = {}
 
     def evaluation_outputs(self, images: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -95,15 +94,19 @@ class EvaluationMixin:
         return features, self.probe(features)
 
     def _evaluation_step(self, batch: dict, dataloader_idx: int) -> None:
+        labels = batch["label"]
         if dataloader_idx == 0:
             features, logits = self.evaluation_outputs(batch["image"])
-            self._collect("ranked", ranked_classes(logits, max(self.top_ks)))
-            self._collect("labels", batch["label"])
+            for accuracy in self.accuracies.values():
+                accuracy.update(logits, labels)
+            if self.class_stats is not None:
+                self.class_stats.update(logits, labels)
         elif self.knn_k:  # the kNN bank
             features = self.backbone(batch["image"])
-            self._collect("bank_labels", batch["label"])
         if self.knn_k:
-            self._collect("features" if dataloader_idx == 0 else "bank_features", F.normalize(features.float(), dim=1))
+            split = "" if dataloader_idx == 0 else "bank_"
+            self._collect(f"{split}labels", labels)
+            self._collect(f"{split}features", F.normalize(features.float(), dim=1))
 
     def _collect(self, name: str, tensor: torch.Tensor) -> None:
         self._collected.setdefault(name, []).append(tensor)
@@ -116,22 +119,24 @@ class EvaluationMixin:
 
     def _finish_evaluation(self, stage: str) -> None:
         collected, self._collected = self._collected, {}
-        if "ranked" not in collected:
+        top1 = self.accuracies["top1"]
+        if not top1.update_called:  # no evaluation batch ran
             return
-        gathered = {name: self.all_gather(torch.cat(parts)) for name, parts in collected.items()}
-        gathered = {name: tensor.flatten(0, 1) if self.trainer.world_size > 1 else tensor for name, tensor in gathered.items()}
-        ranked, labels = gathered["ranked"], gathered["labels"]
-        labelled = labels >= 0  # unlabelled evaluation images (label -1) are not scored
-        if labelled.any():
-            hits = ranked[labelled] == labels[labelled, None]
-            for k in self.top_ks:  # column 0 is the argmax, columns 1.. the top-k
-                self.log(f"{stage}/{self.metric_prefix}top{k}", (hits[:, 0] if k == 1 else hits[:, 1 : k + 1].any(dim=1)).float().mean())
-        if self.shot_bounds is not None:
-            groups = shot_accuracies(ranked[:, 0], labels, self.class_counts, *self.shot_bounds)
+        # images scored on any process (each is a true positive or a false negative): none when every label is -1
+        scored = bool(self.trainer.strategy.reduce(top1.tp + top1.fn, reduce_op="sum") > 0)
+        for k, accuracy in zip(self.top_ks, self.accuracies.values()):
+            if scored:
+                self.log(f"{stage}/{self.metric_prefix}top{k}", accuracy.compute())
+            accuracy.reset()
+        if self.class_stats is not None:
+            groups = shot_accuracies(self.class_stats.compute(), self.class_counts, *self.shot_bounds)
+            self.class_stats.reset()
             for name in ("many_top1", "medium_top1", "few_top1"):
                 if name in groups:
                     self.log(f"{stage}/{name}", groups[name])
-        if "bank_features" in gathered and not self.trainer.sanity_checking:
+        if "bank_features" in collected and not self.trainer.sanity_checking:
+            gathered = {name: self.all_gather(torch.cat(parts)) for name, parts in collected.items()}
+            gathered = {name: tensor.flatten(0, 1) if self.trainer.world_size > 1 else tensor for name, tensor in gathered.items()}
             bank_labelled = gathered["bank_labels"] >= 0  # unlabelled bank images cannot vote
             scores = knn_predict(
                 gathered["features"],
@@ -142,7 +147,7 @@ class EvaluationMixin:
                 self.knn_temperature,
             )
             for k in self.top_ks:
-                self.log(f"{stage}/knn_top{k}", topk_accuracy(scores, labels, k))
+                self.log(f"{stage}/knn_top{k}", topk_accuracy(scores, gathered["labels"], k))
 
     def on_validation_epoch_end(self) -> None:
         self._finish_evaluation("val")

@@ -3,7 +3,7 @@
 The trunk is loaded **strictly** from the `backbone.*` weights of a pretraining checkpoint (the online
 trunk, as MoCo's `main_lincls.py` uses `encoder_q`), frozen and kept in eval mode (BatchNorm
 statistics frozen), and run without gradients; only the linear layer learns. The checkpoint must be a
-`PretrainMethod`'s, written by a compatible contrastlab version (`engine.reliability`): a long-tail
+`PretrainMethod`'s, written by a compatible contrastlab version (`engine.checkpoint_record`): a long-tail
 classifier's or a linear probe's is refused. The default optimizer is the MoCo / SCE small-dataset
 protocol (SGD lr 30, momentum 0.9, no weight decay, x0.1 at epochs 60 and 80 of 100; MoCo's main_lincls.py, CEA-LIST/SCE's linear configs).
 The pretraining checkpoint is a model argument, never `ckpt_path` (which would try to restore this
@@ -15,43 +15,42 @@ import dataclasses
 import importlib
 from pathlib import Path
 
-import lightning as L
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from backbones import BackboneSpec, load_state_strictly
-from engine.config import as_spec, save_plain_hyperparameters
-from engine.optim import OptimizerSpec, ScheduleSpec, configure_optimization, parameter_groups
-from engine.reliability import RECORD_KEY, CheckpointRecord, checkpoint_class
-from interop import official_trunk
-from interop.files import read_checkpoint
-from methods.base import PretrainMethod
-from methods.evaluation import EvaluationMixin
+from engine.checkpoint_record import RECORD_KEY, CheckpointMismatch
+from engine.config import as_spec
+from engine.files import read_checkpoint
+from engine.optim import OptimizerSpec, ScheduleSpec
+from interop.official import official_trunk
+from methods.base import MethodBase, PretrainMethod
+from methods.checkpoints import require_method
 
 
-def load_backbone_state(checkpoint_path: str) -> tuple[dict[str, torch.Tensor], dict | None]:
-    """The `backbone.*` weights (prefix removed) and the backbone spec stored in a pretraining checkpoint."""
-    checkpoint = read_checkpoint(checkpoint_path, f"model.pretrained_ckpt {checkpoint_path!r}")
-    state = {
-        key.removeprefix("backbone."): value
-        for key, value in checkpoint.get("state_dict", {}).items()
-        if key.startswith("backbone.")
-    }
+def probed_trunk(path: str, format: str | None, backbone: BackboneSpec | dict | None) -> tuple[dict[str, torch.Tensor], BackboneSpec | dict | None, dict]:
+    """The trunk weights to probe, the backbone spec (`backbone`, else the one the checkpoint records or its
+    weights show) and what the checkpoint says about its pretraining, from one read of the file: an official
+    release (`interop.official`) or a contrastlab pretraining checkpoint's `backbone.*` weights."""
+    source = f"model.pretrained_ckpt {path!r}"
+    checkpoint = read_checkpoint(path, source)
+    official = official_trunk(checkpoint, format, backbone, source)
+    if official is not None:
+        return *official, pretraining_summary(checkpoint)
+    needs = "the linear stage probes the trunk of a pretraining method (methods.PretrainMethod, e.g. methods.MoCoV2)"
+    require_method(checkpoint, source, PretrainMethod, needs, class_required=False)
+    state = {key.removeprefix("backbone."): value for key, value in checkpoint["state_dict"].items() if key.startswith("backbone.")}
     if not state:
-        raise ValueError(f"model.pretrained_ckpt {checkpoint_path!r} holds no 'backbone.*' weights: not a contrastlab pretraining checkpoint")
-    recorded = checkpoint_class(checkpoint, f"model.pretrained_ckpt {checkpoint_path!r}")
-    if recorded is not None and not issubclass(recorded[1], PretrainMethod):
-        raise ValueError(
-            f"model.pretrained_ckpt {checkpoint_path!r} is a {recorded[0]} checkpoint, not a pretraining one: the linear "
-            "stage probes the trunk of a pretraining method (methods.PretrainMethod, e.g. methods.MoCoV2)"
-        )
-    return state, checkpoint.get("hyper_parameters", {}).get("backbone")
+        raise CheckpointMismatch(f"{source} holds no 'backbone.*' weights: not a contrastlab pretraining checkpoint")
+    recorded = checkpoint.get("hyper_parameters", {}).get("backbone")
+    return state, backbone if backbone is not None else recorded, pretraining_summary(checkpoint)
 
 
-class LinearProbe(CheckpointRecord, EvaluationMixin, L.LightningModule):
+class LinearProbe(MethodBase):
     views = ("image",)
+    wrong_checkpoint_hint = " (a pretraining checkpoint to probe is --model.pretrained_ckpt)"
 
     def __init__(
         self,
@@ -59,11 +58,11 @@ class LinearProbe(CheckpointRecord, EvaluationMixin, L.LightningModule):
         pretrained_format: str | None = None,
         backbone: BackboneSpec | None = None,
         random_init: bool = False,
-        num_classes: int = 10,
         optimizer: OptimizerSpec = OptimizerSpec(name="sgd", lr=30.0, weight_decay=0.0, momentum=0.9),
         schedule: ScheduleSpec = ScheduleSpec(decay="step", milestones=[60, 80], gamma=0.1),
         knn_k: int = 200,
         knn_temperature: float = 0.07,
+        **kwargs,
     ):
         """
         Args:
@@ -73,39 +72,54 @@ class LinearProbe(CheckpointRecord, EvaluationMixin, L.LightningModule):
             backbone: the trunk; by default the one recorded in the checkpoint.
             random_init: probe a randomly initialised trunk instead (a baseline); needs `backbone`
                 and no checkpoint.
-            num_classes: classes of the dataset (linked from the DataModule by the CLI).
             optimizer, schedule: the linear classifier's optimizer and learning-rate schedule.
             knn_k, knn_temperature: kNN evaluation of the frozen features (0 disables it).
+            **kwargs: the MethodBase arguments (num_classes, channels_last, compile).
         """
-        super().__init__()
-        save_plain_hyperparameters(self)
         if random_init == (pretrained_ckpt is not None):
             raise ValueError("give exactly one of model.pretrained_ckpt (a pretraining checkpoint) or model.random_init: true")
-        state, stored_spec = (official_trunk(pretrained_ckpt, pretrained_format, backbone) or load_backbone_state(pretrained_ckpt)) if pretrained_ckpt else (None, None)
-        if backbone is None and stored_spec is None:
+        state, spec, pretraining = probed_trunk(pretrained_ckpt, pretrained_format, backbone) if pretrained_ckpt else (None, backbone, None)
+        if spec is None:
             raise ValueError("model.backbone is required when the checkpoint does not record its backbone")
-        spec = as_spec(BackboneSpec, backbone if backbone is not None else stored_spec)
         if state is not None:  # the checkpoint's weights replace any initial weights: do not fetch them
-            spec = dataclasses.replace(spec, weights=None)
-        self.backbone, feature_dim = spec.build()
+            spec = dataclasses.replace(as_spec(BackboneSpec, spec), weights=None)
+        super().__init__(backbone=spec, optimizer=optimizer, schedule=schedule, **kwargs)
         if state is not None:
-            target = f"backbone {spec.name!r} (small_input={spec.small_input})"
+            target = f"backbone {self.backbone_spec.name!r} (small_input={self.backbone_spec.small_input})"
             load_state_strictly(self.backbone, state, f"model.pretrained_ckpt {pretrained_ckpt!r}", target)
         self.backbone.requires_grad_(False).eval()
-        self.probe = nn.Linear(feature_dim, num_classes)
+        self.probe = nn.Linear(self.feature_dim, self.num_classes)
         nn.init.normal_(self.probe.weight, std=0.01)  # MoCo main_lincls: N(0, 0.01), bias 0
         nn.init.zeros_(self.probe.bias)
-        self.optimizer_spec = as_spec(OptimizerSpec, optimizer)
-        self.schedule_spec = as_spec(ScheduleSpec, schedule)
-        self.num_classes = num_classes
         self.init_evaluation(knn_k, knn_temperature)
-        self.pretraining = pretraining_summary(pretrained_ckpt) if pretrained_ckpt else None
+        self.pretraining = pretraining
+
+    @classmethod
+    def default_run_directory(cls, init_args: dict, dataset: str, seed: int) -> str:
+        return probe_run_directory(init_args.get("pretrained_ckpt"), dataset, seed)
+
+    @classmethod
+    def check_resume(cls, saved_hyperparameters: dict, init_args: dict, source: str) -> None:
+        """A probe's checkpoint is resumed or evaluated only with the pretraining checkpoint it probed (restoring it
+        would bring back that trunk, whatever model.pretrained_ckpt now says), which must still exist."""
+        probed, given = saved_hyperparameters.get("pretrained_ckpt"), init_args.get("pretrained_ckpt")
+        if probed is not None and not Path(probed).expanduser().is_file():
+            # the probe's trunk is built from it (for a --ckpt_path file, Lightning reads it from the checkpoint,
+            # over the command line)
+            raise CheckpointMismatch(
+                f"{source} holds a probe of model.pretrained_ckpt {probed!r}, which is not an existing file here (moved or "
+                f"deleted): the probe's trunk is built from it; put that pretraining checkpoint back at {probed!r}"
+            )
+        if probed is not None and given is not None and not same_file(probed, given):
+            raise CheckpointMismatch(
+                f"{source} holds a probe of model.pretrained_ckpt {probed!r}, not of {given!r}: resuming it would restore the "
+                f"trunk of {probed!r}; probe {given!r} under another trainer.default_root_dir"
+            )
 
     def check_data(self, datamodule, world_size: int) -> None:
         """Fail when the data cannot feed the probe; say which checkpoint is probed, and warn when it was pretrained on
         another dataset or image size (the CLI calls this before anything is written)."""
-        if tuple(datamodule.view_names) != self.views:
-            raise ValueError(f"LinearProbe trains on one view named 'image', but data.views provides {list(datamodule.view_names)}")
+        super().check_data(datamodule, world_size)
         if self.pretraining is None:
             return
         seen = self.pretraining
@@ -120,49 +134,52 @@ class LinearProbe(CheckpointRecord, EvaluationMixin, L.LightningModule):
                 f"this probe runs on {probe[0]} at {probe[1]} px"
             )
 
+    def expected_warnings(self) -> tuple[str, ...]:
+        return (*super().expected_warnings(), r"Found \d+ module\(s\) in eval mode at the start of training")  # the frozen trunk
+
     def train(self, mode: bool = True):
         """Keep the frozen trunk in eval mode whatever Lightning switches (BN statistics stay fixed)."""
         super().train(mode)
         self.backbone.eval()
         return self
 
-    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+    def step(self, batch: dict) -> tuple[torch.Tensor, None]:
         with torch.no_grad():
             features = self.backbone(batch["views"]["image"])
         logits = self.probe(features)
-        loss = F.cross_entropy(logits, batch["label"])
-        self.log("train/loss", loss, prog_bar=True)
         self.log("train/top1", (logits.argmax(1) == batch["label"]).float().mean())
-        return loss
-
-    def configure_optimizers(self):
-        groups = parameter_groups(self.probe.named_parameters(), self.optimizer_spec)
-        return configure_optimization(self.trainer, groups, self.optimizer_spec, self.schedule_spec)
+        return F.cross_entropy(logits, batch["label"]), None
 
 
-def pretraining_summary(checkpoint_path: str) -> dict:
-    """What a pretraining checkpoint says about itself: its method, trunk, dataset (the DataModule class) and image size,
-    epoch and step; `?` for what it does not record (e.g. a file in another format)."""
-    try:
-        checkpoint = torch.load(Path(checkpoint_path).expanduser(), map_location="cpu", weights_only=True, mmap=True)
-    except Exception:
-        checkpoint = {}
-    record = checkpoint.get(RECORD_KEY) or {}
-    data = (record.get("config") or {}).get("data") or {}
-    dataset = data.get("class_path")
-    image_size = (data.get("init_args") or {}).get("image_size")
+def same_file(path: str, other: str) -> bool:
+    return Path(path).expanduser().absolute() == Path(other).expanduser().absolute() or (
+        Path(path).exists() and Path(other).exists() and Path(path).samefile(other))
+
+
+def pretraining_summary(checkpoint) -> dict:
+    """What a checkpoint says about its pretraining: its method, trunk, dataset (the DataModule class) and image size,
+    epoch and step; `?` for what it does not record (an official release records some of it, or none)."""
+
+    def entry(mapping, key: str):
+        return mapping.get(key) if isinstance(mapping, dict) else None
+
+    record = entry(checkpoint, RECORD_KEY)
+    data = entry(entry(record, "config"), "data")
+    dataset = entry(data, "class_path")
+    image_size = entry(entry(data, "init_args"), "image_size")
     if dataset is not None and image_size is None:  # a class attribute (Digits-M, CIFAR: 32 px)
         module_name, _, class_name = dataset.rpartition(".")
         with contextlib.suppress(ImportError):
             image_size = getattr(getattr(importlib.import_module(module_name), class_name, None), "image_size", None)
-    return {
-        "method": record.get("module", "?"),
-        "backbone": (checkpoint.get("hyper_parameters", {}).get("backbone") or {}).get("name", "?"),
-        "dataset": dataset.rsplit(".", 1)[-1] if dataset else "?",
-        "image_size": "?" if image_size is None else image_size,
-        "epoch": checkpoint.get("epoch", "?"),
-        "step": checkpoint.get("global_step", "?"),
+    found = {
+        "method": entry(record, "module"),
+        "backbone": entry(entry(entry(checkpoint, "hyper_parameters"), "backbone"), "name"),
+        "dataset": dataset.rsplit(".", 1)[-1] if dataset else None,
+        "image_size": image_size,
+        "epoch": entry(checkpoint, "epoch"),
+        "step": entry(checkpoint, "global_step"),
     }
+    return {key: "?" if value is None else value for key, value in found.items()}
 
 
 def probe_run_directory(pretrained_ckpt: str | None, dataset: str, seed: int) -> str:

@@ -9,7 +9,8 @@ this one right after each optimizer step: the same sequence of updates except fo
 
 from methods.base import PretrainMethod
 from methods.losses import check_hyperparameters, info_nce
-from methods.momentum import KeyQueue, MomentumMixin, MomentumSpec
+from methods.momentum import MomentumMixin, MomentumSpec
+from methods.queues import KeyQueue
 
 
 class MoCoV2(MomentumMixin, PretrainMethod):

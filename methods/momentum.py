@@ -1,17 +1,13 @@
-"""Momentum-encoder machinery shared by MoCo v2, ReSSL, SCE, JCL, PaCo (and NPID's memory bank).
-
-- `MomentumMixin`: EMA copies of (online, target) module pairs, their momentum schedule, and the
-  target-branch forward with shuffle-BN (across processes) or split-BN (emulated on one device).
-- `KeyQueue`: FIFO queue of keys (one per row) with optional labels, filled with gathered keys.
-- `MemoryBank`: one entry per training sample, momentum-updated by sample index (NPID).
-- `SplitBatchNorm2d` / `convert_to_split_batchnorm`: the one-device shuffle-BN emulation of the MoCo
-  CIFAR recipe that SCE and ReSSL follow on small datasets (MoCo issue #46 and its CIFAR colab).
+"""The momentum encoder shared by MoCo v2, ReSSL, SCE, JCL and PaCo: `MomentumMixin` keeps EMA copies of (online,
+target) module pairs, steps them with the momentum schedule after every optimizer step, and runs the target
+branch with shuffle-BN (across processes) or split-BN (emulated on one device, `methods.shuffle_bn`). The queue
+and the memory bank are in `methods.queues`.
 """
 
 import copy
 import math
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -19,6 +15,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from engine.config import as_spec
+from methods.base import MethodMixin
+from methods.shuffle_bn import convert_to_split_batchnorm, distributed_shuffled_forward
 
 MomentumSchedule = Literal["constant", "cosine"]
 
@@ -57,7 +55,7 @@ class MomentumSpec:
     split_bn: int = 1  # > 1: one-device emulation, target BatchNorm2d over this many interleaved groups
 
 
-class MomentumMixin:
+class MomentumMixin(MethodMixin):
     """Adds EMA targets to a method: for every name in `momentum_modules`, `target_<name>` follows `<name>`.
 
     `init_momentum(spec)` creates the targets as frozen copies of the online modules (MoCo's builder.py
@@ -129,131 +127,3 @@ def frozen_copy(online: nn.Module, split_bn: int = 1) -> nn.Module:
     if split_bn > 1:
         target = convert_to_split_batchnorm(target, split_bn)
     return target.requires_grad_(False)
-
-
-def distributed_shuffled_forward(encoder: Callable[[torch.Tensor], torch.Tensor], images: torch.Tensor) -> torch.Tensor:
-    """MoCo's shuffle-BN: gather all inputs, apply one permutation drawn on rank 0, encode this
-    rank's share, gather the outputs and undo the permutation. Needs equal batch sizes per rank."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    gathered = _all_gather(images)
-    order = torch.randperm(gathered.shape[0], device=images.device)
-    dist.broadcast(order, src=0)
-    local = encoder(gathered[order.view(world, -1)[rank]])
-    return _all_gather(local)[torch.argsort(order)].view(world, -1, *local.shape[1:])[rank]
-
-
-def _all_gather(tensor: torch.Tensor) -> torch.Tensor:
-    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, tensor.contiguous())
-    return torch.cat(parts)
-
-
-class KeyQueue(nn.Module):
-    """FIFO queue of `size` keys of dimension `dim` (one key per row), with optional integer labels.
-
-    Keys start as random unit vectors (MoCo's initialisation); labels, when kept, start as random
-    classes (PaCo's initialisation). `push` writes a batch at the pointer and wraps around modulo the
-    queue size, so any batch up to `size` keys is handled. Keys, labels and the pointer are buffers,
-    hence saved in and restored from checkpoints.
-    """
-
-    def __init__(self, size: int, dim: int, num_classes: int | None = None):
-        super().__init__()
-        if size < 1 or dim < 1:
-            raise ValueError(f"queue size and dim must be >= 1, got size={size}, dim={dim}")
-        self.register_buffer("keys", F.normalize(torch.randn(size, dim), dim=1))
-        self.register_buffer("pointer", torch.zeros((), dtype=torch.long))
-        self.register_buffer(
-            "labels", torch.randint(0, num_classes, (size,)) if num_classes is not None else None
-        )
-
-    @property
-    def size(self) -> int:
-        return self.keys.shape[0]
-
-    def read(self) -> torch.Tensor:
-        """A detached copy: the caller's loss graph must not see this step's enqueue."""
-        return self.keys.clone()
-
-    def read_labels(self) -> torch.Tensor:
-        return self.labels.clone()
-
-    @torch.no_grad()
-    def push(self, keys: torch.Tensor, labels: torch.Tensor | None = None) -> None:
-        """Enqueue already-gathered keys (and labels) in order, overwriting the oldest entries. At most `size`
-        keys: `MethodBase.check_data` refuses, before training, a queue smaller than the keys of a step."""
-        count = keys.shape[0]
-        if (labels is None) != (self.labels is None):
-            raise ValueError("labels must be given exactly when the queue keeps labels")
-        slots = (self.pointer + torch.arange(count, device=keys.device)) % self.size
-        self.keys[slots] = keys.detach().to(self.keys.dtype)
-        if labels is not None:
-            self.labels[slots] = labels.to(self.labels.dtype)
-        self.pointer.copy_((self.pointer + count) % self.size)
-
-
-class MemoryBank(nn.Module):
-    """One `dim`-vector per training sample (NPID). Initialised uniformly in +-1/sqrt(dim/3) as in
-    NPID; `update` sets v_i <- normalize(m * v_i + (1 - m) * f_i) for the given sample indices."""
-
-    def __init__(self, size: int, dim: int):
-        super().__init__()
-        bound = 1.0 / math.sqrt(dim / 3)
-        self.register_buffer("entries", torch.rand(size, dim) * 2 * bound - bound)
-
-    def read(self) -> torch.Tensor:
-        return self.entries.clone()
-
-    @torch.no_grad()
-    def update(self, indices: torch.Tensor, features: torch.Tensor, momentum: float) -> None:
-        mixed = momentum * self.entries[indices] + (1.0 - momentum) * features.detach().to(self.entries.dtype)
-        self.entries[indices] = F.normalize(mixed, dim=1)
-
-
-class SplitBatchNorm2d(nn.BatchNorm2d):
-    """BatchNorm over `num_splits` interleaved groups of the batch (group s holds samples s, S+s, ...),
-    so one device sees the per-GPU statistics of S GPUs; running statistics are averaged back."""
-
-    def __init__(self, num_features: int, num_splits: int, **kwargs):
-        super().__init__(num_features, **kwargs)
-        self.num_splits = num_splits
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training:
-            return super().forward(x)
-        batch, channels, height, width = x.shape
-        if batch % self.num_splits:
-            raise ValueError(f"split BatchNorm needs a batch divisible by {self.num_splits} groups, got {batch}")
-        splits = self.num_splits
-        running_mean = self.running_mean.repeat(splits)
-        running_var = self.running_var.repeat(splits)
-        out = F.batch_norm(
-            x.reshape(-1, channels * splits, height, width),
-            running_mean,
-            running_var,
-            self.weight.repeat(splits) if self.affine else None,
-            self.bias.repeat(splits) if self.affine else None,
-            True,
-            self.momentum if self.momentum is not None else 0.1,
-            self.eps,
-        ).reshape(batch, channels, height, width)
-        with torch.no_grad():
-            self.running_mean.copy_(running_mean.view(splits, channels).mean(0))
-            self.running_var.copy_(running_var.view(splits, channels).mean(0))
-            self.num_batches_tracked += 1
-        return out
-
-
-def convert_to_split_batchnorm(module: nn.Module, num_splits: int) -> nn.Module:
-    """Replace every BatchNorm2d by a SplitBatchNorm2d with the same state. Only 2-d BN is split, as in
-    SCE's `convert_to_split_batchnorm`: the projector's BatchNorm1d keeps full-batch statistics."""
-    if type(module) is nn.BatchNorm2d:
-        split = SplitBatchNorm2d(
-            module.num_features, num_splits, eps=module.eps, momentum=module.momentum, affine=module.affine
-        )
-        split.load_state_dict(module.state_dict())
-        split.train(module.training)
-        return split
-    for name, child in module.named_children():
-        setattr(module, name, convert_to_split_batchnorm(child, num_splits))
-    return module

@@ -15,7 +15,7 @@ from typing import Literal
 
 from methods.base import PretrainMethod
 from methods.losses import check_hyperparameters, contrastive_loss
-from methods.momentum import MemoryBank
+from methods.queues import MemoryBank
 
 
 class NPID(PretrainMethod):

@@ -14,7 +14,8 @@ import torch
 
 from methods.base import PretrainMethod
 from methods.losses import check_hyperparameters, ressl_loss
-from methods.momentum import KeyQueue, MomentumMixin, MomentumSpec
+from methods.momentum import MomentumMixin, MomentumSpec
+from methods.queues import KeyQueue
 
 
 class ReSSL(MomentumMixin, PretrainMethod):

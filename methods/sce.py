@@ -22,7 +22,8 @@ from engine.config import as_spec
 from engine.optim import RampSpec
 from methods.base import PretrainMethod
 from methods.losses import check_hyperparameters, sce_loss
-from methods.momentum import KeyQueue, MomentumMixin, MomentumSpec
+from methods.momentum import MomentumMixin, MomentumSpec
+from methods.queues import KeyQueue
 
 
 class SCE(MomentumMixin, PretrainMethod):

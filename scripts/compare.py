@@ -41,7 +41,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 (after choosing the backend)
 import yaml  # noqa: E402
 
-from engine.reliability import write_atomically  # noqa: E402
+from engine.files import write_atomically  # noqa: E402
 
 COLUMNS = {  # metric key -> (column, scale)
     "linear/val/probe_top1": ("linear top-1 (%)", 100.0),

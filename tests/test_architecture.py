@@ -1,10 +1,31 @@
-"""The project's modules import each other without a cycle (a module never imports itself back through others)."""
+"""The project's packages form layers, each importing only its own package and the layers below it, and its modules
+import each other without a cycle (a module never imports itself back through others).
+
+The layers, from the bottom (docs/architecture.md):
+
+1. `engine` (the run plumbing the rest builds on: optimizers, checkpoint files and records, signals, tracking,
+   compat), except its command line;
+2. `backbones`, `datamodules`;
+3. `interop.official` (reading the official releases' layouts);
+4. `methods`;
+5. `engine.cli`, the command line;
+6. `analysis`, `interop.export`, the tools on top.
+
+An import is any `import` statement, at the top of a module or inside a function, and any string that names a
+project module for `importlib` (e.g. "methods.longtail.paco.PaCo" in a table of class paths).
+"""
 
 import ast
+import re
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).parents[1]
 PACKAGES = ("engine", "methods", "datamodules", "backbones", "analysis", "interop")
+# the layers, bottom first: a module belongs to the most specific prefix listed
+LAYERS = (("engine",), ("backbones", "datamodules"), ("interop", "interop.official"), ("methods",), ("engine.cli",), ("analysis", "interop.export"))
+MODULE_STRING = re.compile(rf"({'|'.join(PACKAGES)})(\.\w+)+")
 
 
 def module_name(path: Path) -> str:
@@ -52,6 +73,65 @@ def cycle(graph: dict[str, set[str]]) -> list[str] | None:
         if node not in state and (found := visit(node)):
             return found
     return None
+
+
+def layer_of(module: str) -> int:
+    """The layer of a module: that of the longest prefix in LAYERS."""
+    prefixes = [(len(prefix), index) for index, layer in enumerate(LAYERS) for prefix in layer if module == prefix or module.startswith(f"{prefix}.")]
+    return max(prefixes)[1]
+
+
+def imported_modules(source: str, modules: set[str]) -> set[str]:
+    """Every project module (of `modules`) a module's source imports: import statements anywhere, and module paths in
+    strings (a class path names the module that holds the class)."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and MODULE_STRING.fullmatch(node.value):
+            found.add(node.value)
+    # each name as the longest project module it starts with (`methods.base.MethodBase` -> `methods.base`)
+    return {max((module for module in modules if name == module or name.startswith(f"{module}.")), key=len) for name in found
+            if name.split(".")[0] in PACKAGES}
+
+
+def forbidden_edges(sources: dict[str, str]) -> list[str]:
+    """'module -> imported (layer a -> layer b)' for each import of a higher layer, or of another package of the same
+    layer; a module's own package is always allowed."""
+    edges = []
+    for module, source in sorted(sources.items()):
+        own = layer_of(module)
+        for target in sorted(imported_modules(source, set(sources))):
+            same_package = target.split(".")[0] == module.split(".")[0]
+            if layer_of(target) > own or (layer_of(target) == own and not same_package):
+                edges.append(f"{module} -> {target} (layer {own + 1} -> layer {layer_of(target) + 1})")
+    return edges
+
+
+def project_sources() -> dict[str, str]:
+    return {module_name(path): path.read_text() for package in PACKAGES for path in (ROOT / package).rglob("*.py")}
+
+
+def test_every_package_imports_only_its_own_layer_and_those_below():
+    assert forbidden_edges(project_sources()) == []
+
+
+@pytest.mark.parametrize(
+    "module, added, edge",
+    [
+        ("engine.optim", "from methods.base import MethodBase", "engine.optim -> methods.base (layer 1 -> layer 4)"),
+        ("methods.base", "from interop.export import export", "methods.base -> interop.export (layer 4 -> layer 6)"),
+        ("backbones.factory", "import datamodules", "backbones.factory -> datamodules (layer 2 -> layer 2)"),
+        ("methods.linear", "def f():\n    from engine.cli import ContrastlabCLI", "methods.linear -> engine.cli (layer 4 -> layer 5)"),
+        ("engine.files", "MOVED = {'old': 'methods.longtail.paco.PaCo'}", "engine.files -> methods.longtail.paco (layer 1 -> layer 4)"),
+    ],
+)
+def test_the_layer_check_finds_one_forbidden_import(module, added, edge):
+    sources = project_sources()
+    sources[module] += f"\n{added}\n"
+    assert forbidden_edges(sources) == [edge]
 
 
 def test_the_import_graph_of_the_project_has_no_cycle():

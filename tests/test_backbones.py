@@ -161,7 +161,7 @@ def test_no_weights_keeps_the_random_init_without_fetching_anything(monkeypatch)
         ("resnext101_32x4d", False, "DEFAULT", "='DEFAULT': torchvision publishes no weights for backbone 'resnext101_32x4d'"),
         ("cifar_resnet32", False, "DEFAULT", "='DEFAULT': torchvision publishes no weights for backbone 'cifar_resnet32'"),
         ("timm:resnet10t", False, "DEFAULT", "='DEFAULT': torchvision publishes no weights for backbone 'timm:resnet10t'"),
-        ("resnet18", False, "missing/trunk.pth", ": file 'missing/trunk.pth' does not exist"),
+        ("resnet18", False, "missing/trunk.pth", ": file 'missing/trunk.pth' is not an existing file"),
     ],
 )
 def test_unusable_weights_raise_an_error_naming_the_config_key(name, small_input, weights, message):

@@ -1,6 +1,13 @@
 """engine/compat.py holds every use of a private Lightning or W&B attribute: each one still exists on the
-installed versions, and no other file of the project uses one."""
+installed versions, and no other file of the project uses one.
 
+Private uses are found in the syntax tree of every project file: an attribute `._name` that a Lightning or W&B
+object has (a trainer's, a module's, a callback's, a logger's, a W&B run's, a loop's), an attribute that reaches
+into the fit loop's progress internals (`fit_loop`, `epoch_loop`, `*_progress`), and an import of a private
+Lightning / W&B module or name or of W&B's internal `wandb.sdk`.
+"""
+
+import ast
 import functools
 import importlib
 import re
@@ -9,21 +16,16 @@ from pathlib import Path
 
 import lightning as L
 import pytest
+import wandb
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import WandbLogger
 
 from engine.compat import PRIVATE_ATTRIBUTES
 
 ROOT = Path(__file__).parents[1]
 PACKAGES = ("engine", "methods", "datamodules", "backbones", "analysis", "interop", "scripts", "benchmarks")
-# a private attribute of a trainer, module, logger or W&B run, a private Lightning / W&B module, wandb.sdk
-PRIVATE_USE = re.compile(
-    r"\b(?:trainer|pl_module|module|logger|experiment)\._[a-z]\w*"
-    r"|self\._(?:trainer|experiment|wandb_init|save_dir|signal_connector|accelerator_connector)\b"
-    r"|\._(?:signal_connector|accelerator_connector|checkpoint_connector|logger_connector|fit_loop|wandb_init|experiment)\b"
-    r"|\b(?:lightning|wandb)(?:\.\w+)*\._\w+"
-    r"|\bfrom (?:lightning|wandb)[\w.]* import _\w+"
-    r"|\bwandb\.sdk\b"
-)
+FRAMEWORKS = ("lightning", "pytorch_lightning", "wandb")
+LOOP_INTERNALS = re.compile(r"^(?:fit|validate|test|predict|epoch)_loop$|_progress$")
 
 
 @functools.cache
@@ -39,6 +41,18 @@ def holders() -> dict:
     }
 
 
+@functools.cache
+def framework_private_names() -> frozenset[str]:
+    """The private attribute names of the Lightning and W&B objects a project file can hold."""
+    objects = [value for value, _ in holders().values()] + [
+        L.LightningDataModule(), L.Callback(), ModelCheckpoint(), holders()["Trainer"][0].fit_loop,
+        holders()["Trainer"][0].fit_loop.epoch_loop, wandb.Run,
+    ]
+    trainer = holders()["Trainer"][0]
+    objects += [getattr(trainer, name) for name in dir(trainer) if name.endswith("_connector")]  # its private helpers
+    return frozenset(name for value in objects for name in dir(value) if name.startswith("_") and not name.startswith("__"))
+
+
 @pytest.mark.parametrize(
     "holder, path", [(holder, path) for holder, paths in PRIVATE_ATTRIBUTES.items() for path in paths], ids=str
 )
@@ -51,23 +65,46 @@ def test_every_private_attribute_compat_uses_exists_on_the_installed_version(hol
         value = getattr(value, part)
 
 
-def private_uses(text: str) -> list[tuple[int, str]]:
-    code = [line.split("#", 1)[0] for line in text.splitlines()]
-    return [(number, line.strip()) for number, line in enumerate(code, 1) if PRIVATE_USE.search(line)]
+def private_uses(source: str) -> list[tuple[int, str]]:
+    """(line, what) of every private Lightning / W&B use in a file's source."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and (node.attr in framework_private_names() or LOOP_INTERNALS.search(node.attr)):
+            found.append((node.lineno, f".{node.attr}"))
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            modules = [alias.name for alias in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            names = [] if isinstance(node, ast.Import) else [alias.name for alias in node.names]
+            for module in modules:
+                parts = module.split(".")
+                if parts[0] not in FRAMEWORKS:
+                    continue
+                if any(part.startswith("_") for part in parts) or module.startswith("wandb.sdk") or any(name.startswith("_") for name in names):
+                    found.append((node.lineno, f"import of {module}" + (f": {', '.join(names)}" if names else "")))
+    return sorted(found)
 
 
-def test_the_pattern_finds_the_private_uses_compat_holds():
-    assert len(private_uses((ROOT / "engine" / "compat.py").read_text())) >= 8
-    assert private_uses("if self._trainer is not None:\n") and private_uses("from wandb.sdk.lib import runid\n")
-    assert not private_uses("self._collected = {}\nself._check_data()\n")
+def test_the_finder_sees_every_kind_of_private_use():
+    assert [what for _, what in private_uses("def f(self, trainer):\n    return self._trainer, trainer._accelerator_connector\n")] == [
+        "._accelerator_connector", "._trainer"]
+    assert [what for _, what in private_uses("epoch = trainer.fit_loop.epoch_loop.batch_progress.current.processed\n")] == [
+        ".batch_progress", ".epoch_loop", ".fit_loop"]
+    assert [what for _, what in private_uses("from wandb.sdk.lib import runid\nfrom lightning.pytorch.utilities import _pytree\n")] == [
+        "import of wandb.sdk.lib: runid", "import of lightning.pytorch.utilities: _pytree"]
+    assert private_uses("self._collected = {}\nself._check_data()\nx = torch._foreach_lerp_\n") == []
+
+
+def test_compat_itself_holds_the_private_uses_it_declares():
+    found = {what for _, what in private_uses((ROOT / "engine" / "compat.py").read_text())}
+    declared = {f".{part}" for paths in PRIVATE_ATTRIBUTES.values() for path in paths for part in path.split(".") if part.startswith("_") or LOOP_INTERNALS.search(part)}
+    assert declared <= found
 
 
 def test_no_file_outside_compat_uses_a_private_lightning_or_wandb_attribute():
     files = [path for package in PACKAGES for path in (ROOT / package).rglob("*.py")] + list(ROOT.glob("main_*.py"))
     found = [
-        f"{path.relative_to(ROOT)}:{number}: {line}"
+        f"{path.relative_to(ROOT)}:{line}: {what}"
         for path in files
         if path != ROOT / "engine" / "compat.py"
-        for number, line in private_uses(path.read_text())
+        for line, what in private_uses(path.read_text())
     ]
     assert not found, "private Lightning / W&B attributes outside engine/compat.py:\n" + "\n".join(found)

@@ -30,7 +30,7 @@ from test_reliability import SignalAtStep
 from torch.utils.data import DataLoader, Dataset
 
 from backbones import BackboneSpec
-from engine.reliability import LastCheckpointOnSigterm, PreemptionSignals
+from engine.preemption import LastCheckpointOnSigterm, PreemptionSignals
 from methods import SCE, MoCoV2, MultiTaskContrast, PaCo, SupCon
 from methods.momentum import MomentumSpec
 

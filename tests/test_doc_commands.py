@@ -356,3 +356,43 @@ def heading_anchors(path: Path) -> set[str]:
     text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
     headings = re.findall(r"^#+ (.+)$", text, flags=re.M)
     return {re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-") for heading in headings}
+
+
+def expand_braces(pattern: str) -> list[str]:
+    """`configs/{moco,sce}_digits.yaml` -> both paths (bash's brace expansion, one level at a time)."""
+    match = re.search(r"\{([^{}]*,[^{}]*)\}", pattern)
+    if match is None:
+        return [pattern]
+    return [path for choice in match[1].split(",") for path in expand_braces(pattern[: match.start()] + choice + pattern[match.end():])]
+
+
+def prose_paths(text: str) -> list[str]:
+    """The repository paths the prose names in its code spans: tokens whose first component is a top-level entry of
+    the checkout and that hold a `/` (`methods/moco.py`, `configs/linear_*.yaml`, `tests/test_cli.py::test_x`,
+    `engine/cli/lightning_cli.py:168`), placeholders `<...>` left out."""
+    top_level = {entry.name for entry in ROOT.iterdir() if not entry.name.startswith(".")} - UNCHECKED_TOP_LEVEL
+    prose = re.sub(r"```.*?```", "", text, flags=re.S)
+    paths = []
+    for span in re.findall(r"`([^`\n]+)`", prose):
+        for token in span.split():
+            token = re.sub(r"(::\S*|:\d[\d–-]*)$", "", token.strip(",;()'\""))
+            if "/" in token and token.split("/")[0] in top_level and not PLACEHOLDER.search(token):
+                paths.append(token)
+    return paths
+
+
+def test_every_repository_path_the_prose_names_exists():
+    missing = [
+        f"{page.relative_to(ROOT)}: {path}"
+        for page in DOCS
+        for path in prose_paths(page.read_text())
+        if not all(any(ROOT.glob(pattern)) if "*" in pattern else (ROOT / pattern).exists() for pattern in expand_braces(path))
+    ]
+    assert not missing, "paths named in the docs that do not exist:\n" + "\n".join(missing)
+
+
+def test_the_path_check_reads_spans_globs_braces_and_line_numbers():
+    text = "See `methods/moco.py:12`, `configs/{moco,sce}_digits.yaml`, `configs/linear_*.yaml` and `tests/test_cli.py::test_a`;\n"
+    text += "not `<run>/last.ckpt`, `runs/x/y`, `python -m analysis` nor\n```bash\nmethods/none.py\n```\n"
+    assert prose_paths(text) == ["methods/moco.py", "configs/{moco,sce}_digits.yaml", "configs/linear_*.yaml", "tests/test_cli.py"]
+    assert expand_braces("configs/{moco,sce}_digits.yaml") == ["configs/moco_digits.yaml", "configs/sce_digits.yaml"]

@@ -16,7 +16,7 @@ import main_linear
 import main_pretrain
 from analysis.__main__ import main as analyse_checkpoint
 from backbones import BackboneSpec
-from interop.files import read_checkpoint
+from engine.files import read_checkpoint
 from interop.official import detect_format
 from methods import CrossEntropy, LinearProbe, PaCo
 from helpers import randomised
@@ -346,7 +346,7 @@ def test_the_analysis_reads_an_official_trunk_and_head(tmp_path, capsys):
     path = tmp_path / "npid_cifar10.pth"
     torch.save(checkpoint, path)
     model = NPID(backbone=SMALL_RESNET18, projector={"output_dim": 128, "num_layers": 1}, knn_k=0).eval()
-    assert load_official_encoder(model, path, None) == "npid"
+    assert load_official_encoder(model, read_checkpoint(path, "test"), None, "test") == "npid"
     with torch.no_grad():
         features, projection = model.embed(IMAGES)
         head = checkpoint["state_dict"]["module.linear.weight"], checkpoint["state_dict"]["module.linear.bias"]

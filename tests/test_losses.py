@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from benchmarks.bench_losses import LargestTensor  # the benchmark's memory probe, tested here at small sizes
+from engine.memory import LargestTensor
 from methods.losses import (
     check_hyperparameters,
     contrastive_loss,

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from torchmetrics.functional.classification import multiclass_stat_scores
 
 from analysis.metrics import tolerance, uniformity
 
@@ -71,7 +72,7 @@ def test_shot_accuracies_average_per_class_accuracy_within_many_medium_and_few_g
     train_counts = torch.tensor([500, 101, 100, 20, 19, 3])  # many: >100, medium: 20..100, few: <20
     labels = torch.tensor([0, 0, 0, 0, 1, 1, 2, 2, 3, 4, 4, 4, 5])
     predictions = torch.tensor([0, 0, 0, 1, 1, 0, 2, 0, 3, 4, 0, 0, 1])
-    result = shot_accuracies(predictions, labels, train_counts)
+    result = shot_accuracies(multiclass_stat_scores(predictions, labels, num_classes=6, average=None), train_counts)
     # per class: 3/4, 1/2, 1/2, 1, 1/3, 0
     assert result["many_top1"] == pytest.approx((3 / 4 + 1 / 2) / 2)
     assert result["medium_top1"] == pytest.approx((1 / 2 + 1) / 2)
@@ -82,5 +83,6 @@ def test_shot_accuracies_average_per_class_accuracy_within_many_medium_and_few_g
 def test_shot_accuracies_leave_out_empty_groups_and_unseen_classes():
     from methods.evaluation import shot_accuracies
 
-    result = shot_accuracies(torch.tensor([0, 1]), torch.tensor([0, 1]), torch.tensor([500, 50, 5]))
+    stats = multiclass_stat_scores(torch.tensor([0, 1]), torch.tensor([0, 1]), num_classes=3, average=None)
+    result = shot_accuracies(stats, torch.tensor([500, 50, 5]))
     assert result == {"top1": 1.0, "many_top1": 1.0, "medium_top1": 1.0}  # class 2 (few) has no sample

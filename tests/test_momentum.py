@@ -9,16 +9,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from methods import MoCoV2
-from methods.momentum import (
-    KeyQueue,
-    MemoryBank,
-    MomentumSpec,
-    SplitBatchNorm2d,
-    convert_to_split_batchnorm,
-    distributed_shuffled_forward,
-    ema_update_,
-    momentum_at,
-)
+from methods.momentum import MomentumSpec, ema_update_, momentum_at
+from methods.queues import KeyQueue, MemoryBank
+from methods.shuffle_bn import SplitBatchNorm2d, convert_to_split_batchnorm, distributed_shuffled_forward
 from helpers import TINY_BACKBONE, TINY_PROJECTOR
 
 

@@ -1,5 +1,5 @@
 """Issue 12's guarantees: exact resume, nothing lost on interruption, seeds, non-finite losses, bad
-inputs, checkpoint compatibility (methods/reliability.py, the CLI, the DataModule's resumable order)."""
+inputs, checkpoint compatibility (engine/, the CLI, the DataModule's resumable order)."""
 
 import os
 import re
@@ -27,17 +27,11 @@ import methods.moco
 from backbones import BackboneSpec
 from datamodules import SplitFileDataModule
 from datamodules.samplers import EpochSampler
-from engine.reliability import (
-    VERSION,
-    CheckpointMismatch,
-    LastCheckpointOnSigterm,
-    NonFiniteLossError,
-    NonFiniteLossGuard,
-    PreemptionSignals,
-    RandomStateCheckpoint,
-    SameDirectoryCheckpointIO,
-    compatible,
-)
+from engine.checkpoint_record import VERSION, CheckpointMismatch, compatible
+from engine.files import SameDirectoryCheckpointIO
+from engine.non_finite import NonFiniteLossError, NonFiniteLossGuard
+from engine.preemption import LastCheckpointOnSigterm, PreemptionSignals
+from engine.random_state import RandomStateCheckpoint
 from methods import NPID, SCE, CrossEntropy, LinearProbe, MoCoV2, PaCo
 from methods.momentum import MomentumSpec
 
@@ -593,7 +587,7 @@ def test_a_checkpoint_written_before_the_record_existed_loads_with_a_warning(cli
         model = MoCoV2.load_from_checkpoint(tmp_path / "old.ckpt")
     assert torch.equal(model.queue.keys, checkpoint["state_dict"]["queue.keys"])
     with pytest.warns(UserWarning, match="model.pretrained_ckpt .* holds no contrastlab record"):
-        state, _ = methods.linear.load_backbone_state(str(tmp_path / "old.ckpt"))
+        state, _, _ = methods.linear.probed_trunk(str(tmp_path / "old.ckpt"), None, None)
     assert state.keys() == {name.removeprefix("backbone.") for name in checkpoint["state_dict"] if name.startswith("backbone.")}
 
 
@@ -612,7 +606,7 @@ def test_the_linear_stage_refuses_a_checkpoint_of_another_method_family_in_one_l
     }
     for module, path in checkpoints.items():
         line = run_failing(main_linear, ["fit", "--config", LINEAR_DIGITS, f"--model.pretrained_ckpt={path}", f"--trainer.default_root_dir={tmp_path / 'run'}"], capsys)
-        assert line == (f"error: model.pretrained_ckpt '{path}' is a {module} checkpoint, not a pretraining one: the linear stage "
+        assert line == (f"error: model.pretrained_ckpt '{path}' is a {module} checkpoint: the linear stage "
                         "probes the trunk of a pretraining method (methods.PretrainMethod, e.g. methods.MoCoV2)")
 
 

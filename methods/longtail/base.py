@@ -20,7 +20,8 @@ from engine.config import as_spec
 from engine.optim import OptimizerSpec
 from interop import load_official_classifier
 from methods.base import MethodBase
-from methods.momentum import KeyQueue, MomentumMixin, MomentumSpec
+from methods.momentum import MomentumMixin, MomentumSpec
+from methods.queues import KeyQueue
 
 
 class LongTailClassifier(MethodBase):

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from backbones import MLPSpec
 from methods.longtail.paco import PaCo
 from methods.losses import paco_loss
-from methods.momentum import KeyQueue
+from methods.queues import KeyQueue
 
 
 class PerExpert(nn.Module):

@@ -1,0 +1,254 @@
+"""The LightningCLI shared by `main_pretrain.py` and `main_linear.py`.
+
+- `fit` / `validate` / `test` subcommands, `--config` YAMLs, `--print_config`;
+- `data.num_classes` linked into `model.num_classes` (read from the instantiated DataModule);
+- optimizers and schedules come from the model's own config (`auto_configure_optimizers=False`),
+  because they need parameter groups and per-step schedules;
+- the resolved config is written with overwrite enabled (a second run in the same directory or a
+  Slurm requeue must not crash) and, with a `WandbLogger`, sent to the W&B run;
+- a `checkpoint` group (ModelCheckpoint) is always present, with `save_last: true`, writing to
+  `<default_root_dir>/checkpoints/` whatever the logger (`last.ckpt` is where the linear stage and a
+  resumed run look);
+- configuration mistakes end with one `error:` line naming the offending key or value, before any
+  directory, config or checkpoint is written (set CONTRASTLAB_TRACEBACK=1 for the full traceback);
+- at the end of `fit` / `validate` / `test`, the final metrics are printed and written to
+  `<default_root_dir>/results_<stage>.json` (`engine.cli.results`);
+- reliability: `seed_everything` must be an explicit integer; a `non_finite` group (`engine.non_finite`) stops
+  the run at the first non-finite loss; checkpoints hold the random states (`engine.random_state`), the position
+  in the epoch's data order (the DataModule's state), the contrastlab version and the resolved config
+  (`engine.checkpoint_record`); on SIGTERM the current step is saved as `last.ckpt` and the process exits with
+  status 143 (`engine.preemption`); checkpoints are written next to their target and renamed over it
+  (`engine.files`);
+- which run a `fit` continues (`engine.cli.resume`): a directory that already holds `checkpoints/last.ckpt` is
+  refused unless the run resumes (`--ckpt_path last`, which also starts a run that has no checkpoint yet; a
+  requeued Slurm job resumes from its hpc checkpoint, or from `last.ckpt` when it has none); the checkpoint it
+  restores is opened before anything is written;
+- the model class answers what the CLI needs to know of it (`MethodBase.default_run_directory`,
+  `check_resume`, `wrong_checkpoint_hint`): a linear probe, for one, runs beside its pretraining checkpoint.
+"""
+
+import logging
+import os
+import signal
+import sys
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Sequence
+
+import yaml
+from lightning.fabric.plugins import TorchCheckpointIO
+from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator, MPSAccelerator
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
+from lightning.pytorch.loggers import WandbLogger
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from datamodules.base import ContrastiveDataModule
+from datamodules.folders import TooManyUnreadableImages
+from engine.checkpoint_record import RECORD_KEY, CheckpointMismatch
+from engine.cli.errors import condense_parser_error, fail, last_line, one_error_line, root_cause
+from engine.cli.resume import (
+    LIGHTNING_CHECKPOINT_NAMES,
+    check_resumable,
+    readable_checkpoint_to_resume,
+    refuse_to_overwrite_a_run,
+)
+from engine.cli.results import report_results
+from engine.files import SameDirectoryCheckpointIO, UnreadableCheckpoint, read_checkpoint
+from engine.non_finite import NonFiniteLossError, NonFiniteLossGuard
+from engine.preemption import LastCheckpointOnSigterm, PreemptionSignals
+from engine.random_state import RandomStateCheckpoint
+from engine.tracking import TrainingThroughput, WandbRun
+from methods.base import MethodBase
+from methods.checkpoints import class_at
+
+LIGHTNING_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero")
+
+
+def no_advertisement(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("💡 Tip: For seamless cloud logging")
+
+
+@contextmanager
+def quiet_run():
+    """Silence, for this run only, noise a user cannot act on: Lightning's advertisement for LitLogger at every start,
+    and the deprecation that its own pytree helper triggers in torch (lightning/pytorch/utilities/_pytree.py) at
+    every fit. The warnings a model or DataModule expects by design (`expected_warnings`) are added in the run's
+    hooks, inside the same scope."""
+    loggers = [logging.getLogger(name) for name in LIGHTNING_LOGGERS]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+        for logger in loggers:
+            logger.addFilter(no_advertisement)
+        try:
+            yield
+        finally:
+            for logger in loggers:
+                logger.removeFilter(no_advertisement)
+
+
+class ContrastlabArgumentParser(LightningArgumentParser):
+    def __init__(self, *args, **kwargs):
+        # argparse would read `--trainer.max_epoch` as `--trainer.max_epochs`: a typo must never change a run quietly
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def parse_path(self, path, *args, **kwargs):
+        """A YAML syntax error of a config file names the file, line and column (jsonargparse parses the file's text,
+        so its error says "<unicode string>")."""
+        if self.exit_on_error and not os.environ.get("CONTRASTLAB_TRACEBACK"):
+            try:
+                yaml.compose(Path(path).read_text())  # syntax only: what the text means is jsonargparse's to read
+            except yaml.MarkedYAMLError as error:
+                mark = error.problem_mark or error.context_mark
+                where = f", line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+                fail(f"config file {str(path)!r}{where}: {', '.join(part for part in (error.context, error.problem) if part)}")
+            except (OSError, yaml.YAMLError):
+                pass  # an unreadable path or another problem: jsonargparse reports it
+        return super().parse_path(path, *args, **kwargs)
+
+    def error(self, message: str, ex: Exception | None = None):
+        if os.environ.get("CONTRASTLAB_TRACEBACK") or not self.exit_on_error:
+            return super().error(message, ex)
+        fail(f"{condense_parser_error(message)} (run with --help for the accepted options)")
+
+
+class SaveConfigToRun(SaveConfigCallback):
+    """Write the resolved config next to the run and, with W&B, into the run's config so that runs
+    can be compared by hyperparameter."""
+
+    def save_config(self, trainer, pl_module, stage: str) -> None:
+        if isinstance(trainer.logger, WandbLogger):
+            trainer.logger.experiment.config.update(self.config.as_dict(), allow_val_change=True)
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        """Every checkpoint carries the resolved config (plain YAML types, so `weights_only` loads read it)."""
+        checkpoint.setdefault(RECORD_KEY, {})["config"] = yaml.safe_load(self.parser.dump(self.config, skip_none=False))
+
+
+class ContrastlabCLI(LightningCLI):
+    def __init__(self, model_class, args: Any = None, **kwargs):
+        try:
+            with quiet_run(), one_error_line(NonFiniteLossError, CheckpointMismatch, UnreadableCheckpoint, TooManyUnreadableImages, describe=last_line):
+                super().__init__(
+                    model_class,
+                    ContrastiveDataModule,
+                    subclass_mode_model=True,
+                    subclass_mode_data=True,
+                    parser_class=ContrastlabArgumentParser,
+                    save_config_callback=SaveConfigToRun,
+                    save_config_kwargs={"overwrite": True},
+                    trainer_defaults={"callbacks": [RandomStateCheckpoint(), LastCheckpointOnSigterm(), PreemptionSignals(), TrainingThroughput()]},
+                    auto_configure_optimizers=False,
+                    args=args,
+                    **kwargs,
+                )
+        except SIGTERMException:
+            sys.stderr.write(f"stopped by SIGTERM after global step {self.trainer.global_step} (checkpoints/last.ckpt): resume with --ckpt_path last\n")
+            sys.exit(128 + signal.SIGTERM)
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.link_arguments("data.num_classes", "model.init_args.num_classes", apply_on="instantiate")
+        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        # a resumed run overwrites its own last.ckpt (Lightning would write last-v1.ckpt beside a last.ckpt it
+        # did not write in this process, leaving the stale one where the linear stage and a resume look)
+        parser.set_defaults({"checkpoint.save_last": True, "checkpoint.enable_version_counter": False})
+        parser.add_lightning_class_args(NonFiniteLossGuard, "non_finite")
+
+    def parse_arguments(self, parser: LightningArgumentParser, args) -> None:
+        super().parse_arguments(parser, args)
+        subcommand = self.config.get("subcommand")
+        config = self.config[subcommand] if subcommand else self.config
+        seed = config.get("seed_everything")
+        if not isinstance(seed, int) or isinstance(seed, bool):  # true means seed 0 every time (Lightning >= 2.2 seeds None as 0: Lightning-AI/pytorch-lightning #18846)
+            fail(f"seed_everything must be an explicit integer (a config's seed_everything or --seed_everything), got {seed!r}")
+        ckpt_path = config.get("ckpt_path")
+        if ckpt_path is None or ckpt_path in LIGHTNING_CHECKPOINT_NAMES or "://" in str(ckpt_path) or str(ckpt_path).startswith("registry"):
+            return  # a name Lightning resolves (`last` is read in before_fit), a remote or registry path
+        if not Path(ckpt_path).is_file():
+            fail(f"ckpt_path {ckpt_path!r} is not an existing file (or `last`: the newest checkpoint of trainer.default_root_dir)")
+        with one_error_line(CheckpointMismatch, UnreadableCheckpoint):  # before Lightning reads the hyperparameters from it
+            check_resumable(read_checkpoint(ckpt_path, f"ckpt_path {ckpt_path!r}"), f"ckpt_path {ckpt_path!r}", config)
+
+    def before_instantiate_classes(self) -> None:
+        """A model class may choose its run directory when trainer.default_root_dir is not given
+        (`MethodBase.default_run_directory`: a linear probe runs beside its pretraining checkpoint), after Lightning
+        read a resumed checkpoint's hyperparameters into the config; it is saved with the config."""
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        if config["trainer"].get("default_root_dir") is None:
+            dataset = config["data"]["class_path"].rsplit(".", 1)[-1].removesuffix("DataModule").lower()
+            model = config["model"]
+            directory = class_at(model["class_path"]).default_run_directory(model["init_args"], dataset, config["seed_everything"])
+            if directory is not None:
+                config["trainer"]["default_root_dir"] = directory
+
+    def instantiate_classes(self) -> None:
+        trainer = (self.config[self.subcommand] if self.subcommand else self.config)["trainer"]
+        accelerator, devices = trainer.get("accelerator"), trainer.get("devices")
+        if accelerator in ("gpu", "cuda") and not (CUDAAccelerator.is_available() or MPSAccelerator.is_available()):
+            fail(f"trainer.accelerator {accelerator!r}, but this machine has no GPU: give --trainer.accelerator cpu (and --trainer.devices N for N CPU processes)")
+        with one_error_line(ValueError, describe=lambda error: condense_parser_error(str(root_cause(error)))):
+            super().instantiate_classes()
+        if accelerator == "auto" and isinstance(self.trainer.accelerator, CPUAccelerator) and self.trainer.num_devices > 1:
+            # Lightning would quietly start one gloo process per "device" on the CPU
+            fail(
+                f"trainer.devices {devices} asks for {self.trainer.num_devices} devices, but this machine has no GPU: give "
+                f"--trainer.devices 1 to train here, or --trainer.accelerator cpu to start {self.trainer.num_devices} CPU processes"
+            )
+
+    def _check_data(self) -> None:
+        with one_error_line(ValueError):
+            self.datamodule.setup("fit")  # opens the dataset files: a corrupt one is one error line too
+            self.model.check_data(self.datamodule, self.trainer.world_size)
+        for message in (*self.model.expected_warnings(), *self.datamodule.expected_warnings()):
+            warnings.filterwarnings("ignore", message=message)  # within quiet_run: for this run only
+
+    def before_fit(self) -> None:
+        self._check_data()
+        for callback in self.trainer.checkpoint_callbacks:
+            if callback.dirpath is None:  # not under the logger's version folder: one known place per run
+                callback.dirpath = str(Path(self.trainer.default_root_dir) / "checkpoints")
+            if self.trainer.fast_dev_run and isinstance(callback, ModelCheckpoint):
+                # Lightning suppresses checkpoints in a smoke run but still writes last.ckpt when training ends,
+                # which a later `--ckpt_path last` would quietly continue from
+                callback.save_last = False
+        if type(self.trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # Lightning's default, not a configured plugin
+            self.trainer.strategy.checkpoint_io = SameDirectoryCheckpointIO()
+        run = self.config_init[self.subcommand]
+        run["ckpt_path"] = refuse_to_overwrite_a_run(self.trainer, run.get("ckpt_path"))
+        resumed = readable_checkpoint_to_resume(self.trainer, run)
+        if resumed is not None:
+            path, checkpoint = resumed
+            with one_error_line(CheckpointMismatch):
+                check_resumable(checkpoint, f"checkpoint {path}", self.config[self.subcommand])
+        self._start_tracking()
+
+    def _start_tracking(self) -> None:
+        """Bind a W&B logger to the run directory and the resolved config before the trainer creates its run."""
+        if not isinstance(self.trainer.logger, WandbRun):
+            return
+        with one_error_line(ValueError):
+            self.trainer.logger.start(self.trainer.default_root_dir, self.config[self.subcommand].as_dict())
+
+    def _prepare_evaluation(self) -> None:
+        self._check_data()
+        self._start_tracking()
+
+    before_validate = before_test = _prepare_evaluation
+
+    def after_fit(self) -> None:
+        report_results(self.trainer, "val", "results_val.json")
+
+    def after_validate(self) -> None:
+        # its own file: a `validate` in a run directory keeps the training's results (epoch, step, time, images/s)
+        report_results(self.trainer, "val", "results_validate.json")
+
+    def after_test(self) -> None:
+        report_results(self.trainer, "test", "results_test.json")
+
+
+def instantiate_config(config: str, overrides: Sequence[str] = ()) -> ContrastlabCLI:
+    """The model, DataModule and trainer of a pretraining config and its overrides, built without running anything
+    and without a logger: what `python -m analysis`, the key distribution and the throughput benchmark build."""
+    return ContrastlabCLI(MethodBase, args=["--config", config, "--trainer.logger=false", *overrides], run=False)

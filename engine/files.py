@@ -1,0 +1,139 @@
+"""Files on disk: the one reader of checkpoint files, and writes that never leave half a file.
+
+- `read_checkpoint(path, source)` is the only place the project calls `torch.load`. Every entry point that takes a
+  checkpoint (`--ckpt_path`, `model.init_args.pretrained_ckpt`, `backbone.weights`, the analysis, the export)
+  reads it here, for the purpose its `source` names, and gets one `UnreadableCheckpoint` naming the file when it
+  cannot. It loads with `weights_only=True`, which runs no code from the file. Official releases pickle more than
+  tensors (SupContrast its `argparse.Namespace` of options, SCE's Lightning checkpoints their OmegaConf
+  hyperparameters): every class such a file names besides torch's and Python's plain types is let in as an inert
+  `ForeignObject`, which drops what it held and keeps the tensors.
+- `write_atomically(path, write)` writes `<name>.partial` next to `path`, then renames it over `path`.
+- `SameDirectoryCheckpointIO`: Lightning's checkpoint writes, done that way.
+"""
+
+import builtins
+import os
+import pickle
+import re
+import zipfile
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from fsspec.implementations.local import LocalFileSystem
+from lightning.fabric.plugins import TorchCheckpointIO
+from lightning.fabric.utilities.cloud_io import get_filesystem
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+FOREIGN_CLASSES_AT_MOST = 64  # classes a file may name before it is refused (each costs one more read)
+# Python types a pickle may name as values (OmegaConf keeps `dict`, `list`, `int` as the types of its nodes)
+PLAIN_BUILTINS = ("dict", "list", "tuple", "set", "frozenset", "int", "float", "complex", "str", "bytes", "bool")
+ZIP_MAGIC = b"PK\x03\x04"  # torch.save's format since torch 1.6
+PICKLE_STARTS = tuple(bytes([0x80, protocol]) for protocol in (2, 3, 4, 5))  # the legacy format: a pickle (PROTO opcode)
+
+
+class UnreadableCheckpoint(ValueError):
+    """A file given as a checkpoint that cannot be read as one."""
+
+
+class ForeignObject:
+    """Stands in for an object of a class named by a checkpoint file; keeps nothing, runs nothing."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __setstate__(self, state) -> None:
+        pass
+
+
+def read_checkpoint(path: str | os.PathLike, source: str) -> Any:
+    """The object saved in `path` (a `torch.save` file, zip or legacy, or `.safetensors`), tensors on the CPU (a zip
+    file's memory-mapped: read when used). `source` says what the file is for and names it, e.g.
+    "model.init_args.pretrained_ckpt 'x.pth'"; every error is an `UnreadableCheckpoint` that starts with it."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise UnreadableCheckpoint(f"{source} is not an existing file")
+    if path.suffix == ".safetensors":
+        return _read_safetensors(path, source)
+    try:
+        with path.open("rb") as file:
+            start = file.read(16)
+    except OSError as error:
+        raise UnreadableCheckpoint(f"{source} cannot be opened: {error.strerror or error}") from None
+    if not start.startswith((ZIP_MAGIC, *PICKLE_STARTS)):
+        raise UnreadableCheckpoint(f"{source} is not a PyTorch checkpoint (it starts with {start!r})")
+    allowed: list[tuple[Any, str]] = []
+    mmap = zipfile.is_zipfile(path)  # torch's legacy format cannot be mapped
+    while len(allowed) <= FOREIGN_CLASSES_AT_MOST:
+        try:
+            with torch.serialization.safe_globals(allowed):
+                return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        except pickle.UnpicklingError as error:
+            # torch names one refused class per attempt ("GLOBAL argparse.Namespace was not an allowed global"),
+            # a builtin without its module ("GLOBAL dict ..." for builtins.dict)
+            refused = re.search(r"GLOBAL (\S+) was not an allowed global", str(error))
+            if refused is None:
+                raise UnreadableCheckpoint(f"{source} could not be read safely (weights only): {_first_line(error)}") from None
+            allowed.append(_stand_in(refused[1]))
+        except Exception as error:  # a truncated or foreign file: say which file, not a pickle traceback
+            raise UnreadableCheckpoint(f"{source} could not be read as a checkpoint: {_first_line(error)}") from None
+    raise UnreadableCheckpoint(f"{source} names more than {FOREIGN_CLASSES_AT_MOST} classes besides tensors: not read")
+
+
+def _stand_in(name: str) -> tuple[Any, str]:
+    """What a refused global becomes: a plain Python type as itself, any other class an inert `ForeignObject`."""
+    if "." not in name:
+        name = f"builtins.{name}"
+    module, _, attribute = name.rpartition(".")
+    if module == "builtins" and attribute in PLAIN_BUILTINS:
+        return getattr(builtins, attribute), name
+    return type(attribute, (ForeignObject,), {}), name
+
+
+def _read_safetensors(path: Path, source: str) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(path)
+    except (SafetensorError, OSError) as error:
+        raise UnreadableCheckpoint(f"{source} could not be read as a safetensors file: {error}") from None
+
+
+def _first_line(error: Exception) -> str:
+    """The first line of torch's message that describes the file (never its advice to load with weights_only=False,
+    which would run code from the file)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip() and "weights_only" not in line.lower()]
+    return lines[0] if lines else type(error).__name__
+
+
+def is_state_dict(value: Any) -> bool:
+    """A plain state dict: a non-empty mapping of names to tensors."""
+    return isinstance(value, dict) and bool(value) and all(isinstance(v, torch.Tensor) for v in value.values())
+
+
+def last_checkpoint_path(callback: ModelCheckpoint) -> Path:
+    """Where a checkpoint callback writes its `last.ckpt` (the file a resumed run and the linear stage look for)."""
+    return Path(callback.dirpath) / f"{callback.CHECKPOINT_NAME_LAST}{callback.FILE_EXTENSION}"
+
+
+def write_atomically(path: Path, write: Callable[[Path], object]) -> None:
+    """`write(partial)` to `<name>.partial` next to `path`, then rename it over `path` (`os.replace`, atomic
+    within a filesystem): a reader never sees half a file, and an interrupted run never leaves one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    write(partial)
+    os.replace(partial, path)
+
+
+class SameDirectoryCheckpointIO(TorchCheckpointIO):
+    """Writes a local checkpoint to `<name>.partial` in the target's directory, then renames it over the
+    target (`os.replace`, atomic within a filesystem). Lightning's own save goes through an fsspec
+    transaction whose temporary file lies in the system temp dir; where /tmp is another filesystem than
+    the run directory (node-local /tmp, shared run storage: the usual cluster), the final move is a copy,
+    and a job killed during the copy leaves a truncated checkpoint. Remote paths keep Lightning's save."""
+
+    def save_checkpoint(self, checkpoint: dict, path, storage_options=None) -> None:
+        if storage_options is not None or not isinstance(get_filesystem(path), LocalFileSystem):
+            return super().save_checkpoint(checkpoint, path, storage_options)
+        write_atomically(Path(path), lambda partial: torch.save(checkpoint, partial))

@@ -1,0 +1,93 @@
+"""Stopping a run for a scheduler without losing a step: SIGTERM and Slurm's requeue signal, acted on between two
+batches by every process at the same batch, and `last.ckpt` written at that step."""
+
+import signal
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.environments import SLURMEnvironment
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from engine.compat import checkpoint_and_requeue, cluster_environment, stop_at_the_end_of_this_step
+from engine.files import last_checkpoint_path
+
+
+class LastCheckpointOnSigterm(Callback):
+    """On SIGTERM, Lightning finishes the current batch and raises `SIGTERMException`; this writes `last.ckpt`
+    of that step (through the strategy's checkpoint IO, as every checkpoint), so a preempted run resumed
+    with `--ckpt_path last` loses no step. Other exceptions write nothing: Ctrl-C (KeyboardInterrupt) can
+    arrive in the middle of a step, and an error's state (a non-finite loss's) is not one to resume
+    from, which is why this is not `ModelCheckpoint(save_on_exception=True)`: that saves on any exception."""
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        if not isinstance(exception, SIGTERMException) or trainer.fast_dev_run:
+            return  # a smoke run (`fast_dev_run`) leaves no checkpoint to resume from
+        for callback in trainer.checkpoint_callbacks:
+            if isinstance(callback, ModelCheckpoint) and callback.save_last and callback.dirpath:
+                trainer.save_checkpoint(last_checkpoint_path(callback))
+
+
+class PreemptionSignals(Callback):
+    """Acts on a scheduler's signals between two batches, on every process at the same batch.
+
+    Lightning's own handlers act inside the signal handler: on the requeue signal under Slurm (SIGUSR1,
+    `sbatch --signal=SIGUSR1@90`) it writes `hpc_ckpt_<n>.ckpt` and runs `scontrol requeue` at once, which
+    can be inside a step (after the step enqueued its keys, before its optimizer step: the requeued run
+    would enqueue them twice); on SIGTERM it broadcasts from inside the handler, a collective that can pair
+    with another collective of a process that is elsewhere, and the processes then wait on each other.
+    Here a signal only marks the request; after each training step, and after each validation batch
+    of a fit (a kNN monitor over a large bank can outlast Slurm's 90 s of notice), the processes agree in
+    one all-reduce, then all of them act at the same batch: Lightning's own checkpoint-and-requeue for the
+    requeue signal; for SIGTERM, Lightning's own stop at the end of a training step (it raises
+    `SIGTERMException`), and the same exception at once during validation, which Lightning's loops do
+    not check. `LastCheckpointOnSigterm` then writes `last.ckpt`. A run resumed from a checkpoint written
+    during validation goes on with the next training step: Lightning skips the rest of that validation (its
+    metrics are missing from the logs); the training is the uninterrupted run's, since validation draws no
+    random number from the generator the training draws from (`datamodules.base`)."""
+
+    def __init__(self):
+        self.requested = {signal.SIGTERM: False, signal.SIGUSR1: False}
+        self.requeue_signal: int | None = None
+        self.agreement_group = None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        # Lightning registered its handlers for this fit and restores the original ones at teardown
+        signal.signal(signal.SIGTERM, self._request)
+        environment = cluster_environment(trainer)
+        if isinstance(environment, SLURMEnvironment) and environment.auto_requeue:
+            self.requeue_signal = environment.requeue_signal
+            signal.signal(self.requeue_signal, self._request)
+        self.trainer = trainer
+        if trainer.world_size > 1 and dist.get_backend() != "gloo":
+            # the processes agree on the CPU, so that a GPU run never waits here for its device to catch up
+            self.agreement_group = dist.new_group(backend="gloo")
+
+    def _request(self, signum: int, frame) -> None:
+        if signum == signal.SIGTERM and not self.requested[signal.SIGTERM] and self.trainer.strategy.launcher is not None:
+            self.trainer.strategy.launcher.kill(signum)  # processes Lightning started itself get it too
+        self.requested[signal.SIGTERM if signum == signal.SIGTERM else signal.SIGUSR1] = True
+
+    def _agreed_stop(self, trainer, pl_module) -> bool:
+        """Runs the requeue if any process received its signal; whether any process received SIGTERM."""
+        stop, requeue = self.requested[signal.SIGTERM], self.requested[signal.SIGUSR1]
+        if trainer.world_size > 1:  # one all-reduce of two CPU bytes
+            flags = torch.tensor([stop, requeue], dtype=torch.uint8)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.agreement_group)
+            stop, requeue = (bool(flag) for flag in flags.tolist())
+        if requeue:
+            self.requested[signal.SIGUSR1] = False
+            checkpoint_and_requeue(trainer, self.requeue_signal)
+        return stop
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self._agreed_stop(trainer, pl_module):
+            stop_at_the_end_of_this_step(trainer)
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        if trainer.state.fn != TrainerFn.FITTING or trainer.sanity_checking:
+            return  # a validate run has nothing to save; the sanity check comes before the handlers
+        if self._agreed_stop(trainer, pl_module):
+            stop_at_the_end_of_this_step(trainer)
+            raise SIGTERMException()

@@ -1,0 +1,71 @@
+"""What a method remembers of past steps: `KeyQueue`, a FIFO queue of keys (one per row) with optional labels,
+filled with gathered keys (MoCo, SCE, ReSSL, JCL, PaCo); `MemoryBank`, one entry per training sample,
+momentum-updated by sample index (NPID)."""
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class KeyQueue(nn.Module):
+    """FIFO queue of `size` keys of dimension `dim` (one key per row), with optional integer labels.
+
+    Keys start as random unit vectors (MoCo's initialisation); labels, when kept, start as random
+    classes (PaCo's initialisation). `push` writes a batch at the pointer and wraps around modulo the
+    queue size, so any batch up to `size` keys is handled. Keys, labels and the pointer are buffers,
+    hence saved in and restored from checkpoints.
+    """
+
+    def __init__(self, size: int, dim: int, num_classes: int | None = None):
+        super().__init__()
+        if size < 1 or dim < 1:
+            raise ValueError(f"queue size and dim must be >= 1, got size={size}, dim={dim}")
+        self.register_buffer("keys", F.normalize(torch.randn(size, dim), dim=1))
+        self.register_buffer("pointer", torch.zeros((), dtype=torch.long))
+        self.register_buffer(
+            "labels", torch.randint(0, num_classes, (size,)) if num_classes is not None else None
+        )
+
+    @property
+    def size(self) -> int:
+        return self.keys.shape[0]
+
+    def read(self) -> torch.Tensor:
+        """A detached copy: the caller's loss graph must not see this step's enqueue."""
+        return self.keys.clone()
+
+    def read_labels(self) -> torch.Tensor:
+        return self.labels.clone()
+
+    @torch.no_grad()
+    def push(self, keys: torch.Tensor, labels: torch.Tensor | None = None) -> None:
+        """Enqueue already-gathered keys (and labels) in order, overwriting the oldest entries. At most `size`
+        keys: `MethodBase.check_data` refuses, before training, a queue smaller than the keys of a step."""
+        count = keys.shape[0]
+        if (labels is None) != (self.labels is None):
+            raise ValueError("labels must be given exactly when the queue keeps labels")
+        slots = (self.pointer + torch.arange(count, device=keys.device)) % self.size
+        self.keys[slots] = keys.detach().to(self.keys.dtype)
+        if labels is not None:
+            self.labels[slots] = labels.to(self.labels.dtype)
+        self.pointer.copy_((self.pointer + count) % self.size)
+
+
+class MemoryBank(nn.Module):
+    """One `dim`-vector per training sample (NPID). Initialised uniformly in +-1/sqrt(dim/3) as in
+    NPID; `update` sets v_i <- normalize(m * v_i + (1 - m) * f_i) for the given sample indices."""
+
+    def __init__(self, size: int, dim: int):
+        super().__init__()
+        bound = 1.0 / math.sqrt(dim / 3)
+        self.register_buffer("entries", torch.rand(size, dim) * 2 * bound - bound)
+
+    def read(self) -> torch.Tensor:
+        return self.entries.clone()
+
+    @torch.no_grad()
+    def update(self, indices: torch.Tensor, features: torch.Tensor, momentum: float) -> None:
+        mixed = momentum * self.entries[indices] + (1.0 - momentum) * features.detach().to(self.entries.dtype)
+        self.entries[indices] = F.normalize(mixed, dim=1)
