@@ -322,16 +322,17 @@ def table_rows(table: Table, runs: list[Run]) -> list[dict]:
         status = "done" if done else "; ".join(f"seed {run.seed}: " + (f"{stage} {status}" if stage else str(status))
                                                for run, (stage, status) in zip(row_runs, statuses))
         urls = [(run.seed, wandb_url(run)) for run in row_runs]
+        common = {"row": row, "row_id": row.id, "label": row.label, "status": status, "source": row.source, "urls": urls,
+                  "directory": row_runs[0].directory.parent,
+                  "runs": " ".join(url or str(run.directory) for run, (_, url) in zip(row_runs, urls))}
         for metric in row.metrics:
             paper = row.paper.get(metric.name)
             summary = measured(row_runs, metric) if done else None
             mean = None if summary is None else 100 * summary["mean"]
             std = None if summary is None or summary["n"] == 1 else 100 * summary["std"]
             difference = None if mean is None or paper is None or table.stand_in else mean - paper
-            entries.append({"row": row, "row_id": row.id, "label": row.label, "metric": metric.name, "paper": paper, "mean": mean, "std": std,
-                            "n": summary["n"] if summary else None, "difference": difference, "status": status,
-                            "source": row.source, "directory": row_runs[0].directory.parent, "urls": urls,
-                            "runs": " ".join(url or str(run.directory) for run, (_, url) in zip(row_runs, urls))})
+            entries.append(common | {"metric": metric.name, "paper": paper, "mean": mean, "std": std,
+                                     "n": summary["n"] if summary else None, "difference": difference})
     return entries
 
 
@@ -353,8 +354,9 @@ def markdown(table: Table, entries: list[dict]) -> str:
     notes = ["", "Measured: mean ± sample standard deviation over the row's seeds (n), in %, shown once every seed is done; "
              "difference: measured − paper, in points."]
     if table.stand_in:
-        notes.append(f"Stand-in: {table.stand_in}" + (" Its paper numbers are the stood-in table's, for orientation only "
-                     "(different data, trunk and scale): no difference is computed." if any(entry["paper"] is not None for entry in entries) else ""))
+        orientation = (" Its paper numbers are the stood-in table's, for orientation only (different data, trunk and scale): "
+                       "no difference is computed.") if any(entry["paper"] is not None for entry in entries) else ""
+        notes.append(f"Stand-in: {table.stand_in}{orientation}")
     notes.append("Sources: " + "; ".join(dict.fromkeys(entry["source"] for entry in entries)) + ".")
     notes += [f"Note on {row.label}: {row.note}." for row in dict.fromkeys(entry["row"] for entry in entries) if row.note]
     notes += [f"Not covered: {label}: {reason}." for label, reason in table.not_covered]
@@ -385,7 +387,7 @@ def log_to_wandb(table: Table, runs: list[Run], entries: list[dict], out: Path) 
     data = [[None if isinstance(entry[column], float) and math.isnan(entry[column]) else entry[column] for column in CSV_COLUMNS]
             for entry in entries]
     summary.log({"table": wandb.Table(columns=CSV_COLUMNS, data=data)})
-    where = summary.url or str(Path(summary.dir).parent)
+    where = str(Path(summary.dir).parent) if mode == "offline" else summary.url  # an offline run has no address
     summary.finish()
     return where
 

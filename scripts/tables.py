@@ -131,7 +131,8 @@ def parse_evaluation(entry) -> Evaluation:
     if isinstance(entry, dict) and entry.get("longtail") in ("val", "test") and set(entry) <= {"longtail", "overrides"}:
         if entry["longtail"] == "val" and entry.get("overrides"):
             raise ValueError("its evaluation {longtail: val} reads the pretraining's results and takes no overrides")
-        return Evaluation("longtail", split=entry["longtail"], overrides=override_arguments(entry.get("overrides"), "its test overrides"))
+        overrides = override_arguments(entry.get("overrides"), "its test overrides")
+        return Evaluation("longtail", split=entry["longtail"], overrides=overrides)
     raise ValueError(f"its evaluation {entry!r} is none of knn, probe, {{linear: CONFIG, overrides: ...}}, "
                      "{longtail: val} or {longtail: test, overrides: ...}")
 
