@@ -330,7 +330,7 @@ def test_the_dry_run_of_every_table_prints_commands_that_resolve_with_print_conf
     """Every printed command's config and arguments resolve. The commands of one entry point and subcommand resolve in
     one `--print_config`: each distinct config once, as `--config CONFIG` followed by the arguments of all its commands
     (the CLI loads the configs and applies the arguments left to right, checking each against the classes of the config
-    it follows; each config on its own resolves in tests/test_configs.py). A problem is then located config by config."""
+    it follows; each config on its own resolves in tests/test_cli.py). A problem is then located config by config."""
     import main_linear
     import main_pretrain
     from test_doc_commands import print_config
