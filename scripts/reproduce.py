@@ -328,10 +328,11 @@ def table_rows(table: Table, runs: list[Run]) -> list[dict]:
         for metric in row.metrics:
             paper = row.paper.get(metric.name)
             summary = measured(row_runs, metric) if done else None
-            mean = None if summary is None else 100 * summary["mean"]
-            std = None if summary is None or summary["n"] == 1 else 100 * summary["std"]
+            scale = 100.0 if metric.percent else 1.0
+            mean = None if summary is None else scale * summary["mean"]
+            std = None if summary is None or summary["n"] == 1 else scale * summary["std"]
             difference = None if mean is None or paper is None or table.stand_in else mean - paper
-            entries.append(common | {"metric": metric.name, "paper": paper, "mean": mean, "std": std,
+            entries.append(common | {"metric": metric.name, "paper": paper, "mean": mean, "std": std, "percent": metric.percent,
                                      "n": summary["n"] if summary else None, "difference": difference})
     return entries
 
@@ -345,14 +346,15 @@ def markdown(table: Table, entries: list[dict]) -> str:
         if entry["mean"] is None:
             value = "—" if entry["status"] == "done" else ""  # done, but a metric its runs did not record
         else:
-            value = f"{entry['mean']:.2f}" + (f" ± {entry['std']:.2f}" if entry["std"] is not None else "") + f" (n={entry['n']})"
+            digits = 2 if entry["percent"] else 3
+            value = f"{entry['mean']:.{digits}f}" + (f" ± {entry['std']:.{digits}f}" if entry["std"] is not None else "") + f" (n={entry['n']})"
         links = " ".join([f"`{shown(entry['directory'])}/`", *(f"[s{seed}]({url})" for seed, url in entry["urls"] if url)])
         lines.append("| " + " | ".join([
             entry["label"] if first else "", entry["metric"], "—" if entry["paper"] is None else f"{entry['paper']}", value,
             "—" if entry["difference"] is None else f"{entry['difference']:+.2f}", entry["status"] if first else "", links if first else "",
         ]) + " |")
-    notes = ["", "Measured: mean ± sample standard deviation over the row's seeds (n), in %, shown once every seed is done; "
-             "difference: measured − paper, in points."]
+    notes = ["", "Measured: mean ± sample standard deviation over the row's seeds (n), accuracies in %, shown once every seed "
+             "is done; difference: measured − paper."]
     if table.stand_in:
         orientation = (" Its paper numbers are the stood-in table's, for orientation only (different data, trunk and scale): "
                        "no difference is computed.") if any(entry["paper"] is not None for entry in entries) else ""

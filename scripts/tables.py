@@ -24,8 +24,10 @@ Evaluations and the metrics they give (in %):
 - `{longtail: val}`: `many`, `medium`, `few`, `all`, a long-tail classifier's top-1 per shot group and over all
   images at the end of pretraining (`val/many_top1`, `val/medium_top1`, `val/few_top1`, `val/top1`);
 - `{longtail: test, overrides: {...}}`: the same from `main_pretrain.py test` on the run's `last.ckpt`, run in
-  `<run>/test` (the `test/` keys of its `results_test.json`).
-`paper` names some of the row's metrics: every row of a paper's table gives at least one number; a stand-in
+  `<run>/test` (the `test/` keys of its `results_test.json`);
+- `representation`: `uniformity` (-L_uniformity) and `tolerance` of the validation embeddings at the end of
+  pretraining (`val/uniformity`, `val/tolerance`, logged by a config's `analysis.RepresentationAnalysis`), not in %.
+`paper` names some of the row's metrics (their numbers in the paper's units): every row of a paper's table gives at least one number; a stand-in
 table's rows may give none (`null`), and there its numbers are the stood-in table's, for orientation only.
 `load_table` checks a file against this schema; the first problem is one ValueError naming the file and the row.
 """
@@ -50,11 +52,12 @@ class Metric:
     stage: str  # "" for the pretraining run's directory, else its subdirectory ("linear", "test")
     results: str  # the results file of that stage
     key: str
+    percent: bool = True  # an accuracy, shown x100
 
 
 @dataclass(frozen=True)
 class Evaluation:
-    kind: str  # knn, probe, linear or longtail
+    kind: str  # knn, probe, linear, longtail or representation
     config: str | None = None  # linear: the linear-stage config
     split: str = "val"  # longtail: val (the end of pretraining) or test (a test run)
     overrides: tuple[str, ...] = ()
@@ -70,6 +73,8 @@ class Evaluation:
             return [Metric(self.kind, "", "results_val.json", f"val/{self.kind}_top1")]
         if self.kind == "linear":
             return [Metric("linear", "linear", "results_val.json", "val/probe_top1")]
+        if self.kind == "representation":
+            return [Metric(name, "", "results_val.json", f"val/{name}", percent=False) for name in ("uniformity", "tolerance")]
         stage, results = (self.stage or "", f"results_{self.split}.json")
         return [Metric(name, stage, results, f"{self.split}/{key}") for name, key in SHOT_GROUPS.items()]
 
@@ -123,7 +128,7 @@ def existing_config(path, where: str) -> str:
 
 
 def parse_evaluation(entry) -> Evaluation:
-    if entry in ("knn", "probe"):
+    if entry in ("knn", "probe", "representation"):
         return Evaluation(entry)
     if isinstance(entry, dict) and "linear" in entry and set(entry) <= {"linear", "overrides"}:
         config = existing_config(entry["linear"], "its linear-stage config")
@@ -133,7 +138,7 @@ def parse_evaluation(entry) -> Evaluation:
             raise ValueError("its evaluation {longtail: val} reads the pretraining's results and takes no overrides")
         overrides = override_arguments(entry.get("overrides"), "its test overrides")
         return Evaluation("longtail", split=entry["longtail"], overrides=overrides)
-    raise ValueError(f"its evaluation {entry!r} is none of knn, probe, {{linear: CONFIG, overrides: ...}}, "
+    raise ValueError(f"its evaluation {entry!r} is none of knn, probe, representation, {{linear: CONFIG, overrides: ...}}, "
                      "{longtail: val} or {longtail: test, overrides: ...}")
 
 

@@ -162,7 +162,7 @@ def test_the_status_of_a_stage_comes_from_its_results_lock_and_record(tmp_path):
 
 def test_the_table_shows_a_number_only_for_finished_rows_with_the_results_mean_std_and_n(tmp_path):
     path = write_table(tmp_path / "t.yaml", a_row("a", evaluation="[knn, {linear: configs/linear_digits.yaml}]", paper="{linear: 60.0}")
-                       + a_row("b", seeds=3) + a_row("c", evaluation="{longtail: val}", paper="{all: 40.0, few: 20.0}", seeds=1))
+                       + a_row("b", seeds=3) + a_row("c", evaluation="[{longtail: val}, representation]", paper="{all: 40.0, few: 20.0}", seeds=1))
     table = load_table(path)
     out = tmp_path / "out"
     runs = reproduce.plan(list(table.rows), None, out, [], [])
@@ -173,13 +173,15 @@ def test_the_table_shows_a_number_only_for_finished_rows_with_the_results_mean_s
     for seed, value in enumerate(b_values):
         write_results(out / "b" / f"seed{seed}", {"val/probe_top1": value, "val/knn_top1": value})
     record(out / "b" / "seed2", exit_code=1)  # the third seed of b failed
-    write_results(out / "c" / "seed0", {"val/top1": 0.375, "val/many_top1": 0.5, "val/medium_top1": 0.25, "val/few_top1": 0.125})
+    write_results(out / "c" / "seed0", {"val/top1": 0.375, "val/many_top1": 0.5, "val/medium_top1": 0.25, "val/few_top1": 0.125,
+                                        "val/uniformity": 2.5, "val/tolerance": 0.0625})
     (out / "a" / "seed1" / "log.txt").write_text("wandb: \x1b[33m🚀 View run\x1b[0m at: \x1b[34mhttps://wandb.ai/lab/contrastlab/runs/abc123\x1b[0m\n")
 
     markdown = reproduce.assemble(table, runs, out)
     rows = csv_rows(out)
     assert [(row["row_id"], row["metric"]) for row in rows] == [("a", "knn"), ("a", "linear"), ("b", "probe"), ("b", "knn"),
-                                                               ("c", "many"), ("c", "medium"), ("c", "few"), ("c", "all")]
+                                                               ("c", "many"), ("c", "medium"), ("c", "few"), ("c", "all"),
+                                                               ("c", "uniformity"), ("c", "tolerance")]
     linear = [100 * value for _, value in a_values.values()]
     assert float(rows[1]["mean"]) == statistics.mean(linear) and float(rows[1]["std"]) == statistics.stdev(linear)
     assert rows[1]["n"] == "2" and float(rows[1]["difference"]) == statistics.mean(linear) - 60.0
@@ -188,6 +190,8 @@ def test_the_table_shows_a_number_only_for_finished_rows_with_the_results_mean_s
     assert rows[2]["status"] == f"seed 0: done; seed 1: done; seed 2: pretrain failed (exit 1, log {out / 'b' / 'seed2' / 'log.txt'})"
     assert [rows[index]["mean"] for index in range(4, 8)] == ["50.0", "25.0", "12.5", "37.5"] and rows[4]["std"] == ""
     assert float(rows[7]["difference"]) == pytest.approx(-2.5)
+    assert [rows[8]["mean"], rows[9]["mean"]] == ["2.5", "0.0625"]  # not accuracies: as logged
+    assert markdown.splitlines()[13] == "|  | tolerance | — | 0.062 (n=1) | — |  |  |"
     assert "https://wandb.ai/lab/contrastlab/runs/abc123" in rows[0]["runs"] and str(out / "a" / "seed0") in rows[0]["runs"]
     lines = markdown.splitlines()
     assert lines[2] == "| row | metric | paper | measured | difference | status | runs |"
