@@ -196,8 +196,8 @@ def test_the_table_shows_a_number_only_for_finished_rows_with_the_results_mean_s
     lines = markdown.splitlines()
     assert lines[2] == "| row | metric | paper | measured | difference | status | runs |"
     assert lines[4].startswith("| row a | knn | — | 15.00 ± 7.07 (n=2) | — | done | ") and "[s1](https://wandb.ai/lab/contrastlab/runs/abc123)" in lines[4]
-    assert lines[5] == "|  | linear | 60.0 | 56.25 ± 8.84 (n=2) | -3.75 |  |  |"
-    assert lines[6].startswith("| row b | probe | 50.0 |  | — | seed 0: done; seed 1: done; seed 2: pretrain failed (exit 1, log ")
+    assert lines[5] == "|  | linear | 60.00 | 56.25 ± 8.84 (n=2) | -3.75 |  |  |"
+    assert lines[6].startswith("| row b | probe | 50.00 |  | — | seed 0: done; seed 1: done; seed 2: pretrain failed (exit 1, log ")
     assert (out / "table.md").read_text() == markdown and "Sources: a test." in markdown
 
 
