@@ -15,7 +15,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from datamodules.imagenet import IMAGENET100_WNIDS
 from engine.cli import ContrastlabCLI
 from methods import MethodBase
-from scripts.slurm import submit
+from scripts.slurm import job, submit
 
 ROOT = Path(__file__).parents[1]
 SCE_IMAGENET100 = "configs/sce_imagenet100.yaml"
@@ -85,15 +85,16 @@ def test_a_grid_gives_one_job_per_point_each_in_its_own_run_directory(tmp_path):
 
 
 def fake_sbatch(folder: Path) -> Path:
-    """An `sbatch` that records the files it is given."""
+    """An `sbatch --parsable` that records the files it is given and numbers their jobs from 42."""
     folder.mkdir()
     executable = folder / "sbatch"
-    executable.write_text(f'#!/bin/sh\necho "$1" >> {folder / "submitted"}\necho "Submitted batch job 42"\n')
+    record = folder / "submitted"
+    executable.write_text(f'#!/bin/sh\nfor last; do :; done\necho "$last" >> {record}\necho "$((41 + $(wc -l < {record})));cluster"\n')
     executable.chmod(executable.stat().st_mode | stat.S_IEXEC)
-    return folder / "submitted"
+    return record
 
 
-def test_submission_calls_sbatch_on_each_written_job_file(tmp_path, monkeypatch):
+def test_submission_calls_sbatch_on_each_written_job_file_and_prints_its_job_id(tmp_path, monkeypatch, capsys):
     record = fake_sbatch(tmp_path / "bin")
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
     assert submit.main(["--config", SCE_IMAGENET100, f"--run-dir={tmp_path / 'run'}", "--grid=model.init_args.temperature=0.1,0.2"]) == 0
@@ -101,6 +102,39 @@ def test_submission_calls_sbatch_on_each_written_job_file(tmp_path, monkeypatch)
     assert record.read_text().splitlines() == [str(script) for script in scripts]
     rendered = render(f"--run-dir={tmp_path / 'run'}", "--grid=model.init_args.temperature=0.1,0.2")
     assert [script.read_text() for script in scripts] == [text for _, text in rendered]
+    assert capsys.readouterr().out.splitlines() == [f"submitted job 42: {scripts[0]}", f"submitted job 43: {scripts[1]}"]
+
+
+def test_a_refused_submission_is_one_error_with_sbatchs_message(tmp_path, monkeypatch):
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "sbatch").write_text('#!/bin/sh\necho "sbatch: error: invalid partition specified: gpu" >&2\nexit 1\n')
+    (tmp_path / "bin" / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    with pytest.raises(SystemExit, match=r"error: sbatch .*job.sbatch failed: sbatch: error: invalid partition specified: gpu$"):
+        submit.main(["--config", SCE_IMAGENET100, f"--run-dir={tmp_path / 'run'}"])
+
+
+def test_a_job_after_another_waits_for_its_success_and_a_stage_picks_the_entry_point(tmp_path):
+    ((_, text),) = render(f"--run-dir={tmp_path / 'run' / 'linear'}", "--after=1234", "--stage=test", "--job-name=t-row-s0-test")
+    lines = sbatch_lines(text)
+    assert lines[0] == "--job-name=t-row-s0-test" and lines[-2:] == ["--dependency=afterok:1234", "--kill-on-invalid-dep=yes"]
+    assert srun_arguments(text)[:5] == ["python", "main_pretrain.py", "test", "--config", SCE_IMAGENET100]
+    ((_, text),) = submit.render_jobs(submit.parse_args(["--config", "configs/linear_cifar10.yaml", f"--run-dir={tmp_path}", "--stage=linear"]))
+    assert srun_arguments(text)[:3] == ["python", "main_linear.py", "fit"]
+    assert not any(line.startswith("--dependency") for line in sbatch_lines(text))
+    with pytest.raises(SystemExit, match=r"error: --after 'abc' is not a Slurm job id"):
+        submit.main(["--config", SCE_IMAGENET100, f"--run-dir={tmp_path / 'other'}", "--after=abc", "--dry-run"])
+    assert not (tmp_path / "other").exists()
+
+
+def test_paths_and_names_with_spaces_are_quoted_as_sbatch_reads_its_lines(tmp_path):
+    run_dir = tmp_path / "my runs" / "sce #1"
+    ((_, text),) = render(f"--run-dir={run_dir}", '--job-name=a "b"')
+    lines = sbatch_lines(text)
+    assert f'--output="{run_dir}/slurm.out"' in lines and f'--error="{run_dir}/slurm.err"' in lines
+    assert '--job-name="a \\"b\\""' in lines  # sbatch reads \" inside quotes as a quote
+    assert srun_arguments(text)[-1] == f"--trainer.default_root_dir={run_dir}"  # shell-quoted on the srun line
+    assert job.sbatch_value("runs/plain/slurm.out") == "runs/plain/slurm.out"  # nothing to quote: unchanged
 
 
 def test_without_sbatch_on_path_submission_is_one_error_naming_it_and_writes_nothing(tmp_path, monkeypatch):

@@ -3,6 +3,7 @@ must match them, and the hand-over to `sbatch`. Shared by `scripts/slurm/submit.
 `scripts/sweep.py --slurm` (a job array), so that both write the same #SBATCH lines."""
 
 import argparse
+import re
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -41,6 +42,15 @@ def read_config(path: str) -> dict:
     if not isinstance(config, dict):
         raise ValueError(f"--config {path!r} is not a config (a YAML mapping of trainer, model, data, ...)")
     return config
+
+
+def sbatch_value(text: str) -> str:
+    """`text` as one argument of an #SBATCH line: sbatch splits those lines at whitespace and ends them at an
+    unquoted `#`, groups a double-quoted span and reads a backslash as an escape (SchedMD/slurm
+    src/sbatch/opt.c, _get_argument), so a value holding any of these is double-quoted, `\\` and `"` escaped."""
+    if not re.search(r"[\s\"'\\#]", text):
+        return text
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def from_root(path: Path) -> str:
@@ -83,8 +93,9 @@ class Resources:
         """The template filled in; `command` (already shell-quoted) is run by `srun` on every task."""
         options = "".join(f"\n#SBATCH {option}" for option in (*extra_options, *self.options))
         return Template(TEMPLATE.read_text()).substitute(
-            job_name=job_name, nodes=self.nodes, gpus_per_node=self.gpus_per_node, cpus_per_task=self.cpus_per_task,
-            time=self.time, workdir=ROOT, log_stem=log_stem, extra_options=options, command=command,
+            job_name=sbatch_value(job_name), nodes=self.nodes, gpus_per_node=self.gpus_per_node,
+            cpus_per_task=self.cpus_per_task, time=self.time, workdir=sbatch_value(str(ROOT)),
+            output=sbatch_value(f"{log_stem}.out"), error=sbatch_value(f"{log_stem}.err"), extra_options=options, command=command,
         )
 
 
@@ -95,6 +106,10 @@ def sbatch_executable() -> str:
     return executable
 
 
-def submit(executable: str, script: Path) -> None:
-    if subprocess.run([executable, str(script)], cwd=ROOT).returncode != 0:
-        raise ValueError(f"sbatch {script} failed (its message is above)")
+def submit(executable: str, script: Path) -> str:
+    """Submit `script`; its job id (`sbatch --parsable` prints `<id>[;<cluster>]`)."""
+    result = subprocess.run([executable, "--parsable", str(script)], cwd=ROOT, capture_output=True, text=True)
+    job_id = re.search(r"\d+", result.stdout)
+    if result.returncode != 0 or job_id is None:
+        raise ValueError(f"sbatch {script} failed: {(result.stderr or result.stdout).strip()}")
+    return job_id.group()
