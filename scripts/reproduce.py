@@ -56,7 +56,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script: make `scripts` importable
 from engine.config import split_overrides  # noqa: E402
-from engine.reliability import write_atomically  # noqa: E402
+from engine.files import write_atomically  # noqa: E402
 from engine.tracking import stored_run_id, wandb_mode  # noqa: E402
 from scripts import sweep  # noqa: E402
 from scripts.slurm import job, submit  # noqa: E402
