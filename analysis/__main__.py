@@ -11,6 +11,13 @@ the CLI overrides given after `--`. A published checkpoint (`--format`, `interop
 trunk and projection head of the config's method, which must be built as the official code builds them
 (overrides after `--`). Writes OUT/metrics.json, OUT/local_separation.png and OUT/negative_entropy.png,
 OUT being `<run>/analysis` unless `--out` says otherwise.
+
+Two more commands take the same checkpoint, --format, --config, --split, --out and overrides:
+
+    uv run python -m analysis embedding-map CKPT --config CONFIG   # OUT/embedding_map.png, a t-SNE map by class
+    uv run python -m analysis few-shot CKPT --config CONFIG        # OUT/few_shot.json, k-shot linear probes
+
+(`python -m analysis embedding-map --help`, `python -m analysis few-shot --help`.)
 """
 
 import argparse
@@ -18,55 +25,60 @@ import json
 import sys
 from pathlib import Path
 
-import torch
-
+from analysis import embedding_map, few_shot
+from analysis.embedding_map import MAX_LEGEND_CLASSES, write_embedding_map
+from analysis.loading import add_checkpoint_arguments, default_out, load_checkpoint_and_data, load_method
 from analysis.representation import analyse
-from engine.cli import instantiate_config
 from engine.config import split_overrides
-from engine.files import read_checkpoint, write_atomically
-from interop import FORMATS, load_official_encoder
-from methods import PretrainMethod
-from methods.checkpoints import require_method
+from engine.files import write_atomically
+
+__all__ = ["load_method", "main"]
 
 
-def load_method(checkpoint_path: Path, checkpoint: dict | None = None) -> PretrainMethod:
-    """The pretraining method saved in a checkpoint (read here unless given), as the class the CLI instantiated."""
-    source = str(checkpoint_path)
-    checkpoint = read_checkpoint(checkpoint_path, source) if checkpoint is None else checkpoint
-    method_class = require_method(checkpoint, source, PretrainMethod, "analyse the checkpoint of a pretraining method (main_pretrain.py)")
-    return method_class.load_from_checkpoint(checkpoint_path, map_location="cpu")
+def embedding_map_command(argv: list[str]) -> int:
+    own, overrides = split_overrides(argv)
+    parser = argparse.ArgumentParser(prog="python -m analysis embedding-map", description=embedding_map.__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_checkpoint_arguments(parser)
+    parser.add_argument("--space", choices=("trunk", "embedding"), default="trunk", help="which embeddings to map")
+    parser.add_argument("--max-samples", type=int, default=2048, help="images mapped (a fixed random subset)")
+    parser.add_argument("--max-classes", type=int, default=10, help=f"map the images of the first classes only (at most {MAX_LEGEND_CLASSES})")
+    parser.add_argument("--seed", type=int, default=0, help="of the subset and of t-SNE")
+    args = parser.parse_args(own)
+    try:
+        model, datamodule, _ = load_checkpoint_and_data(args, overrides)
+        title = f"{type(model).__name__}, {Path(args.config).stem}, {args.split}, {args.space}"
+        path = write_embedding_map(model, datamodule, default_out(args) / "embedding_map.png", args.split, args.space,
+                                   args.max_samples, args.max_classes, args.seed, title)
+    except ValueError as error:
+        raise SystemExit(f"error: {error}") from None
+    print(f"figure: {path}")
+    return 0
+
+
+COMMANDS = {"embedding-map": embedding_map_command, "few-shot": few_shot.main}
 
 
 def main(argv: list[str]) -> int:
+    if argv and argv[0] in COMMANDS:
+        return COMMANDS[argv[0]](argv[1:])
     own, overrides = split_overrides(argv)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("checkpoint", type=Path, help="a main_pretrain.py checkpoint, or a published one (--format)")
-    parser.add_argument("--format", choices=FORMATS, help="the checkpoint's layout (default: read from its keys)")
-    parser.add_argument("--config", required=True, help="the pretraining config (for the data)")
-    parser.add_argument("--split", default="val", help="the DataModule split to analyse")
+    add_checkpoint_arguments(parser)
     parser.add_argument("--max-samples", type=int, default=2048, help="images analysed (a fixed random subset)")
     parser.add_argument("--view", help="the training view of the anchors (default: the method's first)")
     parser.add_argument("--temperature", type=float, help="of the entropy over negatives (default: the method's)")
-    parser.add_argument("--out", type=Path, help="output folder (default: <run>/analysis)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(own)
-    if not args.checkpoint.is_file():
-        raise SystemExit(f"error: checkpoint {str(args.checkpoint)!r} is not an existing file")
     try:
-        cli = instantiate_config(args.config, overrides)
-        source = f"checkpoint {str(args.checkpoint)!r}"
-        checkpoint = read_checkpoint(args.checkpoint, source)
-        official = load_official_encoder(cli.model, checkpoint, args.format, source)  # None: a contrastlab checkpoint
-        model = (cli.model if official else load_method(args.checkpoint, checkpoint)).to(args.device)
-        datamodule = cli.datamodule
+        model, datamodule, checkpoint_format = load_checkpoint_and_data(args, overrides)
         report = analyse(model, datamodule, args.split, args.view, args.temperature, args.max_samples)
     except ValueError as error:
         raise SystemExit(f"error: {error}") from None
 
-    out = args.out or args.checkpoint.resolve().parent.parent / "analysis"
+    out = default_out(args)
     title = f"{type(model).__name__}, {Path(args.config).stem}, {args.split}"
     figures = report.write_figures(out, title=title)
-    record = {"checkpoint": str(args.checkpoint), "format": official or "contrastlab", "split": args.split, "samples": len(report.positive), **report.scalars()}
+    record = {"checkpoint": str(args.checkpoint), "format": checkpoint_format, "split": args.split, "samples": len(report.positive), **report.scalars()}
     write_atomically(out / "metrics.json", lambda partial: partial.write_text(json.dumps(record, indent=1)))
     print(json.dumps(record, indent=1))
     print("figures: " + ", ".join(str(path) for path in figures.values()))

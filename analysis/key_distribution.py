@@ -31,7 +31,8 @@ from matplotlib.figure import Figure
 from torch import Tensor
 
 from analysis.figures import save_figure
-from analysis.representation import embed, fixed_subset, isolated_randomness
+from analysis.loading import load_method
+from analysis.representation import embed, eval_mode, fixed_subset, isolated_randomness
 from datamodules.base import ContrastiveDataModule
 from engine.cli import instantiate_config
 from engine.config import split_overrides
@@ -64,12 +65,9 @@ def key_distribution(
     if views_per_image < 2:
         raise ValueError(f"views_per_image must be >= 2, got {views_per_image}")
     view, subset = fixed_subset(model, datamodule, split, view, max_samples, seed)
-    was_training = model.training
-    model.eval()
-    with isolated_randomness(seed, model.device):
+    with eval_mode(model), isolated_randomness(seed, model.device):
         passes = [torch.cat([embed(model, images) for images in datamodule.view_batches(subset, view, model.device)])
                   for _ in range(views_per_image)]
-    model.train(was_training)
     return augmentation_statistics(torch.stack(passes, dim=1))
 
 
@@ -95,8 +93,6 @@ def summary(similarity: Tensor, variance: Tensor) -> dict[str, float]:
 
 
 def main(argv: list[str]) -> int:
-    from analysis.__main__ import load_method  # not at import time: `python -m analysis` must import it first
-
     own, overrides = split_overrides(argv)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run", nargs="+", action="append", required=True, metavar="CHECKPOINT CONFIG [LABEL]",

@@ -1,9 +1,11 @@
-"""Embedding-space metrics of Wang & Isola (ICML 2020) and Wang & Liu (CVPR 2021).
+"""Embedding-space metrics of Wang & Isola (ICML 2020) and Wang & Liu (CVPR 2021), and the collapse indicators
+of RankMe (Garrido et al., ICML 2023) and SimSiam (Chen & He, CVPR 2021).
 
-All take the embeddings as given (pass L2-normalised rows, as the papers do), compute in float32
-(float64 kept) and cost O(N^2): subsample large sets. `local_separation` and `negative_entropy` take
+All compute in float32 (float64 kept). The pairwise ones take the embeddings as given (pass L2-normalised rows,
+as the papers do) and cost O(N^2): subsample large sets. `local_separation` and `negative_entropy` take
 anchors and targets in pairs: target i is anchor i's positive, every other target is a negative of it
-(an NPID anchor against the memory bank, or one augmented view against another).
+(an NPID anchor against the memory bank, or one augmented view against another); `alignment` takes two views
+in the same pairing.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["local_separation", "negative_entropy", "tolerance", "uniformity"]
+__all__ = ["alignment", "local_separation", "negative_entropy", "normalised_std", "rankme", "tolerance", "uniformity"]
+
+RANKME_EPSILON = 1e-7  # Garrido et al. Eq. 1: added to each normalised singular value, for float32
 
 
 def _as_float(z: Tensor) -> Tensor:
@@ -33,6 +37,34 @@ def uniformity(z: Tensor, t: float = 2.0) -> Tensor:
     z = _as_float(z)
     exponents = -t * torch.pdist(z).pow(2)
     return exponents.logsumexp(dim=0) - math.log(len(exponents))
+
+
+def alignment(z: Tensor, positives: Tensor, alpha: float = 2.0) -> Tensor:
+    """Wang & Isola's L_align = mean_i ||z_i - positives_i||^alpha over positive pairs (two views of image i);
+    0 when both views map to the same point, lower is better aligned (at most 2^alpha for unit vectors)."""
+    if not alpha > 0:
+        raise ValueError(f"alpha must be > 0, got {float(alpha)}")
+    z = _as_float(z)
+    if positives.shape != z.shape:
+        raise ValueError(f"positives must have the shape of z {tuple(z.shape)}, got {tuple(positives.shape)}")
+    return (z - positives.to(z.dtype)).norm(dim=1).pow(alpha).mean()
+
+
+def rankme(z: Tensor, epsilon: float = RANKME_EPSILON) -> Tensor:
+    """RankMe (Garrido et al. 2023, Eq. 1), the effective rank of the (N, D) embedding matrix z as given (not
+    centred): exp(-sum_k p_k log p_k) with p_k = sigma_k / ||sigma||_1 + epsilon over its min(N, D) singular
+    values. About r for a matrix of rank r with equal singular values, about 1 for a collapsed one; at most
+    min(N, D), so values compare at a fixed N (the paper uses N = 25,600)."""
+    singular_values = torch.linalg.svdvals(_as_float(z))
+    p = singular_values / singular_values.sum() + epsilon
+    return (-(p * p.log()).sum()).exp()
+
+
+def normalised_std(z: Tensor) -> Tensor:
+    """SimSiam's collapse indicator (Sec. 4.1, Fig. 2): the std over the N samples of each dimension of the
+    L2-normalised rows z_i / ||z_i||, averaged over the D dimensions. 0 for a collapsed output (every row the
+    same direction); about 1/sqrt(D) for rows from an isotropic Gaussian."""
+    return F.normalize(_as_float(z), dim=1).std(dim=0).mean()
 
 
 def tolerance(z: Tensor, labels: Tensor) -> Tensor:

@@ -19,7 +19,7 @@ import random
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -78,22 +78,66 @@ def embed(model, images: Tensor) -> Tensor:
     return model.embed(images.to(model.device))[1].float()
 
 
-def _loader(datamodule: ContrastiveDataModule, dataset: Dataset) -> DataLoader:
-    return DataLoader(dataset, batch_size=datamodule.batch_size, num_workers=datamodule.num_workers)
+@contextmanager
+def eval_mode(model: torch.nn.Module) -> Iterator[None]:
+    """`model` in eval mode (BatchNorm statistics used, not updated), then back in the mode it was in."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+def eval_batches(datamodule: ContrastiveDataModule, dataset: Dataset) -> DataLoader:
+    """`dataset` under the DataModule's evaluation view, in batches `{"image", "label", "index"}`, in order. The
+    loader has a generator of its own, so iterating it draws no number from the global one (as the DataModule's
+    own loaders)."""
+    return DataLoader(EvalDataset(dataset, datamodule.eval_transform), batch_size=datamodule.batch_size,
+                      num_workers=datamodule.num_workers, generator=torch.Generator())
+
+
+@torch.no_grad()
+def eval_embeddings(model, datamodule: ContrastiveDataModule, dataset: Dataset) -> tuple[Tensor, Tensor, Tensor]:
+    """Trunk features, L2-normalised projections (`embed`) and labels of `dataset` under the evaluation view, on
+    the model's device in fp32 (the model's mode is the caller's: `eval_mode`)."""
+    features, projections, labels = [], [], []
+    for batch in eval_batches(datamodule, dataset):
+        trunk, projected = model.embed(batch["image"].to(model.device))
+        features.append(trunk.float())
+        projections.append(projected.float())
+        labels.append(batch["label"].to(model.device))
+    return torch.cat(features), torch.cat(projections), torch.cat(labels)
+
+
+def split_dataset(datamodule: ContrastiveDataModule, split: str) -> Dataset:
+    datamodule.setup()
+    if split not in datamodule.splits:
+        raise ValueError(f"split {split!r} is not one of the DataModule's splits {list(datamodule.splits)}")
+    return datamodule.splits[split]
+
+
+def fixed_choice(candidates: Sequence[int], max_samples: int, seed: int) -> list[int]:
+    """Up to `max_samples` of `candidates` drawn at random, in sorted order: the same ones at every call with
+    the same seed."""
+    order = torch.randperm(len(candidates), generator=torch.Generator().manual_seed(seed))[:max_samples]
+    return sorted(int(candidates[position]) for position in order.tolist())
+
+
+def checked_view(model, datamodule: ContrastiveDataModule, view: str | None) -> str:
+    """A training view of the DataModule (default: the method's first)."""
+    view = view or model.views[0]
+    if view not in datamodule.views:
+        raise ValueError(f"view {view!r} is not among the DataModule's views {list(datamodule.views)}")
+    return view
 
 
 def fixed_subset(model, datamodule: ContrastiveDataModule, split: str, view: str | None, max_samples: int, seed: int) -> tuple[str, Subset]:
     """The training view to analyse (default: the method's first) and a fixed random subset of up to
     `max_samples` images of `split` (the same images at every call with the same seed)."""
-    view = view or model.views[0]
-    if view not in datamodule.views:
-        raise ValueError(f"view {view!r} is not among the DataModule's views {list(datamodule.views)}")
-    datamodule.setup()
-    if split not in datamodule.splits:
-        raise ValueError(f"split {split!r} is not one of the DataModule's splits {list(datamodule.splits)}")
-    dataset = datamodule.splits[split]
-    chosen = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed))[:max_samples]
-    return view, Subset(dataset, chosen.sort().values.tolist())
+    view = checked_view(model, datamodule, view)
+    dataset = split_dataset(datamodule, split)
+    return view, Subset(dataset, fixed_choice(range(len(dataset)), max_samples, seed))
 
 
 @torch.no_grad()
@@ -115,16 +159,9 @@ def analyse(
         raise ValueError(f"{type(model).__name__} has no temperature; give the analysis one")
     view, subset = fixed_subset(model, datamodule, split, view, max_samples, seed)
 
-    was_training = model.training
-    model.eval()
-    targets, labels = [], []
-    with isolated_randomness(seed, model.device):
-        for batch in _loader(datamodule, EvalDataset(subset, datamodule.eval_transform)):
-            targets.append(embed(model, batch["image"]))
-            labels.append(batch["label"])
+    with eval_mode(model), isolated_randomness(seed, model.device):
+        _, targets, labels = eval_embeddings(model, datamodule, subset)
         anchors = torch.cat([embed(model, images) for images in datamodule.view_batches(subset, view, model.device)])
-    model.train(was_training)
-    targets, labels = torch.cat(targets), torch.cat(labels).to(model.device)
 
     positive, nearest_negatives = local_separation(anchors, targets, k=min(10, len(targets) - 1))
     return RepresentationReport(

@@ -56,6 +56,7 @@ class MethodBase(EvaluationMixin, CheckpointRecord, L.LightningModule):
     keys_per_sample: int = 1  # keys a queue receives per training image and step
     compiled_modules = ("backbone", "target_backbone")  # those a method has are compiled with `compile`
     wrong_checkpoint_hint = ""  # added to the CLI's error when --ckpt_path holds another model's checkpoint
+    monitors_representations = True  # the CLI offers the collapse monitor and the embedding map (analysis.monitors)
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

@@ -51,6 +51,7 @@ def probed_trunk(path: str, format: str | None, backbone: BackboneSpec | dict | 
 class LinearProbe(MethodBase):
     views = ("image",)
     wrong_checkpoint_hint = " (a pretraining checkpoint to probe is --model.pretrained_ckpt)"
+    monitors_representations = False  # its trunk is frozen: the pretraining run monitored it
 
     def __init__(
         self,

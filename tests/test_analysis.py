@@ -122,12 +122,16 @@ def test_callback_writes_the_figures_and_sends_them_to_wandb(tmp_path):
 def test_pretraining_logs_the_analysis_and_the_command_analyses_its_checkpoint(tmp_path, capsys):
     run_dir, config = tmp_path / "run", str(ROOT / "configs/npid_digits.yaml")
     data = ["--data.init_args.batch_size=16", "--data.init_args.train_variants=1", "--data.init_args.eval_variants=1"]
+    monitors = ['--trainer.callbacks+={"class_path": "analysis.CollapseMonitor", "init_args": {"every_n_epochs": 1}}',
+                "--trainer.callbacks+=analysis.EmbeddingMap"]
     main_pretrain.cli_main(["fit", "--config", config, "--trainer.max_epochs=1", "--trainer.limit_train_batches=2",
                             "--trainer.check_val_every_n_epoch=1", "--trainer.limit_val_batches=2", "--trainer.logger=false",
-                            "--trainer.enable_progress_bar=false", f"--trainer.default_root_dir={run_dir}", *data])
+                            "--trainer.enable_progress_bar=false", f"--trainer.default_root_dir={run_dir}", *data, *monitors])
     logged = json.loads((run_dir / "results_val.json").read_text())["metrics"]
     assert {"val/uniformity", "val/tolerance", "val/negative_entropy", "val/local_separation"} <= set(logged)
+    assert {"val/rankme_trunk", "val/rankme_projector", "val/projector_std", "val/alignment"} <= set(logged)  # the monitor's
     assert_png(run_dir / "analysis" / "epoch000_local_separation.png")
+    assert_png(run_dir / "analysis" / "embedding_map.png")  # at the end of training
 
     out = tmp_path / "analysis"
     analyse_checkpoint([str(run_dir / "checkpoints" / "last.ckpt"), "--config", config, "--max-samples", "50", "--out", str(out), "--", *data])
@@ -135,3 +139,13 @@ def test_pretraining_logs_the_analysis_and_the_command_analyses_its_checkpoint(t
     assert metrics["samples"] == 50 and set(metrics) >= {"uniformity", "tolerance", "negative_entropy", "local_separation"}
     for name in ("local_separation", "negative_entropy"):
         assert_png(out / f"{name}.png")
+
+    capsys.readouterr()
+    command = [str(run_dir / "checkpoints" / "last.ckpt"), "--config", config, "--out", str(out)]
+    analyse_checkpoint(["embedding-map", *command, "--max-samples", "60", "--space", "embedding", "--", *data])
+    assert capsys.readouterr().out.strip() == f"figure: {out / 'embedding_map.png'}"
+    assert_png(out / "embedding_map.png")
+    analyse_checkpoint(["few-shot", *command, "--shots", "1", "2", "--draws", "2", "--", *data])
+    few_shot = json.loads((out / "few_shot.json").read_text())
+    assert few_shot["format"] == "contrastlab" and few_shot["eval_images"] == 300 and list(few_shot["shots"]) == ["1", "2"]
+    assert capsys.readouterr().out.splitlines()[0].startswith("  1-shot top-1 ")

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torchmetrics.functional.classification import multiclass_stat_scores
 
-from analysis.metrics import tolerance, uniformity
+from analysis.metrics import alignment, normalised_std, rankme, tolerance, uniformity
 
 
 def unit(seed, *shape):
@@ -46,10 +46,48 @@ def test_tolerance_is_invariant_to_the_order_of_classes():
     assert tolerance(z, relabelled).item() == pytest.approx(tolerance(z, labels).item(), abs=1e-12)
 
 
+def test_alignment_is_the_mean_power_of_the_distance_of_positive_pairs():
+    z, positives = unit(7, 5, 3), unit(8, 5, 3)
+    distances = [(z[i] - positives[i]).norm().item() for i in range(5)]
+    assert alignment(z, positives).item() == pytest.approx(sum(d**2 for d in distances) / 5, abs=1e-12)
+    assert alignment(z, positives, alpha=1.0).item() == pytest.approx(sum(distances) / 5, abs=1e-12)
+    assert alignment(z, z).item() == 0.0
+    assert alignment(z, -z).item() == pytest.approx(4.0, abs=1e-12)  # antipodal unit vectors: 2^2
+
+
+def gaussian(seed, *shape):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+@pytest.mark.parametrize("rank", [1, 3, 10, 32])
+def test_rankme_of_a_matrix_of_rank_r_with_equal_singular_values_is_about_r(rank):
+    left, _ = torch.linalg.qr(gaussian(9, 256, rank))
+    right, _ = torch.linalg.qr(gaussian(10, 64, rank))
+    z = 5.0 * left @ right.T  # 256 x 64, singular values: rank times 5, the rest 0
+    assert rankme(z).item() == pytest.approx(rank, rel=1e-3)  # the epsilon adds about (64 - r) * 1e-7 * 16 nats
+
+
+def test_rankme_of_a_collapsed_matrix_is_about_one_and_of_an_isotropic_one_near_full():
+    collapsed = gaussian(11, 1, 64).expand(512, 64) + 1e-6 * gaussian(12, 512, 64)  # every row one point
+    assert rankme(collapsed).item() == pytest.approx(1.0, abs=0.01)
+    isotropic = rankme(gaussian(13, 4096, 64)).item()
+    assert 0.95 * 64 < isotropic <= 64  # the singular values of a finite sample spread a little
+    decaying = torch.diag(torch.tensor([2.0**-k for k in range(8)], dtype=torch.float64))
+    p = torch.tensor([2.0**-k for k in range(8)], dtype=torch.float64) / sum(2.0**-k for k in range(8)) + 1e-7
+    assert rankme(decaying).item() == pytest.approx(math.exp(-(p * p.log()).sum().item()), rel=1e-12)
+
+
+def test_normalised_std_is_zero_when_collapsed_and_about_one_over_sqrt_d_when_isotropic():
+    for dim in (16, 128):
+        assert normalised_std(gaussian(14, 1, dim).expand(100, dim) * torch.arange(1.0, 101.0)[:, None]).item() == pytest.approx(0.0, abs=1e-12)
+        assert normalised_std(gaussian(15, 20000, dim)).item() == pytest.approx(1 / math.sqrt(dim), rel=0.02)
+
+
 def test_metrics_return_float32_for_low_precision_input():
     z = unit(6, 5, 4).to(torch.bfloat16)
     assert uniformity(z).dtype == torch.float32
     assert tolerance(z, torch.tensor([0, 0, 1, 1, 1])).dtype == torch.float32
+    assert alignment(z, z).dtype == rankme(z).dtype == normalised_std(z).dtype == torch.float32
 
 
 @pytest.mark.parametrize(
@@ -59,6 +97,9 @@ def test_metrics_return_float32_for_low_precision_input():
         (lambda: uniformity(torch.eye(2), t=0.0), "t must be > 0"),
         (lambda: tolerance(torch.eye(3), torch.tensor([0, 1])), r"labels must have shape \(3,\)"),
         (lambda: tolerance(torch.eye(3), torch.tensor([0, 1, 2])), "at least one class with two samples"),
+        (lambda: alignment(torch.eye(3), torch.eye(2)), r"positives must have the shape of z \(3, 3\)"),
+        (lambda: alignment(torch.eye(3), torch.eye(3), alpha=0.0), "alpha must be > 0"),
+        (lambda: rankme(torch.ones(4)), r"z must have shape \(N, D\) with N >= 2"),
     ],
 )
 def test_bad_input_raises_value_error(call, message):

@@ -44,6 +44,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveCon
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from analysis.monitors import CollapseMonitor, EmbeddingMap
 from datamodules.base import ContrastiveDataModule
 from datamodules.folders import TooManyUnreadableImages
 from engine.checkpoint_record import RECORD_KEY, CheckpointMismatch
@@ -155,6 +156,9 @@ class ContrastlabCLI(LightningCLI):
         # did not write in this process, leaving the stale one where the linear stage and a resume look)
         parser.set_defaults({"checkpoint.save_last": True, "checkpoint.enable_version_counter": False})
         parser.add_lightning_class_args(NonFiniteLossGuard, "non_finite")
+        if self.model_class.monitors_representations:  # collapse monitors every 10 epochs, the embedding map at the end (docs/evaluation.md)
+            parser.add_lightning_class_args(CollapseMonitor, "collapse_monitor")
+            parser.add_lightning_class_args(EmbeddingMap, "embedding_map")
 
     def parse_arguments(self, parser: LightningArgumentParser, args) -> None:
         super().parse_arguments(parser, args)

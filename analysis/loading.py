@@ -1,0 +1,57 @@
+"""What every `python -m analysis` command reads: a checkpoint's method and the data of its pretraining config.
+
+A contrastlab checkpoint (written by `main_pretrain.py`) gives the method (class and hyperparameters, hence its
+temperature); a published one (`--format`, `interop.official`) gives the trunk and projection head of the config's
+method, which must be built as the official code builds them (overrides after `--`). The data (splits, views,
+evaluation view) come from the pretraining config, with the CLI overrides given after `--`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from datamodules.base import ContrastiveDataModule
+from engine.cli import instantiate_config
+from engine.files import read_checkpoint
+from interop import FORMATS, load_official_encoder
+from methods import PretrainMethod
+from methods.checkpoints import require_method
+
+__all__ = ["add_checkpoint_arguments", "default_out", "load_checkpoint_and_data", "load_method"]
+
+
+def load_method(checkpoint_path: Path, checkpoint: dict | None = None) -> PretrainMethod:
+    """The pretraining method saved in a checkpoint (read here unless given), as the class the CLI instantiated."""
+    source = str(checkpoint_path)
+    checkpoint = read_checkpoint(checkpoint_path, source) if checkpoint is None else checkpoint
+    method_class = require_method(checkpoint, source, PretrainMethod, "analyse the checkpoint of a pretraining method (main_pretrain.py)")
+    return method_class.load_from_checkpoint(checkpoint_path, map_location="cpu")
+
+
+def add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments every analysis command shares: the checkpoint, its format, the config, the split, where to write."""
+    parser.add_argument("checkpoint", type=Path, help="a main_pretrain.py checkpoint, or a published one (--format)")
+    parser.add_argument("--format", choices=FORMATS, help="the checkpoint's layout (default: read from its keys)")
+    parser.add_argument("--config", required=True, help="the pretraining config (for the data)")
+    parser.add_argument("--split", default="val", help="the DataModule split to analyse")
+    parser.add_argument("--out", type=Path, help="output folder (default: <run>/analysis)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+
+
+def load_checkpoint_and_data(args: argparse.Namespace, overrides: list[str]) -> tuple[PretrainMethod, ContrastiveDataModule, str]:
+    """The method of `args.checkpoint` on `args.device`, the DataModule of `args.config` with `overrides`, and the
+    checkpoint's format (`contrastlab` or the official layout read). A bad input is a ValueError naming it."""
+    source = f"checkpoint {str(args.checkpoint)!r}"
+    checkpoint = read_checkpoint(args.checkpoint, source)  # before the config is built: a missing file is one line
+    cli = instantiate_config(args.config, overrides)
+    official = load_official_encoder(cli.model, checkpoint, args.format, source)  # None: a contrastlab checkpoint
+    model = (cli.model if official else load_method(args.checkpoint, checkpoint)).to(args.device)
+    return model, cli.datamodule, official or "contrastlab"
+
+
+def default_out(args: argparse.Namespace) -> Path:
+    """`--out`, else the `analysis` folder of the checkpoint's run (`<run>/checkpoints/x.ckpt` -> `<run>/analysis`)."""
+    return args.out or args.checkpoint.resolve().parent.parent / "analysis"
