@@ -59,6 +59,20 @@ def data_position(trainer: Trainer) -> tuple[int, int]:
     return loop.epoch_progress.current.started - 1, loop.epoch_loop.batch_progress.current.processed
 
 
+def reopen_stopped_epoch(checkpoint: dict) -> None:
+    """Make a checkpoint that a stop inside an epoch wrote (Lightning's max_steps or max_time stop, which marks the
+    epoch processed and completed) resume inside that epoch, as a SIGTERM checkpoint of the same batch does: the
+    epoch counts as started, not processed or completed, and the batch progress stays where it stopped (the loop state
+    `checkpoint["loops"]["fit_loop"]`, as Lightning 2.6 writes it; tests/test_long_runs.py checks both forms)."""
+    for progress in checkpoint["loops"]["fit_loop"]["epoch_progress"].values():
+        progress["processed"] = progress["completed"] = progress["started"] - 1
+
+
+def processed_epochs(checkpoint: dict) -> int:
+    """The epochs a checkpoint's fit loop counts as processed: a resumed run starts the next one."""
+    return checkpoint["loops"]["fit_loop"]["epoch_progress"]["current"]["processed"]
+
+
 def wandb_run_of(logger: WandbLogger):
     """The logger's W&B run if it was created, else None (`logger.experiment` would create it)."""
     return logger._experiment

@@ -160,12 +160,23 @@ def lr_factor(step: int, steps_per_epoch: int, total_steps: int, spec: ScheduleS
     return spec.final_lr_fraction + (1.0 - spec.final_lr_fraction) * cosine
 
 
+def schedule_length(trainer) -> int:
+    """The optimizer steps the learning-rate and momentum schedules run over: `trainer.max_epochs` epochs. A run's
+    `max_steps` (or `max_time`) stops it without changing its schedules, so that a run stopped early and resumed
+    with a later stop trains as one that ran to that stop at once; without `max_epochs` (-1), `max_steps` is the
+    length."""
+    stepping_batches = int(trainer.estimated_stepping_batches)  # also sets up the training dataloader
+    if trainer.max_steps < 0 or trainer.max_epochs is None or trainer.max_epochs < 0:
+        return stepping_batches  # no max_steps: the epochs' steps; no max_epochs: max_steps
+    return trainer.max_epochs * math.ceil(trainer.num_training_batches / trainer.accumulate_grad_batches)  # as Lightning counts them
+
+
 def configure_optimization(trainer, groups: list[dict], optimizer_spec: OptimizerSpec, schedule_spec: ScheduleSpec) -> dict:
     """The optimizer and per-step LambdaLR in the form `configure_optimizers` returns; the learning
     rate is scaled by the global batch size (per-device batch x processes x accumulation) as
     `optimizer_spec.lr_scaling` says."""
     global_batch_size = trainer.datamodule.batch_size * trainer.world_size * trainer.accumulate_grad_batches
-    total_steps = int(trainer.estimated_stepping_batches)  # also sets up the training dataloader
+    total_steps = schedule_length(trainer)
     steps_per_epoch = max(1, trainer.num_training_batches // trainer.accumulate_grad_batches)
     lr = optimizer_spec.effective_lr(global_batch_size)
     optimizer = build_optimizer(groups, optimizer_spec, lr)

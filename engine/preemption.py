@@ -1,16 +1,23 @@
-"""Stopping a run for a scheduler without losing a step: SIGTERM and Slurm's requeue signal, acted on between two
-batches by every process at the same batch, and `last.ckpt` written at that step."""
+"""Stopping a run without losing a step: SIGTERM and Slurm's requeue signal, acted on between two batches by every
+process at the same batch, and `last.ckpt` written at that step; `trainer.max_time` counted per process; a run that
+stopped inside an epoch (max_steps, max_time) resumes inside that epoch."""
 
 import signal
 
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import SLURMEnvironment
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, Timer
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from engine.compat import checkpoint_and_requeue, cluster_environment, stop_at_the_end_of_this_step
+from engine.compat import (
+    checkpoint_and_requeue,
+    cluster_environment,
+    processed_epochs,
+    reopen_stopped_epoch,
+    stop_at_the_end_of_this_step,
+)
 from engine.files import last_checkpoint_path
 
 
@@ -91,3 +98,27 @@ class PreemptionSignals(Callback):
         if self._agreed_stop(trainer, pl_module):
             stop_at_the_end_of_this_step(trainer)
             raise SIGTERMException()
+
+
+class ProcessTimeLimit(Timer):
+    """`trainer.max_time` as the time of this process: Lightning's own Timer carries the elapsed time over a
+    resumption, so a job resubmitted with the same limit would train nothing. A run stopped by it has not ended: the
+    CLI writes no results and says to resume it."""
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """The time of an earlier process does not count."""
+
+    def reached(self) -> bool:
+        remaining = self.time_remaining()
+        return remaining is not None and remaining <= 0
+
+
+class ResumeInStoppedEpoch(Callback):
+    """A run that Lightning stopped inside an epoch (max_steps, max_time) resumes with the next batch of that epoch:
+    Lightning counts such an epoch as completed and would start the next one, while the DataModule's state
+    (`ContrastiveDataModule.state_dict`) holds the batches trained of it."""
+
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        position = checkpoint.get(type(trainer.datamodule).__qualname__) if trainer.datamodule is not None else None
+        if position and position.get("batches") and processed_epochs(checkpoint) > position["epoch"]:
+            reopen_stopped_epoch(checkpoint)

@@ -15,6 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from engine.config import as_spec
+from engine.optim import schedule_length
 from methods.base import MethodMixin
 from methods.shuffle_bn import convert_to_split_batchnorm, distributed_shuffled_forward
 
@@ -115,7 +116,7 @@ class MomentumMixin(MethodMixin):
         super().optimizer_step(*args, **kwargs)
         spec = self.momentum_spec
         step = self.trainer.global_step  # optimizer steps completed before this one: its 0-based index
-        momentum = momentum_at(step, self.trainer.estimated_stepping_batches, spec.base, spec.schedule)
+        momentum = momentum_at(step, schedule_length(self.trainer), spec.base, spec.schedule)
         for online, target in self.momentum_pairs():
             ema_update_(online, target, momentum)
         self.log("train/momentum", momentum, on_step=True, on_epoch=False)

@@ -39,7 +39,7 @@ from typing import Any, Sequence
 import yaml
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator, MPSAccelerator
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, Timer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -52,13 +52,15 @@ from engine.cli.errors import condense_parser_error, fail, last_line, one_error_
 from engine.cli.resume import (
     LIGHTNING_CHECKPOINT_NAMES,
     check_resumable,
+    check_unchanged,
     readable_checkpoint_to_resume,
     refuse_to_overwrite_a_run,
 )
+from engine.cli.run_lock import RunDirectoryInUse, RunDirectoryLock
 from engine.cli.results import report_results
 from engine.files import SameDirectoryCheckpointIO, UnreadableCheckpoint, read_checkpoint
 from engine.non_finite import NonFiniteLossError, NonFiniteLossGuard
-from engine.preemption import LastCheckpointOnSigterm, PreemptionSignals
+from engine.preemption import LastCheckpointOnSigterm, PreemptionSignals, ProcessTimeLimit, ResumeInStoppedEpoch
 from engine.random_state import RandomStateCheckpoint
 from engine.tracking import TrainingThroughput, WandbRun
 from methods.base import MethodBase
@@ -124,12 +126,17 @@ class SaveConfigToRun(SaveConfigCallback):
             trainer.logger.experiment.config.update(self.config.as_dict(), allow_val_change=True)
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
-        """Every checkpoint carries the resolved config (plain YAML types, so `weights_only` loads read it)."""
-        checkpoint.setdefault(RECORD_KEY, {})["config"] = yaml.safe_load(self.parser.dump(self.config, skip_none=False))
+        """Every checkpoint carries the resolved config (plain YAML types, so `weights_only` loads read it) and the
+        number of processes that trained it (with the batch size, the global batch a resumed run must keep)."""
+        record = checkpoint.setdefault(RECORD_KEY, {})
+        record["config"] = yaml.safe_load(self.parser.dump(self.config, skip_none=False))
+        record["world_size"] = trainer.world_size
 
 
 class ContrastlabCLI(LightningCLI):
     def __init__(self, model_class, args: Any = None, **kwargs):
+        self.given_checkpoint: tuple[dict, str] | None = None  # a --ckpt_path file, read when the arguments are parsed
+        self.run_lock: RunDirectoryLock | None = None
         try:
             with quiet_run(), one_error_line(NonFiniteLossError, CheckpointMismatch, UnreadableCheckpoint, TooManyUnreadableImages, describe=last_line):
                 super().__init__(
@@ -140,7 +147,9 @@ class ContrastlabCLI(LightningCLI):
                     parser_class=ContrastlabArgumentParser,
                     save_config_callback=SaveConfigToRun,
                     save_config_kwargs={"overwrite": True},
-                    trainer_defaults={"callbacks": [RandomStateCheckpoint(), LastCheckpointOnSigterm(), PreemptionSignals(), TrainingThroughput()]},
+                    trainer_defaults={"callbacks": [
+                        RandomStateCheckpoint(), LastCheckpointOnSigterm(), PreemptionSignals(), ResumeInStoppedEpoch(), TrainingThroughput(),
+                    ]},  # fmt: skip
                     auto_configure_optimizers=False,
                     args=args,
                     **kwargs,
@@ -148,6 +157,9 @@ class ContrastlabCLI(LightningCLI):
         except SIGTERMException:
             sys.stderr.write(f"stopped by SIGTERM after global step {self.trainer.global_step} (checkpoints/last.ckpt): resume with --ckpt_path last\n")
             sys.exit(128 + signal.SIGTERM)
+        finally:
+            if self.run_lock is not None:
+                self.run_lock.release()
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("data.num_classes", "model.init_args.num_classes", apply_on="instantiate")
@@ -172,8 +184,19 @@ class ContrastlabCLI(LightningCLI):
             return  # a name Lightning resolves (`last` is read in before_fit), a remote or registry path
         if not Path(ckpt_path).is_file():
             fail(f"ckpt_path {ckpt_path!r} is not an existing file (or `last`: the newest checkpoint of trainer.default_root_dir)")
+        source = f"ckpt_path {ckpt_path!r}"
         with one_error_line(CheckpointMismatch, UnreadableCheckpoint):  # before Lightning reads the hyperparameters from it
-            check_resumable(read_checkpoint(ckpt_path, f"ckpt_path {ckpt_path!r}"), f"ckpt_path {ckpt_path!r}", config)
+            checkpoint = read_checkpoint(ckpt_path, source)
+            check_resumable(checkpoint, source, config)
+            if subcommand == "fit":  # an evaluation may use other data settings (batch size, workers)
+                check_unchanged(checkpoint, source, self.resolved_config())
+        self.given_checkpoint = (checkpoint, source)
+
+    def resolved_config(self) -> dict:
+        """The resolved config of the subcommand as `config.yaml` and the checkpoints record it (plain YAML types)."""
+        subcommand = self.config.get("subcommand")
+        dumped = yaml.safe_load(self.parser.dump(self.config, skip_none=False))
+        return dumped[subcommand] if subcommand else dumped
 
     def before_instantiate_classes(self) -> None:
         """A model class may choose its run directory when trainer.default_root_dir is not given
@@ -194,6 +217,10 @@ class ContrastlabCLI(LightningCLI):
             fail(f"trainer.accelerator {accelerator!r}, but this machine has no GPU: give --trainer.accelerator cpu (and --trainer.devices N for N CPU processes)")
         with one_error_line(ValueError, describe=lambda error: condense_parser_error(str(root_cause(error)))):
             super().instantiate_classes()
+        self.run_lock = RunDirectoryLock(self.trainer.default_root_dir)
+        max_time = trainer.get("max_time")
+        if max_time is not None:  # the time of this process, not of the run since it started (engine.preemption)
+            self.trainer.callbacks = [ProcessTimeLimit(max_time) if type(callback) is Timer else callback for callback in self.trainer.callbacks]
         if accelerator == "auto" and isinstance(self.trainer.accelerator, CPUAccelerator) and self.trainer.num_devices > 1:
             # Lightning would quietly start one gloo process per "device" on the CPU
             fail(
@@ -222,11 +249,21 @@ class ContrastlabCLI(LightningCLI):
         run = self.config_init[self.subcommand]
         run["ckpt_path"] = refuse_to_overwrite_a_run(self.trainer, run.get("ckpt_path"))
         resumed = readable_checkpoint_to_resume(self.trainer, run)
-        if resumed is not None:
-            path, checkpoint = resumed
-            with one_error_line(CheckpointMismatch):
+        with one_error_line(CheckpointMismatch):
+            if resumed is not None:  # `last`, `hpc`, a requeue: Lightning takes the model's settings from the config
+                path, checkpoint = resumed
                 check_resumable(checkpoint, f"checkpoint {path}", self.config[self.subcommand])
+                check_unchanged(checkpoint, f"checkpoint {path}", self.resolved_config(), self.trainer.world_size)
+            elif self.given_checkpoint is not None:  # its settings were checked when parsed; the processes now are known
+                check_unchanged(*self.given_checkpoint, self.resolved_config(), self.trainer.world_size)
+        self._claim_run_directory()  # the checks above only read: two runs that pass them together meet here
         self._start_tracking()
+
+    def _claim_run_directory(self) -> None:
+        """One run at a time in a run directory (`engine.cli.run_lock`), claimed before anything is written there."""
+        if self.trainer.is_global_zero:
+            with one_error_line(RunDirectoryInUse):
+                self.run_lock.acquire()
 
     def _start_tracking(self) -> None:
         """Bind a W&B logger to the run directory and the resolved config before the trainer creates its run."""
@@ -237,11 +274,19 @@ class ContrastlabCLI(LightningCLI):
 
     def _prepare_evaluation(self) -> None:
         self._check_data()
+        self._claim_run_directory()
         self._start_tracking()
 
     before_validate = before_test = _prepare_evaluation
 
     def after_fit(self) -> None:
+        limits = [callback for callback in self.trainer.callbacks if isinstance(callback, ProcessTimeLimit)]
+        if limits and limits[0].reached():  # the run has not ended: no results, as after a SIGTERM
+            sys.stderr.write(
+                f"stopped at trainer.max_time {self.config[self.subcommand]['trainer']['max_time']} (this process's time) after "
+                f"global step {self.trainer.global_step} (checkpoints/last.ckpt): resume with --ckpt_path last\n"
+            )
+            sys.exit(128 + signal.SIGTERM)
         report_results(self.trainer, "val", "results_val.json")
 
     def after_validate(self) -> None:

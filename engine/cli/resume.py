@@ -1,8 +1,9 @@
 """Which run a `fit` continues, and the checks before it does: a new run never overwrites an earlier one in its
 directory; `--ckpt_path last`, `hpc` or a Slurm requeue resume the run's newest readable checkpoint; a checkpoint
 is restored only by a run of the class that wrote it, and by a model class whose own check accepts it (a linear
-probe, for instance, checks that its pretraining checkpoint is still there: `MethodBase.check_resume`). Every
-refusal is a `CheckpointMismatch` or one error line, before anything is written."""
+probe, for instance, checks that its pretraining checkpoint is still there: `MethodBase.check_resume`); a resumed
+run trains with the settings it was started with (`changed_setting`). Every refusal is a `CheckpointMismatch` or
+one error line, before anything is written."""
 
 import os
 from pathlib import Path
@@ -11,7 +12,7 @@ from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from engine.checkpoint_record import CheckpointMismatch
+from engine.checkpoint_record import RECORD_KEY, CheckpointMismatch
 from engine.cli.errors import fail
 from engine.files import UnreadableCheckpoint, last_checkpoint_path, read_checkpoint
 from methods.checkpoints import class_at, method_class
@@ -31,6 +32,56 @@ def check_resumable(checkpoint: dict, source: str, config) -> None:
             f"resumes or evaluates a run of the same model{model_class.wrong_checkpoint_hint}"
         )
     model_class.check_resume(checkpoint.get("hyper_parameters", {}), model["init_args"], source)
+
+
+# The settings a run is trained with, which a resumed run must keep: the model (every hyper-parameter, the optimizer
+# and its schedule), the data and its order (the dataset, batch size, views, sampler; the seed of the data order),
+# and what fixes the schedules and the gradient: the epochs, the accumulation and the precision. A resumed run that
+# changed one would restore the optimizer and the schedules of the old value while the config and W&B record the new
+# one (or restore a queue of another size). What a resumption may change: where and how much it runs (max_steps,
+# max_time, validation, logging, checkpoints) and how the data is loaded (workers).
+RUN_CONTROL_DATA_KEYS = ("num_workers", "persistent_workers", "pin_memory", "root")
+TRAINING_TRAINER_KEYS = ("max_epochs", "accumulate_grad_batches", "precision", "gradient_clip_val", "gradient_clip_algorithm", "sync_batchnorm")
+
+
+def flattened(value, prefix: str = "") -> dict[str, object]:
+    """A nested config as `{"a.b.c": leaf}`."""
+    if isinstance(value, dict) and value:
+        return {key: leaf for name, item in value.items() for key, leaf in flattened(item, f"{prefix}{name}.").items()}
+    return {prefix.rstrip("."): value}
+
+
+def training_settings(config: dict) -> dict[str, object]:
+    """The settings of a resolved config (as `config.yaml` holds it) that a resumed run must keep."""
+    data = dict(config.get("data") or {})
+    data["init_args"] = {key: value for key, value in (data.get("init_args") or {}).items() if key not in RUN_CONTROL_DATA_KEYS}
+    trainer = {key: (config.get("trainer") or {}).get(key) for key in TRAINING_TRAINER_KEYS}
+    return flattened({"model": config.get("model"), "data": data, "seed_everything": config.get("seed_everything"), "trainer": trainer})
+
+
+def changed_setting(checkpoint: dict, config: dict, world_size: int | None = None) -> str | None:
+    """The first setting the configured run changes against the run that wrote the checkpoint, as
+    "<key> <new> (the run was trained with <old>)"; None when none changed or the checkpoint records no config."""
+    record = checkpoint.get(RECORD_KEY) or {}
+    if not isinstance(record.get("config"), dict):
+        return None
+    before, now = training_settings(record["config"]), training_settings(config)
+    for key in sorted(before.keys() & now.keys()):  # a setting added since the checkpoint defaults to what it trained
+        if before[key] != now[key]:
+            return f"{key} {now[key]!r} (the run was trained with {before[key]!r})"
+    if world_size is not None and record.get("world_size") not in (None, world_size):
+        return f"{world_size} processes (the run was trained with {record['world_size']}: another global batch)"
+    return None
+
+
+def check_unchanged(checkpoint: dict, source: str, config: dict, world_size: int | None = None) -> None:
+    changed = changed_setting(checkpoint, config, world_size)
+    if changed is not None:
+        raise CheckpointMismatch(
+            f"{source} resumes a run with {changed}: a resumed run keeps the settings it was trained with (its optimizer, "
+            "schedules, queues and data order are restored); train with other settings as a new run under another "
+            "trainer.default_root_dir"
+        )
 
 
 def run_checkpoints(trainer) -> list[Path]:

@@ -1,0 +1,187 @@
+"""The paths a long cluster run takes, each told truthfully (issue 32): a run directory holds one run at a time; a
+resumed run keeps the settings it was trained with, or is refused in one line before anything is written."""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import Timer
+from test_cli import PRETRAIN_DIGITS, TINY_RUN, run_failing
+
+import main_pretrain
+from engine.preemption import ProcessTimeLimit
+
+QUIET = ["--trainer.logger=false", "--trainer.precision=32-true"]
+
+
+def files_in(directory) -> dict:
+    return {path: path.stat().st_mtime_ns for path in directory.rglob("*") if path.is_file()}
+
+
+def pretrain(run_dir, *overrides):
+    return main_pretrain.cli_main(["fit", "--config", PRETRAIN_DIGITS, *TINY_RUN, *QUIET, f"--trainer.default_root_dir={run_dir}", *overrides])
+
+
+@pytest.fixture(scope="module")
+def trained_once(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("trained") / "run"
+    pretrain(run_dir)
+    return run_dir
+
+
+@pytest.fixture
+def finished_run(trained_once, tmp_path):
+    """A copy of a finished two-step run, for the test to resume or alter."""
+    return Path(shutil.copytree(trained_once, tmp_path / "run"))
+
+
+# ----------------------------------------------------------------- one run per directory
+HOLD_THE_LOCK = """
+import fcntl, os, sys, time
+descriptor = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o644)
+fcntl.flock(descriptor, fcntl.LOCK_EX)
+os.write(descriptor, b"process %d on testhost, started now: another run" % os.getpid())
+print("locked", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_second_run_into_a_directory_in_use_is_refused_in_one_line_and_writes_nothing(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_THE_LOCK, str(run_dir / "run.lock")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        before = files_in(run_dir)
+        line = run_failing(main_pretrain, ["fit", "--config", PRETRAIN_DIGITS, *TINY_RUN, *QUIET, f"--trainer.default_root_dir={run_dir}"], capsys)
+        assert line == (f"error: trainer.default_root_dir '{run_dir}' is in use by another run (process {holder.pid} on testhost, started "
+                        "now: another run): wait for it to end, or give this run another trainer.default_root_dir")
+        assert files_in(run_dir) == before
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+@pytest.mark.slow
+def test_the_lock_of_a_run_that_ended_or_died_is_taken_over(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "run.lock").write_text("process 1 on elsewhere, started long ago: killed with -9\n")  # nobody holds it
+    cli = pretrain(run_dir)
+    assert cli.trainer.global_step == 2
+    assert "process" in (run_dir / "run.lock").read_text()
+    assert pretrain(run_dir, "--ckpt_path=last", "--trainer.max_epochs=1").trainer.global_step == 2  # released at the end
+
+
+# ----------------------------------------------------------------- a resumed run keeps its settings
+@pytest.mark.parametrize(
+    "override, changed",
+    [
+        ("--model.init_args.optimizer.lr=2.4", "model.init_args.optimizer.lr 2.4 (the run was trained with 0.24)"),
+        ("--model.init_args.temperature=0.5", "model.init_args.temperature 0.5 (the run was trained with 0.2)"),
+        ("--model.init_args.queue_size=128", "model.init_args.queue_size 128 (the run was trained with 64)"),
+        ("--data.init_args.batch_size=32", "data.init_args.batch_size 32 (the run was trained with 16)"),
+        ("--trainer.max_epochs=3", "trainer.max_epochs 3 (the run was trained with 1)"),
+        ("--seed_everything=1", "seed_everything 1 (the run was trained with 0)"),
+    ],
+)
+@pytest.mark.slow
+def test_resuming_with_a_changed_setting_is_refused_in_one_line_before_anything_is_written(finished_run, override, changed, capsys):
+    before = files_in(finished_run)
+    for ckpt_path in ("last", str(finished_run / "checkpoints" / "last.ckpt")):
+        source = f"checkpoint {finished_run / 'checkpoints' / 'last.ckpt'}" if ckpt_path == "last" else f"ckpt_path {ckpt_path!r}"
+        line = run_failing(main_pretrain, ["fit", "--config", PRETRAIN_DIGITS, *TINY_RUN, *QUIET, f"--trainer.default_root_dir={finished_run}",
+                                           f"--ckpt_path={ckpt_path}", override], capsys)
+        assert line.startswith(f"error: {source} resumes a run with {changed}: a resumed run keeps the settings it was trained with")
+    assert files_in(finished_run) == before
+
+
+@pytest.mark.slow
+def test_resuming_with_another_number_of_processes_is_refused(finished_run, capsys):
+    checkpoint = torch.load(finished_run / "checkpoints" / "last.ckpt", weights_only=True)
+    assert checkpoint["contrastlab"]["world_size"] == 1
+    checkpoint["contrastlab"]["world_size"] = 2  # as if two processes had trained it
+    torch.save(checkpoint, finished_run / "checkpoints" / "last.ckpt")
+    line = run_failing(main_pretrain, ["fit", "--config", PRETRAIN_DIGITS, *TINY_RUN, *QUIET, f"--trainer.default_root_dir={finished_run}",
+                                       "--ckpt_path=last"], capsys)
+    assert "resumes a run with 1 processes (the run was trained with 2: another global batch)" in line
+
+
+@pytest.mark.slow
+def test_what_a_resumption_may_change_does_not_stop_it(finished_run):
+    cli = pretrain(finished_run, "--ckpt_path=last", "--trainer.max_steps=3", "--trainer.limit_val_batches=1", "--data.init_args.num_workers=1",
+                   "--trainer.max_epochs=1")
+    assert cli.trainer.global_step == 2  # the epoch it was trained for is over: nothing more to train
+
+
+def test_the_settings_a_resumed_run_keeps_ignore_settings_added_since_the_checkpoint():
+    from engine.cli.resume import changed_setting
+
+    recorded = {"contrastlab": {"config": {"model": {"init_args": {"lr": 0.1}}, "trainer": {"max_epochs": 5}}}}
+    assert changed_setting(recorded, {"model": {"init_args": {"lr": 0.1, "new_option": "default"}}, "trainer": {"max_epochs": 5}}) is None
+    assert changed_setting(recorded, {"model": {"init_args": {"lr": 0.2}}, "trainer": {"max_epochs": 5}}) == (
+        "model.init_args.lr 0.2 (the run was trained with 0.1)")
+    assert changed_setting({"contrastlab": {}}, {"model": {}}) is None  # a checkpoint without a recorded config
+
+
+# ----------------------------------------------------------------- stops inside an epoch resume exactly
+STOPPABLE = ["--trainer.max_epochs=2", "--trainer.limit_train_batches=4", "--trainer.limit_val_batches=0", "--trainer.num_sanity_val_steps=0",
+             "--embedding_map.enabled=false"]
+
+
+def state_after(cli) -> dict:
+    return {name: tensor.clone() for name, tensor in cli.model.state_dict().items()}
+
+
+def assert_same_state(straight: dict, resumed: dict) -> None:
+    assert straight.keys() == resumed.keys()
+    assert [name for name in straight if not torch.equal(straight[name], resumed[name])] == []
+
+
+@pytest.mark.slow
+def test_a_run_stopped_by_max_steps_inside_an_epoch_and_extended_trains_as_one_straight_run(tmp_path):
+    straight = pretrain(tmp_path / "straight", *STOPPABLE, "--trainer.max_steps=6")
+    stopped = pretrain(tmp_path / "extended", *STOPPABLE, "--trainer.max_steps=3")  # inside epoch 0, at its batch 3 of 4
+    assert stopped.trainer.global_step == 3
+    extended = pretrain(tmp_path / "extended", *STOPPABLE, "--trainer.max_steps=6", "--ckpt_path=last")
+    assert extended.trainer.global_step == straight.trainer.global_step == 6
+    assert extended.trainer.callback_metrics["train/loss"].item() == straight.trainer.callback_metrics["train/loss"].item()
+    assert_same_state(state_after(straight), state_after(extended))
+
+
+@pytest.mark.slow
+def test_a_run_stopped_by_max_time_says_so_writes_no_results_and_resumes_exactly_with_the_same_limit(tmp_path, capsys, monkeypatch):
+    # each training step takes one second of this process's time: a limit of 1 s stops after each step
+    monkeypatch.setattr(ProcessTimeLimit, "time_elapsed", lambda self, stage="train": float(getattr(self, "steps", 0)))
+    monkeypatch.setattr(ProcessTimeLimit, "on_train_batch_end", lambda self, trainer, *args: (
+        setattr(self, "steps", getattr(self, "steps", 0) + 1), Timer.on_train_batch_end(self, trainer, *args)))
+    straight = pretrain(tmp_path / "straight", *STOPPABLE, "--trainer.max_steps=2")
+    run_dir = tmp_path / "timed"
+    for step in (1, 2):  # the second process trains one more step, not none: its own time counts
+        with pytest.raises(SystemExit) as exit_info:
+            pretrain(run_dir, *STOPPABLE, "--trainer.max_steps=2", "--trainer.max_time=00:00:00:01", "--ckpt_path=last")
+        assert exit_info.value.code == 143
+        assert capsys.readouterr().err.strip().splitlines()[-1] == (
+            f"stopped at trainer.max_time 00:00:00:01 (this process's time) after global step {step} (checkpoints/last.ckpt): "
+            "resume with --ckpt_path last")
+        assert not (run_dir / "results_val.json").exists()
+    resumed = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
+    assert resumed["global_step"] == 2
+    assert_same_state(state_after(straight), resumed["state_dict"])
+
+
+@pytest.mark.parametrize("completed", [0, 1])  # the epoch's last.ckpt written at its end (0) or when training ended (1)
+def test_a_checkpoint_of_a_stop_inside_an_epoch_reopens_that_epoch(completed):
+    """The layout of Lightning's loop state that engine.compat.reopen_stopped_epoch changes: a max_steps stop at batch 3
+    of epoch 0 counts the epoch as processed; reopened, it is started only, as in a SIGTERM checkpoint of that batch."""
+    from engine.compat import processed_epochs, reopen_stopped_epoch
+
+    counts = {"ready": 1, "started": 1, "processed": 1, "completed": completed}
+    checkpoint = {"loops": {"fit_loop": {"epoch_progress": {"total": dict(counts), "current": dict(counts)}}}}
+    assert processed_epochs(checkpoint) == 1
+    reopen_stopped_epoch(checkpoint)
+    assert checkpoint["loops"]["fit_loop"]["epoch_progress"]["current"] == {"ready": 1, "started": 1, "processed": 0, "completed": 0}
+    assert processed_epochs(checkpoint) == 0
