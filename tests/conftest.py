@@ -1,5 +1,7 @@
 """Every test starts from the same seed, with deterministic algorithms, and with W&B disabled."""
 
+import sys
+
 import lightning as L
 import pytest
 import torch
@@ -19,4 +21,13 @@ def _wandb_disabled():
     whatever the environment says; a test that needs a W&B run sets WANDB_MODE itself (monkeypatch)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("WANDB_MODE", "disabled")
+        yield
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _no_pytest_arguments_in_argv():
+    """The CLIs under test read the arguments each test gives them, never pytest's own (LightningCLI warns when
+    both are present)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("sys.argv", sys.argv[:1])
         yield

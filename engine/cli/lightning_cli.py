@@ -57,12 +57,13 @@ from engine.cli.resume import (
     refuse_to_overwrite_a_run,
 )
 from engine.cli.run_lock import RunDirectoryInUse, RunDirectoryLock
+from engine.devices import cpu_has_bf16_units, cpu_precision
 from engine.cli.results import report_results
 from engine.files import SameDirectoryCheckpointIO, UnreadableCheckpoint, read_checkpoint
 from engine.non_finite import NonFiniteLossError, NonFiniteLossGuard
 from engine.preemption import LastCheckpointOnSigterm, PreemptionSignals, ProcessTimeLimit, ResumeInStoppedEpoch
 from engine.random_state import RandomStateCheckpoint
-from engine.tracking import TrainingThroughput, WandbRun
+from engine.tracking import TrainingThroughput, WandbRun, WandbUnavailable, wandb_mode
 from methods.base import MethodBase
 from methods.checkpoints import class_at
 
@@ -136,6 +137,7 @@ class SaveConfigToRun(SaveConfigCallback):
 class ContrastlabCLI(LightningCLI):
     def __init__(self, model_class, args: Any = None, **kwargs):
         self.given_checkpoint: tuple[dict, str] | None = None  # a --ckpt_path file, read when the arguments are parsed
+        self.precision_note: str | None = None  # the CPU precision rule's choice, printed at the start of the run
         self.run_lock: RunDirectoryLock | None = None
         try:
             with quiet_run(), one_error_line(NonFiniteLossError, CheckpointMismatch, UnreadableCheckpoint, TooManyUnreadableImages, describe=last_line):
@@ -168,6 +170,10 @@ class ContrastlabCLI(LightningCLI):
         # did not write in this process, leaving the stale one where the linear stage and a resume look)
         parser.set_defaults({"checkpoint.save_last": True, "checkpoint.enable_version_counter": False})
         parser.add_lightning_class_args(NonFiniteLossGuard, "non_finite")
+        parser.add_argument(
+            "--bf16_on_cpu", choices=["auto", "always"], default="auto",
+            help="auto: a CPU run given a bf16 precision trains in 32-true unless the CPU has bf16 units (engine.devices.cpu_precision); always: as given",
+        )  # fmt: skip
         if self.model_class.monitors_representations:  # collapse monitors every 10 epochs, the embedding map at the end (docs/evaluation.md)
             parser.add_lightning_class_args(CollapseMonitor, "collapse_monitor")
             parser.add_lightning_class_args(EmbeddingMap, "embedding_map")
@@ -179,6 +185,7 @@ class ContrastlabCLI(LightningCLI):
         seed = config.get("seed_everything")
         if not isinstance(seed, int) or isinstance(seed, bool):  # true means seed 0 every time (Lightning >= 2.2 seeds None as 0: Lightning-AI/pytorch-lightning #18846)
             fail(f"seed_everything must be an explicit integer (a config's seed_everything or --seed_everything), got {seed!r}")
+        self._choose_cpu_precision(config)
         ckpt_path = config.get("ckpt_path")
         if ckpt_path is None or ckpt_path in LIGHTNING_CHECKPOINT_NAMES or "://" in str(ckpt_path) or str(ckpt_path).startswith("registry"):
             return  # a name Lightning resolves (`last` is read in before_fit), a remote or registry path
@@ -191,6 +198,23 @@ class ContrastlabCLI(LightningCLI):
             if subcommand == "fit":  # an evaluation may use other data settings (batch size, workers)
                 check_unchanged(checkpoint, source, self.resolved_config())
         self.given_checkpoint = (checkpoint, source)
+
+    def _choose_cpu_precision(self, config) -> None:
+        """On a CPU without bf16 units a bf16 precision trains in 32-true, recorded as such in config.yaml and the
+        checkpoints, and said in one line at the start (`self.precision_note`)."""
+        trainer = config["trainer"]
+        accelerator = trainer.get("accelerator")
+        on_cpu = accelerator == "cpu" or (accelerator in ("auto", None) and not (CUDAAccelerator.is_available() or MPSAccelerator.is_available()))
+        if not on_cpu or config.get("bf16_on_cpu", "auto") != "auto":
+            return
+        requested = trainer.get("precision")
+        chosen = cpu_precision(requested, cpu_has_bf16_units())
+        if chosen != str(requested):
+            trainer["precision"] = chosen
+            self.precision_note = (
+                f"trainer.precision {requested} -> {chosen}: this CPU has no bf16 units (AVX512-BF16 or AMX), where bf16 "
+                "trains about 10x slower than fp32; --bf16_on_cpu always keeps it"
+            )
 
     def resolved_config(self) -> dict:
         """The resolved config of the subcommand as `config.yaml` and the checkpoints record it (plain YAML types)."""
@@ -237,6 +261,7 @@ class ContrastlabCLI(LightningCLI):
 
     def before_fit(self) -> None:
         self._check_data()
+        self._say_precision()
         for callback in self.trainer.checkpoint_callbacks:
             if callback.dirpath is None:  # not under the logger's version folder: one known place per run
                 callback.dirpath = str(Path(self.trainer.default_root_dir) / "checkpoints")
@@ -256,8 +281,9 @@ class ContrastlabCLI(LightningCLI):
                 check_unchanged(checkpoint, f"checkpoint {path}", self.resolved_config(), self.trainer.world_size)
             elif self.given_checkpoint is not None:  # its settings were checked when parsed; the processes now are known
                 check_unchanged(*self.given_checkpoint, self.resolved_config(), self.trainer.world_size)
+        mode = self._tracking_mode()
         self._claim_run_directory()  # the checks above only read: two runs that pass them together meet here
-        self._start_tracking()
+        self._start_tracking(mode)
 
     def _claim_run_directory(self) -> None:
         """One run at a time in a run directory (`engine.cli.run_lock`), claimed before anything is written there."""
@@ -265,17 +291,31 @@ class ContrastlabCLI(LightningCLI):
             with one_error_line(RunDirectoryInUse):
                 self.run_lock.acquire()
 
-    def _start_tracking(self) -> None:
+    def _tracking_mode(self) -> str | None:
+        """The W&B mode (`engine.tracking.wandb_mode`), decided before anything is written: an online run that
+        cannot log is one error line."""
+        if not isinstance(self.trainer.logger, WandbRun):
+            return None
+        with one_error_line(WandbUnavailable):
+            return wandb_mode()
+
+    def _start_tracking(self, mode: str | None) -> None:
         """Bind a W&B logger to the run directory and the resolved config before the trainer creates its run."""
         if not isinstance(self.trainer.logger, WandbRun):
             return
         with one_error_line(ValueError):
-            self.trainer.logger.start(self.trainer.default_root_dir, self.config[self.subcommand].as_dict())
+            self.trainer.logger.start(self.trainer.default_root_dir, self.config[self.subcommand].as_dict(), mode)
+
+    def _say_precision(self) -> None:
+        if self.precision_note is not None:
+            self.trainer.print(self.precision_note)
 
     def _prepare_evaluation(self) -> None:
         self._check_data()
+        self._say_precision()
+        mode = self._tracking_mode()
         self._claim_run_directory()
-        self._start_tracking()
+        self._start_tracking(mode)
 
     before_validate = before_test = _prepare_evaluation
 
