@@ -18,7 +18,6 @@ from typing import Any, Callable
 import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFilter
-from timm.data.auto_augment import rand_augment_transform
 from torchvision.transforms import v2 as T
 
 from datamodules.batched import BatchedAugment
@@ -123,6 +122,8 @@ def randaugment(
     size, fill colour `fill` (RGB in [0, 1]; default the dataset mean: PaCo fills with the ImageNet mean on
     every dataset, iNat included). `gray_prob: 0.2, blur_prob: 0.5` gives `randclsstack` (ResNeXt
     runs), `num_ops: 3` the ResNeXt-101 one. Other `ViewSpec` fields are accepted as overrides."""
+    from timm.data.auto_augment import rand_augment_transform  # here: timm's import is seconds that only this view needs
+
     base = augment(ViewSpec(size, mean, std, **(PACO_RANDCLS | family)))
     policy = rand_augment_transform(
         f"rand-n{num_ops}-m{magnitude}-mstd{magnitude_std}",

@@ -9,8 +9,6 @@ the installed versions, so an upgrade that renames one fails there, naming it, a
 
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.loggers import WandbLogger
-from wandb.sdk.lib import runid, urls
-from wandb.sdk.lib.wbauth import read_netrc_auth
 
 # (what holds it, attribute path): the private attributes used below, checked by tests/test_compat.py
 PRIVATE_ATTRIBUTES = {
@@ -92,9 +90,20 @@ def bind_wandb_run(logger: WandbLogger, name: str, directory: str, run_id: str, 
 
 
 def new_wandb_run_id() -> str:
+    from wandb.sdk.lib import runid  # wandb is imported where a W&B run is made, not by every entry point
+
     return runid.generate_id()
+
+
+def wandb_server(host: str | None) -> str:
+    """The W&B server a run talks to: `host` (WANDB_BASE_URL), or W&B's default."""
+    from wandb.sdk.lib import urls
+
+    return host or urls.DEFAULT_BASE_URL
 
 
 def wandb_credentials_for(host: str | None) -> object | None:
     """The netrc credentials W&B would use for `host` (its default server when None), or None."""
-    return read_netrc_auth(host=host or urls.DEFAULT_BASE_URL)
+    from wandb.sdk.lib.wbauth import read_netrc_auth
+
+    return read_netrc_auth(host=wandb_server(host))

@@ -4,26 +4,28 @@ training throughput that every run reports.
 - `WandbRun`: the `trainer.logger` of every shipped config. Project `contrastlab`, the config's group and tags,
   a run name built from the resolved config (`run_name`), no checkpoint upload (`log_model` off: checkpoints
   stay in the run directory) and no gradient watching (nothing calls `watch`). The CLI calls
-  `start(root_dir, config)` before the run begins: W&B's files go to `<root_dir>/wandb`, the run id is kept in
+  `start(root_dir, config, mode)` before the run begins: W&B's files go to `<root_dir>/wandb`, the run id is kept in
   `<root_dir>/wandb_run_id` so that a resumed or requeued job continues the same W&B run (`resume="allow"`),
-  and without credentials and without `WANDB_MODE` the run is offline (`wandb_mode`), so that no run
-  fails for lack of a network; `wandb sync <root_dir>/wandb/offline-run-*` uploads it later.
+  and without `WANDB_MODE` a run without credentials or without a way to the server is offline (`wandb_mode`),
+  so that no run fails for lack of a network; `wandb sync <root_dir>/wandb/offline-run-*` uploads it later.
+  `WANDB_MODE=online` that cannot log is one error line before anything is written.
 - `TrainingThroughput`: the wall time of `fit` and the training images per second, logged as `train/time_s`
   and `train/images_per_s` (so they reach `results_val.json`, the CSV log and W&B), summed over the
   interruptions of a resumed run.
 """
 
 import os
+import socket
 import time
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
-import wandb
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import WandbLogger
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 
-from engine.compat import bind_wandb_run, configured_run_name, new_wandb_run_id, wandb_credentials_for, wandb_run_of
+from engine.compat import bind_wandb_run, configured_run_name, new_wandb_run_id, wandb_credentials_for, wandb_run_of, wandb_server
 from engine.files import write_atomically
 
 RUN_ID_FILE = "wandb_run_id"
@@ -53,13 +55,49 @@ def run_name(config: dict, name_keys: dict[str, str]) -> str:
     return "-".join([*parts, f"s{config_value(config, 'seed_everything', 'run name')}"])
 
 
+class WandbUnavailable(ValueError):
+    """WANDB_MODE asks for an online run that cannot log: no credentials, or no way to the server."""
+
+
+def wandb_server_reachable(server: str, timeout_s: float = 3.0) -> str | None:
+    """None when a TCP connection to the W&B server opens within `timeout_s`, else why not. W&B itself retries
+    for minutes before it gives up (issue 32: 121 s), having trained nothing."""
+    address = urllib.parse.urlsplit(server)
+    try:
+        socket.create_connection((address.hostname, address.port or (443 if address.scheme == "https" else 80)), timeout=timeout_s).close()
+    except OSError as error:
+        return error.strerror or str(error) or type(error).__name__
+    return None
+
+
 def wandb_mode() -> str | None:
-    """The mode of a new W&B run: WANDB_MODE when set; otherwise "offline" when W&B has no credentials (no
-    WANDB_API_KEY, no .netrc entry for its host, read by W&B's own reader), so that such a run goes offline
-    instead of failing at login; otherwise None (online)."""
-    if mode := os.environ.get(wandb.env.MODE):
-        return mode
-    return None if os.environ.get(wandb.env.API_KEY) or wandb_credentials_for(os.environ.get(wandb.env.BASE_URL)) else "offline"
+    """The mode of a new W&B run. WANDB_MODE when set; "online" only if W&B has credentials and its server can be
+    reached, else one error naming WANDB_MODE=offline (the user asked for online logging: the run does not start
+    without it). Without WANDB_MODE: "offline" when W&B has no credentials (no WANDB_API_KEY, no .netrc entry for
+    its host, read by W&B's own reader) or its server cannot be reached (with one warning line), so that the run
+    trains and `wandb sync` uploads it later; otherwise None (online)."""
+    server = os.environ.get("WANDB_BASE_URL")
+    has_credentials = bool(os.environ.get("WANDB_API_KEY")) or wandb_credentials_for(server) is not None
+    mode = os.environ.get("WANDB_MODE")
+    if mode not in (None, "", "online", "run"):
+        return mode  # offline, disabled, dryrun: nothing to reach
+    if not has_credentials:
+        if mode:
+            raise WandbUnavailable(
+                f"WANDB_MODE={mode}, but W&B has no API key for {wandb_server(server)} (WANDB_API_KEY or `wandb login`): "
+                "log in, or set WANDB_MODE=offline to log offline and `wandb sync` later"
+            )
+        return "offline"
+    unreachable = wandb_server_reachable(wandb_server(server))
+    if unreachable is not None:
+        if mode:
+            raise WandbUnavailable(
+                f"WANDB_MODE={mode}, but the W&B server {wandb_server(server)} cannot be reached ({unreachable}): "
+                "set WANDB_MODE=offline to log offline and `wandb sync` later"
+            )
+        rank_zero_warn(f"the W&B server {wandb_server(server)} cannot be reached ({unreachable}): this run logs offline; `wandb sync` uploads it later")
+        return "offline"
+    return mode or None
 
 
 def stored_run_id(root: Path) -> str:
@@ -100,15 +138,15 @@ class WandbRun(WandbLogger):
         self.name_keys = name_keys or {}
         self.run_dir: Path | None = None
 
-    def start(self, root_dir: str | Path, config: dict) -> None:
+    def start(self, root_dir: str | Path, config: dict, mode: str | None) -> None:
         """Bind the run to its directory and resolved config before its W&B run is created (which happens when
-        the trainer sets up): name, `<root_dir>/wandb`, the stored id and the mode."""
+        the trainer sets up): name, `<root_dir>/wandb`, the stored id and the mode (`wandb_mode()`)."""
         if wandb_run_of(self) is not None:
             raise RuntimeError("WandbRun.start() came after its W&B run was created: its name, directory and id would be ignored")
         name = configured_run_name(self) or run_name(config, self.name_keys)  # a bad name key fails before anything is written
         self.run_dir = Path(root_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        bind_wandb_run(self, name, str(self.run_dir), stored_run_id(self.run_dir), wandb_mode())
+        bind_wandb_run(self, name, str(self.run_dir), stored_run_id(self.run_dir), mode)
 
     @property
     def experiment(self):

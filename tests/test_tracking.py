@@ -2,13 +2,15 @@
 restart, the resolved config sent to it), the training throughput, and two real offline runs compared."""
 
 import json
+import socket
 import statistics
 
 import pytest
 from test_cli import PRETRAIN_DIGITS, TINY_RUN
 
 import main_pretrain
-from engine.tracking import RUN_ID_FILE, TrainingThroughput, WandbRun, run_name, wandb_mode
+from engine import tracking
+from engine.tracking import RUN_ID_FILE, TrainingThroughput, WandbRun, WandbUnavailable, run_name, wandb_mode
 from scripts import compare
 
 CONFIG = {
@@ -39,29 +41,57 @@ def netrc(monkeypatch, tmp_path):
 
 
 def test_offline_exactly_when_there_are_no_credentials_and_no_wandb_mode(netrc, monkeypatch):
+    monkeypatch.setattr(tracking, "wandb_server_reachable", lambda server: None)
     assert wandb_mode() == "offline"
     netrc.write_text(f"machine example.com login user password {'y' * 40}\n")  # another host's entry
     assert wandb_mode() == "offline"
-    monkeypatch.setenv("WANDB_MODE", "online")
-    assert wandb_mode() == "online"
-    monkeypatch.delenv("WANDB_MODE")
     monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
     assert wandb_mode() is None  # online
     monkeypatch.delenv("WANDB_API_KEY")
     netrc.write_text(f"machine api.wandb.ai login user password {'y' * 40}\n")
     assert wandb_mode() is None
+    monkeypatch.setenv("WANDB_MODE", "online")
+    assert wandb_mode() == "online"
+
+
+def test_an_online_run_that_cannot_log_is_one_error_naming_offline_mode(netrc, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "online")
+    with pytest.raises(WandbUnavailable, match=r"^WANDB_MODE=online, but W&B has no API key for https?://\S+ .*set WANDB_MODE=offline"):
+        wandb_mode()
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    monkeypatch.setattr(tracking, "wandb_server_reachable", lambda server: "Network is unreachable")
+    with pytest.raises(WandbUnavailable, match=r"server https?://\S+ cannot be reached \(Network is unreachable\): set WANDB_MODE=offline"):
+        wandb_mode()
+
+
+def test_without_wandb_mode_an_unreachable_server_means_offline_with_one_warning(netrc, monkeypatch):
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    monkeypatch.setattr(tracking, "wandb_server_reachable", lambda server: "Network is unreachable")
+    with pytest.warns(UserWarning, match="cannot be reached .* this run logs offline"):
+        assert wandb_mode() == "offline"
+
+
+def test_the_reachability_check_gives_up_quickly_on_a_closed_port():
+    with socket.socket() as listener:  # a port that was free a moment ago: nothing listens there now
+        listener.bind(("127.0.0.1", 0))
+        port = listener.getsockname()[1]
+    assert tracking.wandb_server_reachable(f"http://127.0.0.1:{port}") is not None
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        assert tracking.wandb_server_reachable(f"http://127.0.0.1:{listener.getsockname()[1]}") is None
 
 
 def test_the_run_is_bound_to_its_directory_before_its_wandb_run_exists_and_not_after(tmp_path):
     logger = WandbRun(name_keys={"tau": "model.init_args.temperature"})
     with pytest.raises(RuntimeError, match="must be called before the run begins"):
         logger.experiment
-    logger.start(tmp_path, CONFIG)
+    logger.start(tmp_path, CONFIG, "disabled")
     assert (tmp_path / RUN_ID_FILE).read_text() == logger.version
     assert logger.save_dir == str(tmp_path)  # trainer.log_dir: config.yaml lands in the run directory
     logger.experiment  # WANDB_MODE=disabled (conftest): no process, no files
     with pytest.raises(RuntimeError, match="after its W&B run was created"):
-        logger.start(tmp_path, CONFIG)
+        logger.start(tmp_path, CONFIG, "disabled")
     logger.finalize("success")
 
 
