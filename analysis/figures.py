@@ -27,7 +27,7 @@ def save_figure(figure: Figure, path: str | Path) -> Path:
 
 
 def plot_local_separation(positive: Tensor, nearest_negatives: Tensor, path: str | Path, title: str = "") -> Path:
-    """The seed's Figs. 1-7: histograms, over all anchors, of the similarity to the positive ('pos')
+    """Wang & Liu supplementary, Figs. 1-7: histograms, over all anchors, of the similarity to the positive ('pos')
     and to the i-th nearest negative ('n1' ... 'nk'); a gap between them is a strong local separation."""
     figure = Figure(figsize=(6, 4), layout="constrained")
     axes = figure.add_subplot()

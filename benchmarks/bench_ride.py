@@ -1,4 +1,4 @@
-"""Inference time and size of PaCo on RIDE trunks against the plain trunks (PaCo supplement Tables 10
+"""Inference time and size of PaCo on RIDE trunks against the plain trunks (PaCo supplementary, Tables 10
 and 12 report the time for a batch of 64 images on a GeForce 2080Ti; this runs on the CPU).
 
 Each case builds the method as its config does (1,000 classes, ImageNet-LT) and times `model.classify`
@@ -31,7 +31,7 @@ from engine.files import write_atomically
 from methods import PaCo, PaCoRIDE
 
 BATCH, SIZE, CLASSES = 64, 224, 1000
-# (trunk, experts, the seed's 2080Ti time in ms: Table 10 for RIDE, Table 9 for the plain trunks)
+# (trunk, experts, the 2080Ti time in ms of PaCo supplementary, Table 10 for RIDE, Table 9 for the plain trunks)
 CASES = [
     ("resnet50", None, "8.3 (Table 9)"),
     ("ride_resnet50", 1, "8.2"),
@@ -110,7 +110,7 @@ def main() -> None:
             "| trunk | experts | wall ms per batch of 64 (median) | wall ms (min) | CPU ms (median) | GFLOPs per image "
             "| parameters at inference (M) "
             "| trunk parameters (M) "
-            "| seed, 2080Ti (ms; Table 10) |",
+            "| PaCo supplementary, 2080Ti (ms; Table 10) |",
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
             *rows,
             "",

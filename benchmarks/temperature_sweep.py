@@ -1,6 +1,6 @@
 """Wang & Liu's temperature sweep: train one method at a list of temperatures with the ordinary and
-the hard contrastive loss, then lay the results out as the seed's Tables 1 and 2 (rows: loss and
-metric, columns: tau) beside the seed's CIFAR-10 rows, and plot accuracy, uniformity and tolerance
+the hard contrastive loss, then lay the results out as Wang & Liu supplementary, Tables 1 and 2 (rows: loss
+and metric, columns: tau) beside those tables' CIFAR-10 rows, and plot accuracy, uniformity and tolerance
 against tau.
 
     uv run python benchmarks/temperature_sweep.py --config configs/npid_digits.yaml \\
@@ -38,7 +38,7 @@ ROW_LABELS = {
     "val/negative_entropy": "entropy over negatives",
     "val/local_separation": "s(pos) - s(n1)",
 }
-# Linear top-1 on CIFAR-10 of the seed's Tables 1 (ordinary) and 2 (hard), by tau.
+# Linear top-1 on CIFAR-10 of Wang & Liu supplementary, Tables 1 (ordinary) and 2 (hard), by tau.
 SEED_CIFAR10 = {
     "ordinary": dict(zip((0.05, 0.07, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0),
                          (76.10, 79.75, 81.82, 83.78, 83.27, 83.22, 82.54, 82.97, 82.69, 82.67, 81.97, 82.21))),
@@ -82,7 +82,7 @@ def table(means: dict[str, dict[float, dict[str, float]]], temperatures: list[fl
     lines = ["| loss | dataset | metric | " + " | ".join(f"τ={tau:g}" for tau in temperatures) + " |",
              "|---|---|---|" + "---:|" * len(temperatures)]
     for loss in LOSSES:
-        lines.append(f"| {loss} | CIFAR-10 (seed Table {1 if loss == 'ordinary' else 2}) | linear top-1 (%) | "
+        lines.append(f"| {loss} | CIFAR-10 (Wang & Liu supplementary, Table {1 if loss == 'ordinary' else 2}) | linear top-1 (%) | "
                      + " | ".join(f"{SEED_CIFAR10[loss][tau]:.2f}" if tau in SEED_CIFAR10[loss] else "" for tau in temperatures) + " |")
         for metric in metrics:
             cells = [means[loss].get(tau, {}).get(metric) for tau in temperatures]

@@ -209,7 +209,7 @@ class ContrastiveDataModule(L.LightningDataModule):
         return self.mode is Pipeline.RESIDENT
 
     def default_eval_view(self) -> dict[str, Any]:
-        """Evaluation view of small and medium datasets: the image at the dataset's resolution (SCE seed D)."""
+        """Evaluation view of small and medium datasets: the image at the dataset's resolution (SCE supplementary, Sec. D)."""
         return {"preset": "center"}
 
     def _checked_root(self, root: str | None) -> Path | None:

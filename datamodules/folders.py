@@ -81,7 +81,7 @@ class FolderDataModule(ContrastiveDataModule):
         super().__init__(**kwargs)
 
     def default_eval_view(self) -> dict[str, Any]:
-        """Large-image protocol (SCE seed D): resize the short side to size / 0.875 (256 for 224), center crop."""
+        """Large-image protocol (SCE supplementary, Sec. D): resize the short side to size / 0.875 (256 for 224), center crop."""
         return {"preset": "center", "resize": round(self.image_size * 256 / 224)}
 
     def image_files(self, samples: list[tuple[str, int]], description: str) -> ImageFiles:

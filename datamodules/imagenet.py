@@ -52,7 +52,7 @@ IMAGENET100_WNIDS = (
 
 class ImageNetDataModule(ImageFolderDataModule):
     """ImageNet (ILSVRC-2012): 1,000 class folders, 224 px; evaluation resizes to 256 and center-crops
-    224 (SCE seed D). Pretraining on `train`, validation and test on `val`."""
+    224 (SCE supplementary, Sec. D). Pretraining on `train`, validation and test on `val`."""
 
     expected_layout = "train/<wnid>/*.JPEG and val/<wnid>/*.JPEG (the validation images sorted into class folders)"
     how_to_get = IMAGENET_SOURCE
@@ -98,7 +98,7 @@ class TinyImageNetDataModule(FolderDataModule):
         self.val_samples = self.read_val_annotations(self.root / "val" / "val_annotations.txt")
 
     def default_eval_view(self) -> dict[str, Any]:
-        return {"preset": "center"}  # a medium dataset: the image itself, at its resolution (SCE seed D)
+        return {"preset": "center"}  # a medium dataset: the image itself, at its resolution (SCE supplementary, Sec. D)
 
     def read_val_annotations(self, annotations: Path) -> list[tuple[str, int]]:
         """`(path, label)` of the validation images, each checked to exist."""

@@ -134,14 +134,14 @@ def randaugment(
 
 # ---- evaluation presets (per image only)
 def crop_pad_flip(size: int, mean, std, padding: int = 4, resize: int | None = None) -> T.Compose:
-    """Linear-evaluation training view for small datasets: RandomCrop(size, padding) + flip (SCE seed D);
+    """Linear-evaluation training view for small datasets: RandomCrop(size, padding) + flip (SCE supplementary, Sec. D);
     `resize` first resizes the short side (e.g. STL-10's 96 px images to a 64 px protocol)."""
     return T.Compose([*([T.Resize(resize)] if resize else []), T.RandomCrop(size, padding=padding), T.RandomHorizontalFlip(), ToNormalizedTensor(mean, std)])
 
 
 def center(size: int, mean, std, resize: int | list[int] | None = None) -> T.Compose:
     """Evaluation view: resize the short side to `resize` (default: `size`, i.e. no crop margin for
-    small datasets; 256 for 224 px ImageNet) then center-crop `size` (SCE seed D). A pair `[h, w]`
+    small datasets; 256 for 224 px ImageNet) then center-crop `size` (SCE supplementary, Sec. D). A pair `[h, w]`
     resizes the whole image to exactly h x w, aspect ratio not kept (TCL's ImageNet-100 test view,
     `Resize((224, 224))` in its train.py), so `[size, size]` crops nothing."""
     return T.Compose([T.Resize(resize or size), T.CenterCrop(size), ToNormalizedTensor(mean, std)])

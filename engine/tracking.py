@@ -45,7 +45,7 @@ def run_name(config: dict, name_keys: dict[str, str]) -> str:
     """`<method>-<dataset>[-<label>=<value> ...]-s<seed>`: the model and DataModule class names (lower case,
     without `DataModule`), the value of every `name_keys` entry (label -> dotted key of the resolved config:
     the hyperparameters a config's header calls key, so that an override of one shows in the name) and the
-    seed, e.g. `sce-imagenet100-tau=0.1-taum=0.05-lambda=0.5-s0`."""
+    run's seed, e.g. `sce-imagenet100-tau=0.1-taum=0.05-lambda=0.5-s0`."""
     method = config_value(config, "model.class_path", "run name").rsplit(".", 1)[-1]
     dataset = config_value(config, "data.class_path", "run name").rsplit(".", 1)[-1].removesuffix("DataModule")
     parts = [method.lower(), dataset.lower()]

@@ -3,9 +3,10 @@ as in caiqi/Joint-Contrastive-Learning (`moco/moco_unlimit_key_default.py`).
 
 MoCo v2 with M' positive keys per query: the query view goes through the online encoder, the M' key
 views (one data view `keys` with `count: M'`, delivered as (B, M', C, H, W)) through the momentum
-encoder in one batched forward with shuffle-BN (seed section 3: "concatenating N x M' positive keys in
-the batch dimension"). The keys of image i are summarised by their mean mu_i and biased covariance
-Sigma_i, and the loss is the closed-form bound of infinitely many positive pairs (Eq. S.3):
+encoder in one batched forward with shuffle-BN (JCL supplementary, Sec. 3: "concatenating N x M'
+positive keys in the batch dimension"). The keys of image i are summarised by their mean mu_i and
+biased covariance Sigma_i, and the loss is the closed-form bound of infinitely many positive pairs
+(JCL supplementary, Eq. S.3):
 log[exp(q.mu/tau + lambda/(2 tau^2) q'Sigma q) + sum_j exp(q.n_j/tau)] - q.mu/tau, in
 `methods.losses.jcl_loss`. The queue receives the mean keys mu, not re-normalised (official code).
 """
@@ -36,8 +37,9 @@ class JCL(MomentumMixin, PretrainMethod):
         Args:
             temperature: tau (0.2 in every JCL setting).
             jcl_lambda: lambda of Eq. S.3, the weight of the key covariance (2.0 in the official
-                ImageNet script, 4.0 in the seed's ImageNet-100 ablations; the paper's lambda may be in
-                the first code version's units, 1/tau times this one: caiqi/Joint-Contrastive-Learning).
+                ImageNet script, 4.0 in the ImageNet-100 ablations of JCL supplementary, Table 1; the
+                paper's lambda may be in the first code version's units, 1/tau times this one:
+                caiqi/Joint-Contrastive-Learning).
             lambda_ramp: the official code's linear per-epoch ramp lambda_t = jcl_lambda (epoch + 1) / E
                 is `{start: jcl_lambda / E, epochs: E - 1, unit: epoch}` for E training epochs; None
                 keeps lambda constant (the paper's formula).
@@ -58,7 +60,7 @@ class JCL(MomentumMixin, PretrainMethod):
 
     def embed_keys(self, key_views: torch.Tensor) -> torch.Tensor:
         """(B, M', C, H, W) key views -> (B, M', D) normalised keys, in one momentum-encoder forward
-        (no gradient), so the cost of M' keys is M' forwards and no backward (seed section 2)."""
+        (no gradient), so the cost of M' keys is M' forwards and no backward (JCL supplementary, Sec. 2)."""
         if key_views.ndim == 4:  # `count: 1` delivers (B, C, H, W)
             key_views = key_views[:, None]
         return self.target_embed(key_views.flatten(0, 1)).unflatten(0, key_views.shape[:2])
@@ -70,8 +72,9 @@ class JCL(MomentumMixin, PretrainMethod):
         lam = self.scheduled_lambda()
         # Eq. S.3 with mu_i and the biased (1/M') Sigma_i of the M' keys of image i (JCL's moco/moco_unlimit_key_default.py)
         loss = jcl_loss(query, keys, self.queue.read(), self.temperature, lam)
-        self.queue.push(self.gather(keys.mean(dim=1)))  # mu_i, not re-normalised (official code, seed section 3)
-        # Mean diagonal of Sigma_i: the per-image key spread of the seed's Fig. M.3(b), tracked in training.
+        self.queue.push(self.gather(keys.mean(dim=1)))  # mu_i, not re-normalised (official code, JCL supplementary, Sec. 3)
+        # Mean diagonal of Sigma_i, tracked in training: the per-image key spread of JCL's Fig. 3(b)
+        # (the main paper's figure; JCL supplementary, Sec. 5 says how it was made).
         key_variance = keys.float().var(dim=1, unbiased=False).mean()
         self.log_dict({"train/jcl_lambda": lam, "train/key_variance": key_variance}, on_step=True, on_epoch=False)
         return loss, features

@@ -2,10 +2,11 @@
 
 The online branch predicts, for each strong view, a distribution over {its positive key} + the queue
 whose target mixes the one-hot of InfoNCE with the relations of the weak view to the queue under the
-momentum encoder:  w = coeff * onehot(0) + (1 - coeff) * softmax([0, k.queue] / tau_m)  (seed eq. 3-5).
-coeff = 1 is MoCo v2's InfoNCE, coeff = 0 ReSSL's relational target plus the "ceiling" term (seed
-Prop. 1). The weak view goes to the momentum branch, the strong one to the online branch (official
-code and configs; the comments of the seed's Algorithm 1 have them swapped).
+momentum encoder:  w = coeff * onehot(0) + (1 - coeff) * softmax([0, k.queue] / tau_m)  (SCE's p, s
+and w, restated in SCE supplementary, Sec. B). coeff = 1 is MoCo v2's InfoNCE, coeff = 0 ReSSL's
+relational target plus the "ceiling" term (SCE Proposition 1, proved in SCE supplementary, Sec. B). The
+weak view goes to the momentum branch, the strong one to the online branch (official code and configs;
+the comments of SCE supplementary, Algorithm 1 have them swapped).
 
 - asymmetric (small datasets): weak -> target, strong (+ optional multi-crop small crops) -> online;
 - symmetric (ImageNet): two strong global views, each a target for every other crop; the keys of
@@ -44,8 +45,8 @@ class SCE(MomentumMixin, PretrainMethod):
     ):
         """
         Args:
-            temperature: tau of the online distribution (seed Table 2: 0.1 or 0.2).
-            temperature_momentum: tau_m of the target relations (seed Table 2: 0.03-0.10).
+            temperature: tau of the online distribution (SCE supplementary, Table 2: 0.1 or 0.2).
+            temperature_momentum: tau_m of the target relations (SCE supplementary, Table 2: 0.03-0.10).
             coeff: lambda, the weight of the one-hot (InfoNCE) target; 0.5 in every paper setting.
             queue_size: K, keys kept from previous steps (4,096 CIFAR, 16,384 STL/Tiny, 65,536 ImageNet).
             symmetric: the ImageNet loss (views global1/global2) instead of the small-dataset one
@@ -53,8 +54,8 @@ class SCE(MomentumMixin, PretrainMethod):
             small_crops: names of further views fed to the online branch only (multi-crop, e.g. the
                 192/160/128/96 px crops of the ImageNet 5-crop run; a view with `count: N` gives N
                 crops); each is predicted from every target view.
-            mask_positive_target: give the positive slot of the target a logit of -inf (the seed's
-                Prop. 1) instead of 0 (official code, Algorithm 1); negligible in practice.
+            mask_positive_target: give the positive slot of the target a logit of -inf (SCE
+                Proposition 1, supplementary Sec. B) instead of 0 (official code, Algorithm 1); negligible in practice.
             predictor: an MLP after the online projector (ImageNet recipe); the target has none.
             temperature_momentum_warmup, coeff_warmup: optional ramps from `start` to the configured
                 value over the first epochs (eztorch options, off in every paper config).

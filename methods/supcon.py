@@ -8,7 +8,7 @@ under DataParallel: their batch sizes are global, TCL's train.py). No queue, no 
 TCL paper avoids them to compare the two losses directly (TCL supplement 2.1).
 
 Positives are the other crops of the anchor's class (`positives: class`, the supervised setting) or of
-the anchor's own image (`positives: instance`, self-supervised TCL, seed 2.3). The second stage is a
+the anchor's own image (`positives: instance`, self-supervised TCL, TCL supplementary, Sec. 2.3). The second stage is a
 linear classifier on the frozen trunk (`main_linear.py`, configs/linear_tcl_<dataset>.yaml).
 """
 
@@ -34,7 +34,7 @@ class SupCon(PretrainMethod):
         """
         Args:
             loss: `supcon` (L_out, positives kept in the denominator) or `tcl` (adds k1·Σ_P e^{-s} to
-                the denominator and weighs the negatives by k2, seed Eq. 6).
+                the denominator and weighs the negatives by k2, TCL supplementary, Eq. 6 with D of Eqs. 19-22).
             positives: `class` (same label, supervised) or `instance` (the other crops of the same image).
             temperature: tau of both losses (0.1 in both papers' supervised settings).
             base_temperature: SupCon only, the official loss factor tau / base_temperature; None means

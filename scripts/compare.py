@@ -12,7 +12,7 @@ Each argument is a run, a W&B run, or a directory holding runs:
   run; the linear stage, as above, from `<root>/linear`;
 - any other directory: every run below it (a run's own subdirectories, e.g. its linear stage, belong to it).
 
-Runs whose `model`, `data` and `trainer` settings differ only in the seed and in run control (`RUN_CONTROL`: run
+Runs whose `model`, `data` and `trainer` settings differ only in their random seed and in run control (`RUN_CONTROL`: run
 directory, logging, batch limits, validation frequency) form one row:
 method x dataset (and, where rows of one method and dataset differ, the settings that set them apart), with
 the mean ± sample standard deviation over seeds of the linear, kNN and online-probe top-1, the training time
@@ -212,7 +212,7 @@ def find_runs(path: Path) -> list[Run]:
 
 # ----------------------------------------------------------------- the table
 def group(runs: list[Run]) -> list[tuple[str, list[Run]]]:
-    """Rows of runs that differ only in the seed, each labelled with the settings that set it apart from the
+    """Rows of runs that differ only in their random seed, each labelled with the settings that set it apart from the
     other rows of the same method and dataset."""
     rows: dict[tuple, list[Run]] = {}
     for run in runs:
@@ -266,7 +266,7 @@ def write_table(rows: list[tuple[str, list[Run]]], columns: dict[str, tuple[str,
 
 
 def curve_labels(rows: list[tuple[str, list[Run]]]) -> list[tuple[str, Run]]:
-    """Each run's legend label: method, dataset, the row's setting and the seed; where that names two runs (repeats
+    """Each run's legend label: method, dataset, the row's setting and the run's seed; where that names two runs (repeats
     of one seed, or W&B runs of one name), each adds its run directory."""
     labelled = [(f"{run.method} {run.dataset} {setting} s{run.seed}".replace("  ", " "), run) for setting, runs in rows for run in runs]
     counts = collections.Counter(label for label, _ in labelled)

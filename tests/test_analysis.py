@@ -53,7 +53,7 @@ def test_negative_entropy_is_the_entropy_of_the_softmax_over_the_other_targets()
 def test_negative_entropy_grows_with_temperature_and_is_maximal_for_equal_similarities():
     anchors, targets = unit(4, 8, 5), unit(5, 8, 5)
     entropies = torch.stack([negative_entropy(anchors, targets, tau) for tau in (0.05, 0.1, 0.2, 0.5, 1.0)])
-    assert (entropies.diff(dim=0) > 0).all()  # the seed's section 2
+    assert (entropies.diff(dim=0) > 0).all()  # Wang & Liu supplementary, Sec. 2
     same = unit(6, 1, 5).expand(8, 5)
     torch.testing.assert_close(negative_entropy(same, same, 0.1), torch.full((8,), math.log(7), dtype=torch.float64))
 

@@ -161,13 +161,13 @@ def test_tcl_with_k1_zero_equals_supcon_times_base_over_temperature():
 
 
 def lemma_2_coefficients(z, labels, tau, k1, k2):
-    """G[i, j] = dL_i/ds_ij from the TCL seed's Lemma 2, so that dL_i/dz_i = G[i] @ z."""
+    """G[i, j] = dL_i/ds_ij from Lemma 2 of TCL supplementary, Sec. 1, so that dL_i/dz_i = G[i] @ z."""
     s = z @ z.T
     same = labels[:, None] == labels[None, :]
     pos, neg = same & ~torch.eye(len(z), dtype=torch.bool), ~same
     e, e_neg = torch.exp(s / tau), torch.exp(-s)
     d1, d2, d3 = ((x * mask).sum(1, keepdim=True) for x, mask in [(e, pos), (e_neg, pos), (e, neg)])
-    denominator = d1 + k1 * d2 + k2 * d3  # seed Eqs. (19)-(22)
+    denominator = d1 + k1 * d2 + k2 * d3  # TCL supplementary, Eqs. (19)-(22)
     p_pos, y_pos, p_neg = e / denominator, tau * k1 * e_neg / denominator, k2 * e / denominator
     x = 1.0 / pos.sum(1, keepdim=True).to(z.dtype)
     return (pos * (p_pos - x - y_pos) + neg * p_neg) / tau

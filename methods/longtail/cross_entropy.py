@@ -26,7 +26,7 @@ def tau_normalised(weight: torch.Tensor, tau: float) -> torch.Tensor:
 
 
 class CrossEntropy(LongTailClassifier):
-    """Cross-entropy, Balanced Softmax and tau-normalisation baselines (seed Tables 9, 11, 13)."""
+    """Cross-entropy, Balanced Softmax and tau-normalisation baselines (PaCo supplementary, Tables 9, 11, 13)."""
 
     views = ("image",)
 

@@ -1,4 +1,4 @@
-"""The multi-task baselines of the PaCo supplement (seed F, Tables 13 and 14): a classifier trained with
+"""The multi-task baselines of PaCo supplementary, Sec. F (Tables 13 and 14): a classifier trained with
 cross-entropy (Table 13) or Balanced Softmax (Table 14, "rebalance in center learning") plus a
 supervised contrastive loss, re-weighted per class with the effective-number weights of Cui et al.
 (CVPR 2019), added with a loss weight (0.05-1.0 in Table 14).

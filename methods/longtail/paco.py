@@ -4,12 +4,13 @@ trains it (PaCo's LT/moco/builder.py and LT/losses.py).
 A supervised MoCo: the query view goes through the online trunk and an MLP head with BatchNorm, the
 key view through the momentum copies (shuffle-BN across processes); the queue keeps past keys **with
 their labels**. The class centres are the rows of the classifier (weights and bias) applied to the
-**unnormalised** pooled trunk feature, so they learn through the same loss (seed Eq. 13-14): every
-query contrasts against [centres | other queries, keys, queue], with weight 1 on its own centre and
-alpha on each same-class sample. With `rebalance` (all long-tailed runs) the centre logits carry the
-log prior of the training split in training only (balanced softmax, seed Table 14); prediction is the
-argmax of the raw centre logits, with no separate probe. The official `linear_k` (a momentum copy of
-the centres) is never used by the loss or at inference, so it is not built.
+**unnormalised** pooled trunk feature, so they learn through the same loss (PaCo supplementary,
+Eqs. 13-14): every query contrasts against [centres | other queries, keys, queue], with weight 1 on
+its own centre and alpha on each same-class sample. With `rebalance` (all long-tailed runs) the centre
+logits carry the log prior of the training split in training only (balanced softmax, PaCo
+supplementary, Sec. F and Table 14); prediction is the argmax of the raw centre logits, with no
+separate probe. The official `linear_k` (a momentum copy of the centres) is never used by the loss or
+at inference, so it is not built.
 """
 
 from typing import Literal

@@ -33,12 +33,12 @@ def sce_loss(
     coeff: float,
     mask_positive_target: bool = False,
 ) -> Tensor:
-    """SCE (Denize et al., WACV 2023), queue form of eztorch ``compute_sce_loss`` / the seed's Algorithm 1.
+    """SCE (Denize et al., WACV 2023), queue form of eztorch ``compute_sce_loss`` / SCE supplementary, Algorithm 1.
 
     Online logits ``[q.k, q.queue] / T``; detached target
     ``coeff * one_hot(0) + (1 - coeff) * softmax([0, k.queue] / T_m)``. The positive's target logit is 0
-    as in the official code, or -inf with ``mask_positive_target=True``, the form of the seed's
-    Proposition 1 (then the loss is coeff * InfoNCE + (1 - coeff) * (ReSSL + Ceil)).
+    as in the official code, or -inf with ``mask_positive_target=True``, the form of SCE's Proposition 1,
+    proved in SCE supplementary, Sec. B (then the loss is coeff * InfoNCE + (1 - coeff) * (ReSSL + Ceil)).
     """
     check_query_key_bank(query, key, queue)
     check_hyperparameters(temperature=temperature, temperature_momentum=temperature_momentum, coeff=coeff)

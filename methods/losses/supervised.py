@@ -123,8 +123,8 @@ def paco_loss(
 
     Without centres (``center_logits=None``) this is the supervised contrast of the queries against
     ``[queries, keys, queue]``, the mean of -log p over each anchor's positives (the contrastive term of
-    the seed's multi-task baselines, Table 13); ``anchor_weights`` (B,) then weighs each anchor's loss in
-    the batch mean, e.g. by the class-balanced weight of its class (Cui et al. 2019).
+    the multi-task baselines of PaCo supplementary, Table 13); ``anchor_weights`` (B,) then weighs each
+    anchor's loss in the batch mean, e.g. by the class-balanced weight of its class (Cui et al. 2019).
     """
     check_query_key_bank(query, key, queue)
     batch = len(query)
