@@ -3,9 +3,9 @@ stable-pretraining, each in its own environment with the same torch, in interlea
 
     uv run --locked python benchmarks/peers.py [--rounds 3] [--warmup 5] [--steps 30] [--out FILE]
 
-1. Makes a venv per peer under `--venvs` (`uv venv` + `uv pip install` of lightly 1.6.0 or stable-pretraining 0.1.8
-   with the torch and torchvision versions of contrastlab's locked environment, the one this script runs in);
-   contrastlab runs in its own locked environment.
+1. Makes a venv per peer under `--venvs` (default `~/.cache/contrastlab/peer-venvs`): `uv venv` + `uv pip install`
+   of lightly 1.6.0 or stable-pretraining 0.1.8 with the torch and torchvision versions of contrastlab's locked
+   environment, the one this script runs in; contrastlab runs in its own locked environment.
 2. Writes 5,120 random images once, in CIFAR-10's real format (`portable.write_fake_cifar10`).
 3. Round after round, runs each system once as its own process (`benchmarks/peer_workloads.py`, which describes the
    workload and how each system is written): W warm-up and N timed steps, the load average read before and after.
@@ -41,6 +41,8 @@ from portable import write_fake_cifar10  # noqa: E402
 HERE = Path(__file__).resolve().parent
 PEER_PACKAGES = {"lightly": "lightly==1.6.0", "stable-pretraining": "stable-pretraining==0.1.8"}
 PEERS = tuple(PEER_PACKAGES)
+# outside the checkout: a venv inside it would be read by every scan of the repository's files (tests/test_compat.py)
+VENVS = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "contrastlab" / "peer-venvs"
 # what each environment reports about itself (the packages that are not installed are left out)
 VERSIONS = ("torch", "torchvision", "lightning", "pytorch-lightning", "lightly", "stable-pretraining", "pillow")
 
@@ -61,7 +63,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--view-images", type=int, default=2560, help="images per views measurement")
     parser.add_argument("--systems", nargs="+", choices=TRAINED, default=list(TRAINED))
     parser.add_argument("--skip-views", action="store_true", help="train only, no views measurement")
-    parser.add_argument("--venvs", type=Path, default=HERE / ".venvs", help="where the peers' venvs are made (and kept)")
+    parser.add_argument("--venvs", type=Path, default=VENVS, help="where the peers' venvs are made (and kept)")
     parser.add_argument("--logs", type=Path, help="keep each run's output here (default: a temporary folder)")
     parser.add_argument("--out", type=Path, help="also write the tables here (atomically)")
     options = parser.parse_args(argv)

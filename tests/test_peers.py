@@ -34,6 +34,7 @@ def test_the_defaults_are_the_issues_protocol():
     options = peers.parse([])
     assert (options.rounds, options.warmup, options.steps, options.batch, options.workers, options.images) == (3, 5, 30, 128, 2, 5120)
     assert options.systems == ["contrastlab", "contrastlab-fp32-pil", "lightly", "stable-pretraining"]
+    assert not options.venvs.resolve().is_relative_to(ROOT)  # the peers' site-packages stay out of the scans of the checkout
 
 
 def test_the_rate_counts_only_the_timed_steps():
