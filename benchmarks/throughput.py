@@ -27,8 +27,6 @@ process and through a DataLoader with K workers, and of the batched views on thi
 
 import argparse
 import datetime
-import hashlib
-import pickle
 import sys
 import tempfile
 import time
@@ -40,7 +38,7 @@ import numpy as np
 import torch
 import torchvision
 from lightning.pytorch.callbacks import Callback
-from torch.utils.data import DataLoader, Subset
+from torch.utils.data import Subset
 from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -51,27 +49,10 @@ from engine.config import split_overrides  # noqa: E402
 from engine.files import write_atomically  # noqa: E402
 from engine.non_finite import NonFiniteLossGuard  # noqa: E402
 from engine.tracking import TrainingThroughput  # noqa: E402
+from portable import accept_fake_cifar10, loader_rate, one_process_rate, write_fake_cifar10  # noqa: E402
 
 # Dense bf16 tensor-core peaks (vendor data sheets), matched in order against torch.cuda.get_device_name().
 BF16_PEAK_FLOPS = (("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12))
-
-
-def write_fake_cifar10(root: Path, images: int) -> None:
-    """Random images in CIFAR-10's python-pickle layout, with torchvision's checksums replaced by theirs."""
-    folder = root / torchvision.datasets.CIFAR10.base_folder
-    folder.mkdir(parents=True)
-    rng = np.random.default_rng(0)
-    per_batch = -(-images // 5)
-    for name in [f"data_batch_{index}" for index in range(1, 6)] + ["test_batch"]:
-        count = per_batch if name != "test_batch" else 256
-        batch = {"data": rng.integers(0, 256, (count, 3 * 32 * 32), dtype=np.uint8), "labels": rng.integers(0, 10, count).tolist()}
-        (folder / name).write_bytes(pickle.dumps(batch))
-    (folder / "batches.meta").write_bytes(pickle.dumps({"label_names": [f"class{index}" for index in range(10)]}))
-    dataset = torchvision.datasets.CIFAR10
-    md5 = lambda name: hashlib.md5((folder / name).read_bytes()).hexdigest()  # noqa: E731
-    dataset.train_list = [[name, md5(name)] for name, _ in dataset.train_list]
-    dataset.test_list = [[name, md5(name)] for name, _ in dataset.test_list]
-    dataset.meta = dataset.meta | {"md5": md5(dataset.meta["filename"])}
 
 
 def synchronize() -> None:
@@ -178,8 +159,9 @@ def environment() -> str:
             f"torchvision {torchvision.__version__}, Lightning {L.__version__}")
 
 
-def views_table(config: str, images: int, overrides: list[str]) -> str:
-    """Images/s of every configured view alone and of all of them (what one training image costs)."""
+def view_rates(config: str, images: int, overrides: list[str]) -> list[dict]:
+    """Images/s of every configured view alone and of all of them (what one training image costs): per PIL image in
+    one process, through the DataModule's DataLoader, and batched (`gpu` pipeline) on this process's device."""
     workers_data = build(config, "cpu", overrides).datamodule
     device_data = build(config, "gpu", overrides).datamodule
     workers_data.setup()
@@ -187,29 +169,27 @@ def views_table(config: str, images: int, overrides: list[str]) -> str:
     images = min(images, len(train))
     pil_images = [train[index][0] for index in range(images)]
     raw = torch.stack([torch.from_numpy(np.array(image, dtype=np.uint8)).permute(2, 0, 1) for image in pil_images])
-    lines = ["| views | PIL, 1 process | PIL, DataLoader " + f"{workers_data.num_workers} workers | batched (gpu pipeline) on CPU, {torch.get_num_threads()} threads |",
-             "|---|---:|---:|---:|"]
     selections = {name: [name] for name in workers_data.views} | {" + ".join(workers_data.views): list(workers_data.views)}
+    rows = []
     for label, names in selections.items():
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)  # as in a DataLoader worker
-        start = time.perf_counter()
-        for image in pil_images:
-            for name in names:
-                workers_data.views[name](image)
-        one_process = images / (time.perf_counter() - start)
-        torch.set_num_threads(threads)
+        views = [workers_data.views[name] for name in names]
+        one_process = one_process_rate(pil_images, lambda image: [view(image) for view in views])
         served, _ = workers_data.served(Subset(train, range(images)), {name: workers_data.views[name] for name in names})
-        loader = DataLoader(served, batch_size=workers_data.batch_size, num_workers=workers_data.num_workers)
-        start = time.perf_counter()
-        sum(len(batch["index"]) for batch in loader)
-        loaded = images / (time.perf_counter() - start)
+        loaded = loader_rate(served, workers_data.batch_size, workers_data.num_workers)
         start = time.perf_counter()
         for first in range(0, images, device_data.batch_size):
             for name in names:
                 device_data.views[name](raw[first:first + device_data.batch_size])
         batched = images / (time.perf_counter() - start)
-        lines.append(f"| {label} | {one_process:,.0f} | {loaded:,.0f} | {batched:,.0f} |")
+        rows.append({"views": label, "one_process": one_process, "loader": loaded, "batched": batched,
+                     "workers": workers_data.num_workers, "threads": torch.get_num_threads()})
+    return rows
+
+
+def views_table(rows: list[dict]) -> str:
+    lines = [f"| views | PIL, 1 process | PIL, DataLoader {rows[0]['workers']} workers | batched (gpu pipeline) on CPU, {rows[0]['threads']} threads |",
+             "|---|---:|---:|---:|"]
+    lines += [f"| {r['views']} | {r['one_process']:,.0f} | {r['loader']:,.0f} | {r['batched']:,.0f} |" for r in rows]
     return "\n".join(lines)
 
 
@@ -237,13 +217,14 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory() as fake_root:
         if args.fake_data:
             write_fake_cifar10(Path(fake_root), args.fake_images)
+            accept_fake_cifar10(Path(fake_root))
             overrides = [f"--data.init_args.root={fake_root}", *overrides]
         elif args.data_root:
             overrides = [f"--data.init_args.root={args.data_root}", *overrides]
         if args.num_workers is not None:
             overrides = [f"--data.init_args.num_workers={args.num_workers}", *overrides]
         if args.views_only:
-            table = views_table(args.config, args.view_images, overrides)
+            table = views_table(view_rates(args.config, args.view_images, overrides))
         else:
             table = training_table([measure_training(args.config, pipeline, args.steps, args.warmup, overrides, args.profile) for pipeline in args.pipelines])
     table = f"{environment()}\n\n{table}"
