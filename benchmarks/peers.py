@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.reliability import write_atomically  # noqa: E402
+from engine.files import write_atomically  # noqa: E402
 from peer_workloads import TRAINED, VIEWED  # noqa: E402
 from portable import write_fake_cifar10  # noqa: E402
 
