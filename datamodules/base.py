@@ -36,6 +36,7 @@ from typing import Any, Callable, Iterator, Literal
 import lightning as L
 import numpy as np
 import torch
+import torchvision
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.utils.data import DataLoader, Dataset, Sampler
 
@@ -112,10 +113,30 @@ def already_batched(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return batch
 
 
+def uint8_image_array(dataset: Dataset) -> np.ndarray | None:
+    """The images of a dataset that holds them as one uint8 (N, H, W, 3) RGB array in memory, through
+    `Subset`-like datasets: a Digits-M split (`uint8_images()`) or torchvision's CIFAR (`data`, no transform);
+    None for any other dataset."""
+    if hasattr(dataset, "indices") and hasattr(dataset, "dataset"):
+        images = uint8_image_array(dataset.dataset)
+        return None if images is None else images[np.asarray(dataset.indices, dtype=np.int64)]
+    if hasattr(dataset, "uint8_images"):
+        images = dataset.uint8_images()
+    elif isinstance(dataset, torchvision.datasets.CIFAR10) and dataset.transform is None:  # CIFAR-100 is a subclass
+        images = dataset.data
+    else:
+        return None
+    return images if images.dtype == np.uint8 and images.ndim == 4 and images.shape[-1] == 3 else None
+
+
 def decode_all(dataset: Dataset, num_workers: int) -> torch.Tensor:
-    """Every image of a dataset of one image size as one uint8 (N, C, H, W) tensor, decoded by
+    """Every image of a dataset of one image size as one uint8 (N, C, H, W) tensor: a copy of a dataset held as
+    one array (the same bytes as decoding each image, without a PIL round trip per image), else decoded by
     `num_workers` DataLoader workers (seeded by a generator of their own: decoding draws no number from the
     global generator, which the views draw from)."""
+    images = uint8_image_array(dataset)
+    if images is not None:
+        return torch.from_numpy(np.ascontiguousarray(images)).permute(0, 3, 1, 2).contiguous()
     loader = DataLoader(RawImageDataset(dataset), batch_size=1024, num_workers=num_workers, generator=torch.Generator())
     return torch.cat([batch["image"] for batch in loader])
 

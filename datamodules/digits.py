@@ -7,17 +7,27 @@ scikit-learn ships (`china.jpg`, `flower.jpg`), in the spirit of MNIST-M, at 32x
 Splits are drawn by source digit with a fixed permutation (seed 0): 1,197 digits for train, 300 for
 val, 300 for test, so no handwritten digit appears in two splits. Each source digit is composited
 `variants` times per split (different background, colour, size and position each time). Generation is
-deterministic and takes about a second, so nothing is cached on disk.
+deterministic; it costs seconds of every start (a Python loop of PIL resizes), so the arrays are kept in
+`<cache>/digits/` (`CONTRASTLAB_CACHE`, else `$XDG_CACHE_HOME/contrastlab`, else `~/.cache/contrastlab`) under a
+key of the split, the variants, the style, the generating code and the versions of NumPy, Pillow and
+scikit-learn, whose outputs they are.
 """
 
-from dataclasses import dataclass
+import hashlib
+import importlib.metadata
+import inspect
+import os
+import zipfile
+from dataclasses import asdict, dataclass
 from functools import lru_cache
+from pathlib import Path
 
 import numpy as np
 from PIL import Image
 from torch.utils.data import Dataset
 
 from datamodules.base import ContrastiveDataModule
+from engine.files import write_atomically
 
 SPLIT_SIZES = {"train": 1197, "val": 300, "test": 300}
 SPLIT_SEEDS = {"train": 1, "val": 2, "test": 3}
@@ -41,9 +51,45 @@ def source_digit_splits() -> dict[str, np.ndarray]:
     return {name: order[start:stop] for name, start, stop in zip(SPLIT_SIZES, bounds[:-1], bounds[1:])}
 
 
-@lru_cache(maxsize=8)  # deterministic, so repeated DataModules (tests, sweeps) share the arrays
+def cache_directory() -> Path:
+    """Where contrastlab keeps what it can recompute: CONTRASTLAB_CACHE, else the XDG cache directory."""
+    if configured := os.environ.get("CONTRASTLAB_CACHE"):
+        return Path(configured)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "contrastlab"
+
+
+def cache_path(split: str, variants: int, style: DigitsStyle) -> Path:
+    """The file of one split: a changed style, generating code or library version is another file."""
+    versions = [importlib.metadata.version(package) for package in ("numpy", "pillow", "scikit-learn")]
+    key = repr((sorted(asdict(style).items()), GENERATOR_SOURCE, versions))
+    return cache_directory() / "digits" / f"{split}-{variants}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.npz"
+
+
+@lru_cache(maxsize=8)  # repeated DataModules of one process (tests, sweeps) share the arrays
 def composite_digits(split: str, variants: int, style: DigitsStyle = DigitsStyle()) -> tuple[np.ndarray, np.ndarray]:
-    """Images (N, H, W, 3) uint8 and labels (N,) int64 of one split, N = variants x split size."""
+    """Images (N, H, W, 3) uint8 and labels (N,) int64 of one split, N = variants x split size, from the cache
+    when it holds them (an unreadable cache file is generated again; an unwritable cache is skipped)."""
+    path = cache_path(split, variants, style)
+    try:
+        with np.load(path) as stored:
+            return stored["images"], stored["labels"]
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile):
+        pass
+    images, labels = generate_digits(split, variants, style)
+    try:
+        write_atomically(path, lambda partial: save_arrays(partial, images=images, labels=labels))
+    except OSError:
+        pass  # a read-only home: generated again next time
+    return images, labels
+
+
+def save_arrays(path: Path, **arrays: np.ndarray) -> None:
+    with path.open("wb") as stream:  # a file object: np.savez would append ".npz" to the partial file's name
+        np.savez(stream, **arrays)
+
+
+def generate_digits(split: str, variants: int, style: DigitsStyle) -> tuple[np.ndarray, np.ndarray]:
+    """The images and labels of `composite_digits`, computed."""
     from sklearn.datasets import load_digits, load_sample_images
 
     digits = load_digits()
@@ -71,6 +117,9 @@ def composite_digits(split: str, variants: int, style: DigitsStyle = DigitsStyle
     return images, digits.target[sources].astype(np.int64)
 
 
+GENERATOR_SOURCE = inspect.getsource(generate_digits)  # part of the cache key: changed code, other arrays
+
+
 class ArrayImageDataset(Dataset):
     """`(PIL image, label)` pairs from a uint8 (N, H, W, 3) array."""
 
@@ -82,6 +131,10 @@ class ArrayImageDataset(Dataset):
 
     def __getitem__(self, index: int) -> tuple[Image.Image, int]:
         return Image.fromarray(self.images[index]), int(self.labels[index])
+
+    def uint8_images(self) -> np.ndarray:
+        """All images as one array (`datamodules.base.decode_all` copies it instead of decoding each image)."""
+        return self.images
 
 
 class DigitsDataModule(ContrastiveDataModule):

@@ -31,3 +31,12 @@ def _no_pytest_arguments_in_argv():
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr("sys.argv", sys.argv[:1])
         yield
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _cache_of_the_session(tmp_path_factory):
+    """Digits-M's arrays are generated once per test session, into a directory of its own (not the user's cache),
+    and read from there by every test and every subprocess a test starts."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("CONTRASTLAB_CACHE", str(tmp_path_factory.mktemp("contrastlab-cache")))
+        yield

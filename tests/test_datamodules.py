@@ -4,7 +4,7 @@ import torch
 from PIL import Image
 from torchvision.transforms import v2 as T
 
-from datamodules.digits import SPLIT_SIZES, composite_digits, source_digit_splits
+from datamodules.digits import SPLIT_SIZES, DigitsStyle, composite_digits, generate_digits, source_digit_splits
 from datamodules.transforms import ToNormalizedTensor, build_view
 from helpers import digits
 
@@ -19,8 +19,8 @@ def test_digit_splits_are_disjoint_by_source_digit_and_cover_all_of_them():
 
 
 def test_digits_are_generated_deterministically_as_32px_rgb_with_balanced_labels():
-    images, labels = composite_digits.__wrapped__("val", 2)
-    again, _ = composite_digits.__wrapped__("val", 2)
+    images, labels = generate_digits("val", 2, DigitsStyle())
+    again, _ = generate_digits("val", 2, DigitsStyle())
     assert images.shape == (600, 32, 32, 3) and images.dtype == np.uint8
     assert np.array_equal(images, again)
     assert set(labels.tolist()) == set(range(10)) and np.bincount(labels).min() >= 40
