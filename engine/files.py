@@ -12,9 +12,11 @@
 """
 
 import builtins
+import errno
 import os
 import pickle
 import re
+import shutil
 import zipfile
 from pathlib import Path
 from typing import Any, Callable
@@ -117,13 +119,41 @@ def last_checkpoint_path(callback: ModelCheckpoint) -> Path:
     return Path(callback.dirpath) / f"{callback.CHECKPOINT_NAME_LAST}{callback.FILE_EXTENSION}"
 
 
-def write_atomically(path: Path, write: Callable[[Path], object]) -> None:
+class WriteFailed(OSError):
+    """A file the run must write cannot be written (a full disk, a read-only directory), said in one line."""
+
+
+def free_bytes(directory: Path) -> int:
+    return shutil.disk_usage(directory).free
+
+
+def write_atomically(path: Path, write: Callable[[Path], object], size: int | None = None) -> None:
     """`write(partial)` to `<name>.partial` next to `path`, then rename it over `path` (`os.replace`, atomic
-    within a filesystem): a reader never sees half a file, and an interrupted run never leaves one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    write(partial)
-    os.replace(partial, path)
+    within a filesystem): a reader never sees half a file, and an interrupted run never leaves one. A write that
+    fails removes its partial file (the previous `path` stays) and raises `WriteFailed` naming the path; on a full
+    disk with the bytes `size` (or the partial file's size) and the bytes free. torch's writer reports a full disk
+    as a RuntimeError ("unexpected pos"), so a failed write is called a full disk by the free space left."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(path.name + ".partial")
+    except OSError as error:
+        raise WriteFailed(f"cannot write {path}: {error.strerror or error}") from None
+    try:
+        write(partial)
+        os.replace(partial, path)
+    except (OSError, RuntimeError) as error:
+        written = partial.stat().st_size if partial.exists() else 0
+        partial.unlink(missing_ok=True)
+        needed = max(size or 0, written)
+        free = free_bytes(path.parent)
+        if getattr(error, "errno", None) == errno.ENOSPC or (needed and free < needed) or free == 0:
+            raise WriteFailed(
+                f"no space left on device writing {path} ({needed or 'more'} bytes needed, {free} free); "
+                f"the partial file is removed{', the previous one kept' if path.exists() else ''}"
+            ) from None
+        if isinstance(error, OSError):
+            raise WriteFailed(f"cannot write {path}: {error.strerror or error}") from None
+        raise
 
 
 class SameDirectoryCheckpointIO(TorchCheckpointIO):
@@ -136,4 +166,15 @@ class SameDirectoryCheckpointIO(TorchCheckpointIO):
     def save_checkpoint(self, checkpoint: dict, path, storage_options=None) -> None:
         if storage_options is not None or not isinstance(get_filesystem(path), LocalFileSystem):
             return super().save_checkpoint(checkpoint, path, storage_options)
-        write_atomically(Path(path), lambda partial: torch.save(checkpoint, partial))
+        write_atomically(Path(path), lambda partial: torch.save(checkpoint, partial), size=tensor_bytes(checkpoint))
+
+
+def tensor_bytes(value: Any) -> int:
+    """The bytes of the tensors in a nested checkpoint: about the size of its file."""
+    if isinstance(value, torch.Tensor):
+        return value.nbytes
+    if isinstance(value, dict):
+        return sum(tensor_bytes(item) for item in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(tensor_bytes(item) for item in value)
+    return 0

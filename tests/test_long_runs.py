@@ -185,3 +185,40 @@ def test_a_checkpoint_of_a_stop_inside_an_epoch_reopens_that_epoch(completed):
     reopen_stopped_epoch(checkpoint)
     assert checkpoint["loops"]["fit_loop"]["epoch_progress"]["current"] == {"ready": 1, "started": 1, "processed": 0, "completed": 0}
     assert processed_epochs(checkpoint) == 0
+
+
+# ----------------------------------------------------------------- a full disk, a read-only directory
+def fill_the_disk_at_the_second_save(monkeypatch):
+    """torch.save writes some bytes and fails as it does on a full disk (a RuntimeError from its zip writer), from
+    the second save of last.ckpt on; the disk then reports no free bytes."""
+    saves, real_save = [], torch.save
+
+    def save(value, path, *args, **kwargs):
+        saves.append(Path(path).name)
+        if saves.count("last.ckpt.partial") < 2:
+            return real_save(value, path, *args, **kwargs)
+        Path(path).write_bytes(b"PK" + b"\0" * 4096)
+        monkeypatch.setattr("engine.files.free_bytes", lambda directory: 0)
+        raise RuntimeError("[enforce fail at inline_container.cc:671] . unexpected pos 4160 vs 4098")
+
+    monkeypatch.setattr(torch, "save", save)
+
+
+def test_a_full_disk_is_one_line_naming_the_path_and_leaves_no_partial_file_and_the_previous_checkpoint(tmp_path, capsys, monkeypatch):
+    run_dir = tmp_path / "run"
+    fill_the_disk_at_the_second_save(monkeypatch)
+    line = run_failing(main_pretrain, ["fit", "--config", PRETRAIN_DIGITS, *TINY_RUN, *QUIET, "--trainer.max_epochs=2",
+                                       f"--trainer.default_root_dir={run_dir}"], capsys)  # fmt: skip
+    last = run_dir / "checkpoints" / "last.ckpt"
+    assert line.startswith(f"error: no space left on device writing {run_dir / 'checkpoints'}/")
+    assert "bytes needed, 0 free" in line
+    assert not list(run_dir.rglob("*.partial"))
+    assert torch.load(last, weights_only=True, map_location="cpu")["epoch"] == 0  # the first epoch's, intact
+
+
+def test_a_run_directory_that_cannot_be_written_is_one_line(tmp_path, capsys):
+    occupied = tmp_path / "a-file"  # a run directory under a file: no directory can be made there, whoever runs
+    occupied.write_text("")
+    line = run_failing(main_pretrain, ["fit", "--config", PRETRAIN_DIGITS, *TINY_RUN, *QUIET, f"--trainer.default_root_dir={occupied / 'run'}"], capsys)
+    assert line == f"error: trainer.default_root_dir '{occupied / 'run'}' cannot be written: Not a directory"
+    assert list(tmp_path.iterdir()) == [occupied]

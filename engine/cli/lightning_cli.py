@@ -59,7 +59,7 @@ from engine.cli.resume import (
 from engine.cli.run_lock import RunDirectoryInUse, RunDirectoryLock
 from engine.devices import cpu_has_bf16_units, cpu_precision
 from engine.cli.results import report_results
-from engine.files import SameDirectoryCheckpointIO, UnreadableCheckpoint, read_checkpoint
+from engine.files import SameDirectoryCheckpointIO, UnreadableCheckpoint, WriteFailed, read_checkpoint
 from engine.non_finite import NonFiniteLossError, NonFiniteLossGuard
 from engine.preemption import LastCheckpointOnSigterm, PreemptionSignals, ProcessTimeLimit, ResumeInStoppedEpoch
 from engine.random_state import RandomStateCheckpoint
@@ -140,7 +140,7 @@ class ContrastlabCLI(LightningCLI):
         self.precision_note: str | None = None  # the CPU precision rule's choice, printed at the start of the run
         self.run_lock: RunDirectoryLock | None = None
         try:
-            with quiet_run(), one_error_line(NonFiniteLossError, CheckpointMismatch, UnreadableCheckpoint, TooManyUnreadableImages, describe=last_line):
+            with quiet_run(), one_error_line(NonFiniteLossError, CheckpointMismatch, UnreadableCheckpoint, TooManyUnreadableImages, WriteFailed, describe=last_line):
                 super().__init__(
                     model_class,
                     ContrastiveDataModule,

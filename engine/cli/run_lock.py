@@ -14,6 +14,8 @@ from pathlib import Path
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from engine.files import WriteFailed
+
 LOCK_FILE = "run.lock"
 
 
@@ -28,8 +30,11 @@ class RunDirectoryLock:
 
     def acquire(self) -> None:
         """Claim the directory, or raise `RunDirectoryInUse` naming the process that holds it."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        descriptor = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            descriptor = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as error:  # a read-only or foreign directory: nothing of the run could be written there
+            raise WriteFailed(f"trainer.default_root_dir '{self.path.parent}' cannot be written: {error.strerror or error}") from None
         try:
             fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
