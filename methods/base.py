@@ -13,6 +13,7 @@
 - The long-tail classifiers (PaCo and its baselines) build on `MethodBase` in `methods/longtail/`.
 """
 
+import warnings
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
@@ -123,12 +124,25 @@ class MethodBase(EvaluationMixin, CheckpointRecord, L.LightningModule):
                 f"{type(self).__name__} consumes the views {list(self.views)} but data.views provides "
                 f"{list(provided)}; rename or remove views so that they match (no view is computed unused)"
             )
-        keys_per_step = self.keys_per_sample * datamodule.batch_size * world_size
+        batch, images = datamodule.batch_size, len(datamodule.splits["train"])
+        if images // world_size < batch:  # the last incomplete batch is dropped (equal batches): nothing would train
+            raise ValueError(
+                f"data.init_args.batch_size {batch} is larger than the {images} training images"
+                f"{f' ({images // world_size} per process of {world_size})' if world_size > 1 else ''}: no full batch to train on"
+            )
+        if batch < 2 and any(isinstance(module, nn.modules.batchnorm._BatchNorm) for module in self.modules()):
+            raise ValueError(f"data.init_args.batch_size {batch}: BatchNorm needs at least 2 images per batch to normalise over")
+        keys_per_step = self.keys_per_sample * batch * world_size
         for name, module in self.named_modules():
             if isinstance(module, KeyQueue) and module.size < keys_per_step:
                 raise ValueError(
                     f"{name} size {module.size} is smaller than the {keys_per_step} keys enqueued per step "
-                    f"(data.batch_size {datamodule.batch_size} x {world_size} processes x {self.keys_per_sample})"
+                    f"(data.batch_size {batch} x {world_size} processes x {self.keys_per_sample})"
+                )
+            if isinstance(module, KeyQueue) and module.size > images * self.keys_per_sample:
+                warnings.warn(
+                    f"{name} size {module.size} is larger than the {images * self.keys_per_sample} keys of one epoch of "
+                    f"{images} training images: it holds keys of the same images from earlier epochs"
                 )
 
     def setup(self, stage: str) -> None:

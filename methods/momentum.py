@@ -112,6 +112,17 @@ class MomentumMixin(MethodMixin):
         """The key branch before normalisation; a method whose heads differ overrides it (PaCoRIDE)."""
         return self.target_projector(self.target_backbone(images))
 
+    def check_data(self, datamodule, world_size: int) -> None:
+        """Split BatchNorm (`momentum.split_bn`) normalises each of its groups of a batch on its own: the batch must
+        split evenly, with at least 2 images per group."""
+        super().check_data(datamodule, world_size)
+        groups, batch = self.momentum_spec.split_bn, datamodule.batch_size
+        if groups > 1 and (batch % groups or batch // groups < 2):
+            raise ValueError(
+                f"model.init_args.momentum.split_bn {groups} needs data.init_args.batch_size divisible by {groups} with at least "
+                f"2 images per group, got {batch}: give a batch size of {2 * groups}, {3 * groups}, ... or a smaller split_bn"
+            )
+
     def optimizer_step(self, *args, **kwargs) -> None:
         super().optimizer_step(*args, **kwargs)
         spec = self.momentum_spec

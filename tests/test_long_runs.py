@@ -222,3 +222,27 @@ def test_a_run_directory_that_cannot_be_written_is_one_line(tmp_path, capsys):
     line = run_failing(main_pretrain, ["fit", "--config", PRETRAIN_DIGITS, *TINY_RUN, *QUIET, f"--trainer.default_root_dir={occupied / 'run'}"], capsys)
     assert line == f"error: trainer.default_root_dir '{occupied / 'run'}' cannot be written: Not a directory"
     assert list(tmp_path.iterdir()) == [occupied]
+
+
+# ----------------------------------------------------------------- small batches, small datasets
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["--data.init_args.batch_size=8"], "error: model.init_args.momentum.split_bn 8 needs data.init_args.batch_size divisible by 8 with at least 2 images per group, got 8"),
+        (["--data.init_args.batch_size=20"], "error: model.init_args.momentum.split_bn 8 needs data.init_args.batch_size divisible by 8 with at least 2 images per group, got 20"),
+        (["--data.init_args.batch_size=1", "--model.init_args.momentum.split_bn=1", "--model.init_args.momentum.shuffle_bn=false"],
+         "error: data.init_args.batch_size 1: BatchNorm needs at least 2 images per batch to normalise over"),
+        (["--data.init_args.batch_size=2048", "--model.init_args.queue_size=4096"],
+         "error: data.init_args.batch_size 2048 is larger than the 1197 training images: no full batch to train on"),
+    ],
+    ids=["one-image-per-split-bn-group", "batch-not-divisible-by-split-bn", "batch-of-one", "dataset-smaller-than-a-batch"],
+)
+def test_a_batch_the_model_or_the_data_cannot_take_is_one_line_before_anything_is_written(overrides, expected, tmp_path, capsys):
+    line = run_failing(main_pretrain, ["fit", "--config", PRETRAIN_DIGITS, *TINY_RUN, *QUIET, f"--trainer.default_root_dir={tmp_path / 'run'}", *overrides], capsys)
+    assert line.startswith(expected)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_queue_larger_than_the_dataset_is_a_warning(tmp_path):
+    with pytest.warns(UserWarning, match=r"queue size 2048 is larger than the 1197 keys of one epoch of 1197 training images"):
+        pretrain(tmp_path / "run", "--model.init_args.queue_size=2048", "--trainer.max_steps=1")
