@@ -63,7 +63,7 @@ def main(argv: list[str]) -> int:
     if argv and argv[0] in COMMANDS:
         return COMMANDS[argv[0]](argv[1:])
     own, overrides = split_overrides(argv)
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m analysis", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_checkpoint_arguments(parser)
     parser.add_argument("--max-samples", type=int, default=2048, help="images analysed (a fixed random subset)")
     parser.add_argument("--view", help="the training view of the anchors (default: the method's first)")

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.files import write_atomically  # noqa: E402
 from peer_workloads import TRAINED, VIEWED  # noqa: E402
-from portable import write_fake_cifar10  # noqa: E402
+from benchmarks.portable import write_fake_cifar10  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 PEER_PACKAGES = {"lightly": "lightly==1.6.0", "stable-pretraining": "stable-pretraining==0.1.8"}

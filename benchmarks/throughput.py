@@ -49,7 +49,7 @@ from engine.config import split_overrides  # noqa: E402
 from engine.files import write_atomically  # noqa: E402
 from engine.non_finite import NonFiniteLossGuard  # noqa: E402
 from engine.tracking import TrainingThroughput  # noqa: E402
-from portable import accept_fake_cifar10, loader_rate, one_process_rate, write_fake_cifar10  # noqa: E402
+from benchmarks.portable import accept_fake_cifar10, loader_rate, one_process_rate, write_fake_cifar10  # noqa: E402
 
 # Dense bf16 tensor-core peaks (vendor data sheets), matched in order against torch.cuda.get_device_name().
 BF16_PEAK_FLOPS = (("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12))

@@ -28,6 +28,7 @@ import dataclasses
 import hashlib
 import importlib
 import json
+import os
 import pickle
 import re
 import sys
@@ -50,8 +51,15 @@ EXPORT_FORMATS = ("torchvision", "timm", "detectron2")
 ENCODER_PREFIXES = {"online": "backbone.", "momentum": "target_backbone."}
 
 
-def export(checkpoint_path: Path, format: str, out: Path | None = None, encoder: str = "online", tau_norm: float | None = None) -> list[Path]:
-    """Write the export files of `checkpoint_path` (a pretraining or long-tail checkpoint) and the JSON record; return their paths."""
+EXPORT_SUFFIXES = (".pth", ".safetensors", ".pkl", ".json")
+
+
+def export(
+    checkpoint_path: Path, format: str, out: Path | None = None, encoder: str = "online", tau_norm: float | None = None, force: bool = False
+) -> list[Path]:
+    """Write the export files of `checkpoint_path` (a pretraining or long-tail checkpoint) and the JSON record; return
+    their paths. `out` names the files without suffix (a suffix of theirs is dropped: `model.pth` writes `model.pth`,
+    not `model.pth.pth`); files that exist are overwritten only with `force`."""
     source = f"checkpoint {str(checkpoint_path)!r}"
     checkpoint, method_class = _read_contrastlab(checkpoint_path, source)
     hyperparameters = checkpoint.get("hyper_parameters", {})
@@ -67,7 +75,12 @@ def export(checkpoint_path: Path, format: str, out: Path | None = None, encoder:
     classifier = _classifier(checkpoint["state_dict"], tau) if is_classifier and format != "detectron2" else None
 
     out = out or checkpoint_path.resolve().parent.parent / "export" / f"{checkpoint_path.stem}_{format}{'' if encoder == 'online' else '_' + encoder}"
+    out = out.with_suffix("") if out.suffix in EXPORT_SUFFIXES else out
     classifier_prefix = _classifier_prefix(spec, format, source) if classifier else None
+    suffixes = (".pkl",) if format == "detectron2" else (".pth", ".safetensors")
+    existing = [str(path) for path in (out.with_name(out.name + suffix) for suffix in (*suffixes, ".json")) if path.exists()]
+    if existing and not force:
+        raise ValueError(f"--out: {', '.join(existing)} already exists: give another --out, or --force to overwrite")
     if format == "detectron2":
         files = [out.with_name(out.name + ".pkl")]
         weights = {"model": {detectron2_name(key): value.numpy() for key, value in trunk.items()}, "__author__": "contrastlab", "matching_heuristics": True}
@@ -104,6 +117,9 @@ def _save_safetensors(state: dict[str, torch.Tensor], path: Path) -> None:
     from safetensors.torch import save_file
 
     save_file(state, str(path), metadata={"format": "pt"})
+    umask = os.umask(0)  # safetensors creates its file 0600; give it the mode of any new file, as the .pth has
+    os.umask(umask)
+    path.chmod(0o666 & ~umask)
 
 
 def _read_contrastlab(path: Path, source: str) -> tuple[dict, type]:
@@ -220,9 +236,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--encoder", choices=tuple(ENCODER_PREFIXES), default="online", help="which trunk (default: online, the one the papers evaluate)")
     parser.add_argument("--tau-norm", type=float, help="tau of the classifier's normalisation (default: the model's tau_norm)")
     parser.add_argument("--out", type=Path, help="path of the files without suffix (default: <run>/export/<checkpoint>_<format>)")
+    parser.add_argument("--force", action="store_true", help="overwrite export files that exist")
     args = parser.parse_args(argv)
     try:
-        written = export(args.checkpoint, args.format, args.out, args.encoder, args.tau_norm)
+        written = export(args.checkpoint, args.format, args.out, args.encoder, args.tau_norm, args.force)
     except ValueError as error:
         raise SystemExit(f"error: {error}") from None
     print("\n".join(str(path) for path in written))

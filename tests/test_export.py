@@ -270,3 +270,21 @@ def test_the_command_lists_the_formats_and_ends_bad_input_with_one_error_line(di
     small = saved(moco(BackboneSpec("resnet18", small_input=True)), tmp_path / "small.ckpt")
     with pytest.raises(SystemExit, match="has the small-input stem .* detectron2's ResNet stem is 7x7"):
         export_command([str(small), "--format", "detectron2"])
+
+
+def test_an_export_refuses_to_overwrite_files_without_force_and_drops_its_own_suffix(tmp_path, capsys):
+    checkpoint = saved(moco(BackboneSpec("resnet18", small_input=True)), tmp_path / "last.ckpt")
+    assert export_command([str(checkpoint), "--format", "torchvision", "--out", str(tmp_path / "model.pth")]) == 0
+    assert sorted(path.name for path in tmp_path.glob("model*")) == ["model.json", "model.pth", "model.safetensors"]
+    before = (tmp_path / "model.pth").stat().st_mtime_ns
+    with pytest.raises(SystemExit, match=rf"^error: --out: {tmp_path / 'model.pth'}, .* already exists: give another --out, or --force to overwrite$"):
+        export_command([str(checkpoint), "--format", "torchvision", "--out", str(tmp_path / "model")])
+    assert (tmp_path / "model.pth").stat().st_mtime_ns == before
+    assert export_command([str(checkpoint), "--format", "torchvision", "--out", str(tmp_path / "model"), "--force"]) == 0
+    assert (tmp_path / "model.pth").stat().st_mtime_ns != before
+
+
+def test_both_exported_files_have_the_mode_of_a_new_file(tmp_path):
+    pth, safetensors, record = export(saved(moco(BackboneSpec("resnet18", small_input=True)), tmp_path / "last.ckpt"), "torchvision", tmp_path / "trunk")
+    modes = {path.suffix: path.stat().st_mode & 0o777 for path in (pth, safetensors, record)}
+    assert modes[".safetensors"] == modes[".pth"] == modes[".json"]

@@ -44,6 +44,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveCon
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+import methods
 from analysis.monitors import CollapseMonitor, EmbeddingMap
 from datamodules.base import ContrastiveDataModule
 from datamodules.folders import TooManyUnreadableImages
@@ -57,8 +58,8 @@ from engine.cli.resume import (
     refuse_to_overwrite_a_run,
 )
 from engine.cli.run_lock import RunDirectoryInUse, RunDirectoryLock
-from engine.devices import cpu_has_bf16_units, cpu_precision
 from engine.cli.results import report_results
+from engine.devices import cpu_has_bf16_units, cpu_precision
 from engine.files import SameDirectoryCheckpointIO, UnreadableCheckpoint, WriteFailed, read_checkpoint
 from engine.non_finite import NonFiniteLossError, NonFiniteLossGuard
 from engine.preemption import LastCheckpointOnSigterm, PreemptionSignals, ProcessTimeLimit, ResumeInStoppedEpoch
@@ -134,6 +135,12 @@ class SaveConfigToRun(SaveConfigCallback):
         record["world_size"] = trainer.world_size
 
 
+def models_trained_here(model_class) -> str:
+    """For --help: the model classes a config's `model.class_path` may name (those that define a training step)."""
+    names = [name for name in methods.__all__ if issubclass(getattr(methods, name), model_class) and getattr(methods, name).step is not MethodBase.step]
+    return f"model.class_path: one of methods.{{{', '.join(names)}}}; see configs/ for one config per paper setting"
+
+
 class ContrastlabCLI(LightningCLI):
     def __init__(self, model_class, args: Any = None, **kwargs):
         self.given_checkpoint: tuple[dict, str] | None = None  # a --ckpt_path file, read when the arguments are parsed
@@ -154,6 +161,7 @@ class ContrastlabCLI(LightningCLI):
                     ]},  # fmt: skip
                     auto_configure_optimizers=False,
                     args=args,
+                    parser_kwargs={"description": models_trained_here(model_class)},
                     **kwargs,
                 )
         except SIGTERMException:
