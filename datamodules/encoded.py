@@ -21,7 +21,7 @@ from PIL import Image
 from torch.utils.data import Dataset
 from torchvision.io import ImageReadMode, decode_jpeg
 
-from datamodules.image_files import ImageFiles
+from datamodules.image_files import ImageFiles, as_rgb
 
 DEVICE_DECODABLE_MODES = ("RGB", "L")  # CMYK and YCCK JPEGs go through PIL: GPU decoders (nvjpeg) mishandle them
 
@@ -33,7 +33,7 @@ def read_for_device(path: str) -> torch.Tensor:
     with Image.open(io.BytesIO(data)) as image:
         if image.format == "JPEG" and image.mode in DEVICE_DECODABLE_MODES:
             return torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        return torch.from_numpy(np.array(image.convert("RGB"))).permute(2, 0, 1).contiguous()
+        return torch.from_numpy(np.array(as_rgb(image))).permute(2, 0, 1).contiguous()
 
 
 class EncodedBatch:

@@ -11,6 +11,7 @@ import logging
 import math
 from typing import Callable, TypeVar
 
+import numpy as np
 import torch
 from PIL import Image
 from torch.utils.data import Dataset
@@ -88,6 +89,18 @@ class ImageFiles(Dataset):
         log.warning("unreadable image %s (%s): replaced by another readable one (%d unreadable so far)", self.paths[index], error, count)
 
 
+WIDE_MODES = {"I;16": 16, "I;16L": 16, "I;16B": 16, "I;16N": 16, "I": 32}  # integer modes wider than 8 bits, their bits
+
+
+def as_rgb(image: Image.Image) -> Image.Image:
+    """The image as 8-bit RGB. PIL's `convert("RGB")` clips a 16-bit grey image to 255 instead of scaling it (an
+    ordinary 16-bit PNG comes out nearly white); such an image is scaled to 8 bits by its bit depth first."""
+    if image.mode in WIDE_MODES:
+        pixels = np.asarray(image).astype(np.int64) >> (WIDE_MODES[image.mode] - 8)
+        image = Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8), mode="L")
+    return image.convert("RGB")
+
+
 def read_rgb(path: str) -> Image.Image:
     with Image.open(path) as image:
-        return image.convert("RGB")
+        return as_rgb(image)

@@ -15,6 +15,7 @@ import torchvision
 from torch.utils.data import Dataset
 
 from datamodules.base import ContrastiveDataModule
+from datamodules.image_files import as_rgb
 
 
 class TorchvisionDataModule(ContrastiveDataModule):
@@ -65,7 +66,7 @@ class RGBImages(Dataset):
 
     def __getitem__(self, index: int):
         image, label = self.base[index]
-        return image.convert("RGB"), label
+        return as_rgb(image), label
 
 
 class SVHNDataModule(TorchvisionDataModule):
