@@ -26,13 +26,6 @@ IMAGES = torch.rand(2, 3, 16, 16, generator=torch.Generator().manual_seed(1))
 SMALL_RESNET18 = BackboneSpec("resnet18", small_input=True)
 
 
-class OptionsOfAnotherProject:
-    """A class the reading side cannot import, as SCE's OmegaConf hyperparameters or any project's own objects."""
-
-    def __init__(self, **options):
-        self.options = options
-
-
 def torchvision_trunk(name: str = "resnet18", small_input: bool = True) -> nn.Module:
     """A torchvision ResNet without its classifier; the small-input stem as SCE's `create_resnet` sets it."""
     model = getattr(torchvision.models, name)()
@@ -95,8 +88,21 @@ def sce_file(trunk: nn.Module) -> dict:
         "state_dict": renamed(state, "trunk.") | renamed(projector, "projector.layers.")
         | renamed(state, "momentum_trunk.") | renamed(projector, "momentum_projector.layers.")
         | {"queue": torch.randn(128, 64), "queue_ptr": torch.zeros(1, dtype=torch.long)},
-        "hyper_parameters": {"trunk": OptionsOfAnotherProject(name="resnet18", small_input=True)},
+        "hyper_parameters": sce_hyperparameters(),
     }
+
+
+def sce_hyperparameters():
+    """What CEA-LIST/SCE's Lightning module saves as its hyperparameters: its Hydra config, OmegaConf containers
+    (their pickles name omegaconf's classes and builtins.dict / list / int as the types of their nodes)."""
+    from omegaconf import OmegaConf  # a dev dependency: the official file's own objects, not a stand-in class
+
+    return OmegaConf.create({
+        "trunk": {"_target_": "sce.models.trunks.create_resnet", "name": "resnet18", "small_input": True, "num_classes": 0},
+        "projector": {"_target_": "sce.models.heads.MLPHead", "input_dim": 512, "hidden_dims": [512], "output_dim": 128},
+        "optimizer": {"initial_lr": 0.3, "batch_size": 256, "params": {"weight_decay": 1.0e-6, "momentum": 0.9}, "exclude_wd_norm": False},
+        "queue": {"size": 65536, "feature_dim": 128}, "temp": 0.1, "temp_m": 0.07, "coeff": 0.5, "num_devices": 8,
+    })  # fmt: skip
 
 
 def paco_file(trunk: nn.Module, centres: nn.Linear) -> dict:
