@@ -30,6 +30,16 @@ VIT_SIZES = {
     "vit_small": dict(embed_dim=384, depth=12, num_heads=6),
     "vit_base": dict(embed_dim=768, depth=12, num_heads=12),
 }
+# LayerNorm eps 1e-6 and qkv biases as moco-v3 vits.py and timm's ViTs
+LAYER_NORM_EPS = 1e-6
+BLOCK_OPTIONS = dict(mlp_ratio=4.0, qkv_bias=True)
+OWN_OPTIONS = ("init", "position_embedding", "stop_grad_conv1")  # applied here to timm's model, not timm arguments
+
+
+def timm_arguments(name: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The `VisionTransformer` arguments of the trunk `name` with the backbone spec's `kwargs`, except
+    `norm_layer` (LayerNorm with eps `LAYER_NORM_EPS`) and `num_classes` (0 for the trunk)."""
+    return VIT_SIZES[name] | BLOCK_OPTIONS | {key: value for key, value in kwargs.items() if key not in OWN_OPTIONS}
 
 
 def build_vit(
@@ -46,8 +56,7 @@ def build_vit(
         raise ValueError(f"backbone {name!r}: init must be 'timm' or 'mocov3', got {init!r}")
     if position_embedding not in ("learned", "sincos_2d"):
         raise ValueError(f"backbone {name!r}: position_embedding must be 'learned' or 'sincos_2d', got {position_embedding!r}")
-    # LayerNorm eps 1e-6 and qkv biases as moco-v3 vits.py and timm's ViTs
-    options = VIT_SIZES[name] | dict(mlp_ratio=4.0, qkv_bias=True, norm_layer=partial(nn.LayerNorm, eps=1e-6)) | timm_kwargs
+    options = timm_arguments(name, timm_kwargs) | dict(norm_layer=partial(nn.LayerNorm, eps=LAYER_NORM_EPS))
     options |= dict(num_classes=0, weight_init="moco" if init == "mocov3" else "")
     try:
         trunk = VisionTransformer(**options)
