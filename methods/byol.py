@@ -4,9 +4,9 @@ Each view goes through the online network (trunk, projector, predictor) and the 
 projector), an exponential moving average of the online one that receives no gradient. The online prediction
 of each view regresses the normalised target projection of the other view: 2 - 2 cos, summed over both view
 orders (paper Eq. 2; byol/byol_experiment.py `_loss_fn`). The target momentum rises from tau_base to 1 with a
-cosine over training (paper section 3.1: tau = 1 - (1 - tau_base)(cos(pi k / K) + 1) / 2), the update made after
-each optimizer step (byol/byol_experiment.py `_update_fn`). The online linear classifier that the official loss
-adds on the detached features is the base's online probe.
+cosine over training, tau = 1 - (1 - tau_base)(cos(pi k / K) + 1) / 2 (byol/utils/schedules.py `target_ema`), the
+update made after each optimizer step (byol/byol_experiment.py `_update_fn`). The online linear classifier that
+the official loss adds on the detached features is the base's online probe.
 """
 
 import torch.nn as nn

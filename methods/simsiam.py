@@ -2,8 +2,8 @@
 
 One network, no momentum encoder and no negatives: each view's prediction p = h(z) matches the other view's
 projection z under a stop-gradient, D = -cos, averaged over both view orders (paper Eq. 3-4, Algorithm 1;
-main_simsiam.py, simsiam/builder.py). The predictor is a bottleneck MLP (2048-512-2048, paper section 4.4).
-Its learning rate is fixed, not decayed (main_simsiam.py `--fix-pred-lr`, paper section 4.1): the configs name
+main_simsiam.py, simsiam/builder.py). The predictor is a bottleneck MLP (2048-512-2048, simsiam/builder.py).
+Its learning rate is fixed, not decayed (main_simsiam.py `--fix-pred-lr`, paper Table 1): the configs name
 it in `optimizer.fixed_lr_modules`. The projector ends with BN without affine parameters; the official one's last
 Linear is the ResNet's own `fc`, whose bias it keeps but never trains (simsiam/builder.py), as here when the
 projector is configured with that bias (`last_bias: true`).

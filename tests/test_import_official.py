@@ -343,7 +343,7 @@ def with_extra_key(checkpoint: dict) -> dict:
         (lambda: npid_file(torchvision_trunk()), "paco", None, "\\(format paco\\) holds no 'module.encoder_q.\\*' weights under 'state_dict'"),
         (lambda: {"weights": {"conv.weight": torch.zeros(1)}}, None, None, "is in no known format: it holds no 'backbone.\\*' weights"),
         (lambda: torchvision.models.resnet18().state_dict(), "timm", None, "give the timm trunk it holds as model.backbone"),
-        (lambda: moco_file(torchvision_trunk()), "mocov3", None, "model.pretrained_format 'mocov3' is not a known checkpoint format"),
+        (lambda: moco_file(torchvision_trunk()), "byol", None, "model.pretrained_format 'byol' is not a known checkpoint format"),
         (lambda: {"state_dict": {"module.encoder_q.conv1.weight": torch.zeros(64, 3, 7, 7)}}, None, None, "is no backbone contrastlab builds; give model.backbone"),
     ],
     ids=["partial", "partial-backbone-given", "extra-key", "other-stem", "wrong-container", "wrong-layout", "unknown", "timm-without-backbone", "bad-format", "no-resnet"],
