@@ -10,7 +10,9 @@ formats:
                before a strict load), except for a long-tail classifier, whose classifier is `fc`. A
                small-input trunk has a 3x3 stride-1 `conv1` and no max-pool: <out>.json says how to build it.
   timm         the same for a `timm:<name>` backbone, loadable by `timm.create_model(name, num_classes=0)`
-               or `pretrained_cfg_overlay=dict(file=...)`.
+               or `pretrained_cfg_overlay=dict(file=...)`; for a Vision Transformer (`vit_tiny`, `vit_small`,
+               `vit_base`, backbones/vit.py), by timm's `VisionTransformer` with the arguments <out>.json gives
+               (MoCo v3's fixed position table and frozen patch projection are weights like the others).
   detectron2   <out>.pkl in the format of MoCo's detection/convert-pretrain-to-detectron2.py: {"model":
                numpy arrays under detectron2's ResNet names (stem.*, res2-res5, BatchNorm as
                convN.norm, the projection shortcut as shortcut / shortcut.norm), "__author__",
@@ -39,6 +41,7 @@ import torchvision
 
 from backbones import BackboneSpec, load_state_strictly
 from backbones.factory import TORCHVISION_BUILDERS
+from backbones.vit import LAYER_NORM_EPS, VIT_SIZES, timm_arguments
 from engine.config import as_spec
 from engine.checkpoint_record import RECORD_KEY, VERSION
 from engine.files import write_atomically
@@ -129,7 +132,7 @@ def _read_contrastlab(path: Path, source: str) -> tuple[dict, type]:
 
 def _check_exportable(spec: BackboneSpec, format: str, source: str) -> None:
     if format == "timm":
-        if not spec.name.startswith("timm:"):
+        if not spec.name.startswith("timm:") and spec.name not in VIT_SIZES:
             raise ValueError(f"{source}: backbone {spec.name!r} is not a timm model; export it with --format torchvision (timm's {spec.name} has the same names)")
     elif spec.name not in TORCHVISION_BUILDERS:
         raise ValueError(f"{source}: backbone {spec.name!r} is not a torchvision ResNet / ResNeXt, which --format {format} writes")
@@ -159,6 +162,8 @@ def _classifier(state: dict, tau: float) -> dict[str, torch.Tensor]:
 def _classifier_prefix(spec: BackboneSpec, format: str, source: str) -> str:
     if format == "torchvision":
         return "fc."
+    if spec.name in VIT_SIZES:
+        return "head."  # timm's VisionTransformer classifier
     prefixes = layout_of("timm", spec.name, source).classifier
     if not prefixes:
         raise ValueError(f"{source}: timm does not name the classifier of {spec.name!r} (pretrained_cfg 'classifier')")
@@ -191,6 +196,13 @@ def _how_to_load(spec: BackboneSpec, format: str, file: str, num_classes: int | 
     """Python that builds the exported model outside contrastlab and loads the file strictly."""
     if format == "detectron2":
         return f"detectron2: MODEL.WEIGHTS {file} with the settings of detectron2_config"
+    if format == "timm" and spec.name in VIT_SIZES:
+        arguments = ", ".join(f"{key}={value!r}" for key, value in timm_arguments(spec.name, spec.kwargs).items())
+        return (
+            f"model = timm.models.vision_transformer.VisionTransformer({arguments}, num_classes={num_classes or 0}, "
+            f"norm_layer=functools.partial(torch.nn.LayerNorm, eps={LAYER_NORM_EPS})); "
+            f"model.load_state_dict(safetensors.torch.load_file({file!r}), strict=True)"
+        )
     if format == "timm":
         return (
             f"model = timm.create_model({spec.name.removeprefix('timm:')!r}, num_classes={num_classes or 0}); "

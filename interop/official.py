@@ -12,6 +12,8 @@ Every layout below is read from the repository's own model definition and its lo
 | `npid` | WangFeng18/UnsupervisedLearningCodes `main.py` / `run.py`: `{"state_dict", "optimizer", "epoch", "memory_banks", "neigh"}`, the network wrapped in DataParallel | `module.*` without the head; CIFAR nets (`models/resnet_cifar.py`) name the shortcut `shortcut` | `module.linear.*` (CIFAR) or `module.fc.*` (`models/resnet.py`) | - |
 | `torchvision` | a plain state dict (`torch.save(model.state_dict())`, or `.safetensors`) | every key but `fc.*` | - | `fc.*` |
 | `timm` | a plain state dict of `timm.create_model(name)` | every key but the classifier's | - | the model's `pretrained_cfg["classifier"]` |
+| `mocov3` | facebookresearch/moco-v3 `main_moco.py`: `{"epoch", "arch", "state_dict", "optimizer", "scaler"}` | `module.base_encoder.*` without `fc.*` (ResNet) or `head.*` (ViT) (`main_lincls.py` keeps exactly these) | `module.base_encoder.fc.*` / `.head.*` (`moco/builder.py`: the projector replaces the classifier), `module.predictor.*` | - |
+| `simsiam` | facebookresearch/simsiam `main_simsiam.py`: `{"epoch", "arch", "state_dict", "optimizer"}` | `module.encoder.*` without `fc.*` (`main_lincls.py` keeps exactly these) | `module.encoder.fc.*` (`simsiam/builder.py`: the projector ends with the ResNet's own fc), `module.predictor.*` | - |
 
 The architectures are torchvision's: SupContrast's and WangFeng18's CIFAR ResNets are torchvision's ResNet
 with the small-input stem (3x3 stride-1 convolution, no max-pool; `backbones.build_backbone(..., small_input=True)`),
@@ -26,7 +28,7 @@ import torch
 from backbones import BACKBONE_NAMES, BackboneSpec, load_state_strictly
 from engine.files import is_state_dict, read_checkpoint
 
-FORMATS = ("contrastlab", "moco", "sce", "paco", "supcon", "jcl", "npid", "torchvision", "timm")
+FORMATS = ("contrastlab", "moco", "sce", "paco", "supcon", "jcl", "npid", "torchvision", "timm", "mocov3", "simsiam")
 LIGHTNING_KEY = "pytorch-lightning_version"
 
 
@@ -54,6 +56,11 @@ LAYOUTS = {
         heads={"projector": ("module.linear.", "module.fc.")},
     ),  # fmt: skip
     "torchvision": Layout(None, ("",), not_trunk=("fc.",), classifier=("fc.",)),
+    "mocov3": Layout(
+        "state_dict", ("module.base_encoder.",), not_trunk=("fc.", "head."),
+        heads={"projector": ("module.base_encoder.fc.", "module.base_encoder.head."), "predictor": ("module.predictor.",)},
+    ),  # fmt: skip
+    "simsiam": Layout("state_dict", ("module.encoder.",), not_trunk=("fc.",), heads={"projector": ("module.encoder.fc.",), "predictor": ("module.predictor.",)}),
 }
 
 
@@ -83,6 +90,10 @@ def detect_format(checkpoint: Any, backbone_name: str | None, source: str) -> st
         return "contrastlab"
     if any(key.startswith("module.encoder_q.") for key in keys):
         return "paco" if "module.linear.weight" in keys else "moco"
+    if any(key.startswith("module.base_encoder.") for key in keys):
+        return "mocov3"
+    if any(key.startswith("module.encoder.") for key in keys) and any(key.startswith("module.predictor.") for key in keys):
+        return "simsiam"
     if LIGHTNING_KEY in entries and any(key.startswith("trunk.") for key in keys):
         return "sce"
     if "module.conv1.weight" in keys:

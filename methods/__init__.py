@@ -4,24 +4,31 @@ Configs refer to a method by its short name, e.g. `class_path: methods.MoCoV2`.
 """
 
 from methods.base import MethodBase, PretrainMethod
+from methods.byol import BYOL
 from methods.jcl import JCL
 from methods.linear import LinearProbe
 from methods.longtail import CrossEntropy, LongTailClassifier, MultiTaskContrast, PaCo, PaCoRIDE
 from methods.moco import MoCoV2
+from methods.mocov3 import MoCoV3
+from methods.nnclr import NNCLR
 from methods.npid import NPID
 from methods.ressl import ReSSL
 from methods.sce import SCE
 from methods.simclr import SimCLR
+from methods.simsiam import SimSiam
 from methods.supcon import SupCon
 
 __all__ = [
+    "BYOL",
     "JCL",
     "CrossEntropy",
     "LinearProbe",
     "LongTailClassifier",
     "MethodBase",
     "MoCoV2",
+    "MoCoV3",
     "MultiTaskContrast",
+    "NNCLR",
     "NPID",
     "PaCo",
     "PaCoRIDE",
@@ -29,5 +36,6 @@ __all__ = [
     "ReSSL",
     "SCE",
     "SimCLR",
+    "SimSiam",
     "SupCon",
 ]

@@ -253,6 +253,13 @@ class PretrainMethod(MethodBase):
         features = self.backbone(images)
         return features, F.normalize(self.predictor(self.projector(features)), dim=1)
 
+    def embed_and_predict(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Online branch of a method that reads the projection before the predictor too (SimSiam's targets,
+        NNCLR's nearest-neighbour queries): trunk features, L2-normalised projection and prediction."""
+        features = self.backbone(images)
+        projection = self.projector(features)
+        return features, F.normalize(projection, dim=1), F.normalize(self.predictor(projection), dim=1)
+
     def embed_crops(self, views: dict[str, torch.Tensor], names: Sequence[str]) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Online projections of every crop of the named views, in order (a view with `count: N`,
         shaped (B, N, C, H, W), gives N crops, e.g. multi-crop's small crops); each crop is its own

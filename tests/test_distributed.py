@@ -1,15 +1,18 @@
 """Issue 10: one optimizer step of Lightning DDP on 2 CPU processes (gloo) with B images each equals one
 step of 1 process with the 2B images: the same parameters, momentum encoder and queue (keys, labels,
 pointer), for MoCo v2, SCE, SupCon, TCL, PaCo and the multi-task baseline (with `in_batch: global`; the
-official per-GPU contrast, `local`, shares the queue but not the gradient).
+official per-GPU contrast, `local`, shares the queue but not the gradient), BYOL, SimSiam, MoCo v3 and NNCLR.
 
 What makes it hold: keys are gathered in rank order before they are enqueued (`MethodBase.gather`),
-in-batch negatives are gathered with their gradients (`gather_with_grad`: SupCon / TCL), and DDP
+in-batch negatives are gathered with their gradients (`gather_with_grad`: SupCon / TCL, NNCLR's predictions),
+MoCo v3's keys are gathered without gradient and its positives offset by the rank, and DDP
 averages the processes' gradients of their mean losses, which is the gradient of the mean over the
 2B images. Shuffle-BN and split-BN are off, as the comparison requires. BatchNorm statistics are per
 process by design (the global batch's statistics are `trainer.sync_batchnorm`, whose torch kernel runs on
 CUDA only), so the trunk normalises with GroupNorm and the heads have no BatchNorm: every operation of
-the step is then the same function of the same 2B images in both runs."""
+the step is then the same function of the same 2B images in both runs. The official SimSiam, MoCo v3 and BYOL
+runs synchronise BatchNorm (SyncBatchNorm), but torch's SyncBatchNorm refuses CPU tensors: their heads here have
+no BatchNorm either, and their configs set trainer.sync_batchnorm for GPUs."""
 
 import os
 import signal
@@ -29,9 +32,9 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from test_reliability import SignalAtStep
 from torch.utils.data import DataLoader, Dataset
 
-from backbones import BackboneSpec
+from backbones import BackboneSpec, MLPSpec
 from engine.preemption import LastCheckpointOnSigterm, PreemptionSignals
-from methods import SCE, MoCoV2, MultiTaskContrast, PaCo, SupCon
+from methods import BYOL, NNCLR, SCE, MoCoV2, MoCoV3, MultiTaskContrast, PaCo, SimSiam, SupCon
 from methods.momentum import MomentumSpec
 
 pytestmark = pytest.mark.slow  # two processes each: left out of the inner loop (`pytest -m "not slow"`)
@@ -41,6 +44,8 @@ TRUNK = BackboneSpec(name="timm:test_resnet", kwargs={"norm_layer": "groupnorm1"
 NO_SHUFFLE = MomentumSpec(base=0.9, shuffle_bn=False, split_bn=1)
 COMMON = dict(backbone=TRUNK, projector=TINY_PROJECTOR)
 PRETRAIN = COMMON | dict(knn_k=0, num_classes=NUM_CLASSES)
+PREDICTOR = MLPSpec(hidden_dim=16, output_dim=TINY_PROJECTOR.output_dim, batch_norm=False)
+TWO_VIEWS = ("first", "second")
 METHODS = {  # name: (model, the views it reads)
     "moco": (lambda: MoCoV2(queue_size=32, momentum=NO_SHUFFLE, **PRETRAIN), ("query", "key")),
     "sce": (lambda: SCE(queue_size=32, momentum=NO_SHUFFLE, **PRETRAIN), ("weak", "strong")),
@@ -49,6 +54,10 @@ METHODS = {  # name: (model, the views it reads)
     "paco": (lambda: PaCo(queue_size=32, momentum=NO_SHUFFLE, in_batch="global", num_classes=NUM_CLASSES, **COMMON), ("query", "key")),
     "multitask": (lambda: MultiTaskContrast(queue_size=32, momentum=NO_SHUFFLE, in_batch="global", num_classes=NUM_CLASSES, **COMMON), ("query", "key")),
     "paco_local": (lambda: PaCo(queue_size=32, momentum=NO_SHUFFLE, num_classes=NUM_CLASSES, **COMMON), ("query", "key")),
+    "byol": (lambda: BYOL(predictor=PREDICTOR, momentum=MomentumSpec(base=0.9, schedule="cosine_byol", shuffle_bn=False), **PRETRAIN), TWO_VIEWS),
+    "simsiam": (lambda: SimSiam(predictor=PREDICTOR, **PRETRAIN), TWO_VIEWS),
+    "mocov3": (lambda: MoCoV3(temperature=0.2, predictor=PREDICTOR, momentum=NO_SHUFFLE, **PRETRAIN), TWO_VIEWS),
+    "nnclr": (lambda: NNCLR(queue_size=32, predictor=PREDICTOR, **PRETRAIN), TWO_VIEWS),
 }
 EQUIVALENT = sorted(set(METHODS) - {"paco_local"})
 
@@ -118,6 +127,7 @@ def _ddp_worker(rank: int, port: int, directory: str, results) -> None:
     for method in METHODS:
         trainer = cpu_trainer(directory, devices=WORLD, strategy=DDPStrategy(process_group_backend="gloo"), **trainer_options(directory))
         results[method, rank] = one_step(method, trainer, WORLD)
+        results[method, rank, "loss"] = trainer.callback_metrics["train/loss"].item()  # of this process's half
 
 
 def free_port() -> int:
@@ -136,7 +146,11 @@ def two_process_states(tmp_path_factory) -> dict:
 
 @pytest.mark.parametrize("method", EQUIVALENT)
 def test_one_ddp_step_on_two_processes_equals_one_step_on_the_concatenated_batch(method, two_process_states, tmp_path):
-    expected = one_step(method, cpu_trainer(tmp_path, **trainer_options(tmp_path)), world_size=1)
+    trainer = cpu_trainer(tmp_path, **trainer_options(tmp_path))
+    expected = one_step(method, trainer, world_size=1)
+    # every loss is a mean over the anchors, and each process has half of them
+    mean_loss = (two_process_states[method, 0, "loss"] + two_process_states[method, 1, "loss"]) / 2
+    assert mean_loss == pytest.approx(trainer.callback_metrics["train/loss"].item(), rel=1e-5)
     before = initial_model(method).state_dict()
     assert not torch.equal(before["backbone.conv1.0.weight"], expected["backbone.conv1.0.weight"])  # the step trained
     queues = [name for name in expected if name.startswith("queue.")]

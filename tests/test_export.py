@@ -1,6 +1,7 @@
 """Trunks out of contrastlab (`python -m interop.export`): each export is loaded strictly by the library it
 targets, built there as a user would build it, and gives contrastlab's features or predictions bit for bit."""
 
+import functools
 import hashlib
 import json
 import pickle
@@ -17,10 +18,10 @@ from safetensors.torch import load_file
 
 import main_linear
 import main_pretrain
-from backbones import BackboneSpec
+from backbones import BackboneSpec, MLPSpec
 from helpers import TINY_PROJECTOR, randomised
 from interop.export import export, main as export_command
-from methods import CrossEntropy, LinearProbe, MoCoV2, PaCo, SimCLR
+from methods import BYOL, NNCLR, CrossEntropy, LinearProbe, MoCoV2, MoCoV3, PaCo, SimCLR, SimSiam
 from methods.longtail import tau_normalised
 
 ROOT = Path(__file__).parents[1]
@@ -85,6 +86,42 @@ def test_an_exported_timm_trunk_loads_strictly_into_timm_and_gives_the_same_feat
         overlaid = timm.create_model("test_resnet", pretrained=True, pretrained_cfg_overlay={"file": str(safetensors)}, num_classes=0)
         assert torch.equal(overlaid.eval()(IMAGES), expected)
     assert json.loads(record.read_text())["trunk"] == {"name": "timm:test_resnet", "small_input": False, "kwargs": {}, "feature_dim": 96}
+
+
+PREDICTOR = MLPSpec(hidden_dim=32, output_dim=TINY_PROJECTOR.output_dim)
+NEW_METHODS = {
+    "BYOL": lambda backbone: BYOL(backbone=backbone, projector=TINY_PROJECTOR, predictor=PREDICTOR, knn_k=0),
+    "SimSiam": lambda backbone: SimSiam(backbone=backbone, projector=TINY_PROJECTOR, predictor=PREDICTOR, knn_k=0),
+    "MoCoV3": lambda backbone: MoCoV3(backbone=backbone, projector=TINY_PROJECTOR, predictor=PREDICTOR, knn_k=0),
+    "NNCLR": lambda backbone: NNCLR(backbone=backbone, projector=TINY_PROJECTOR, predictor=PREDICTOR, queue_size=64, knn_k=0),
+}
+
+
+@pytest.mark.parametrize("method", NEW_METHODS)
+def test_the_trunks_of_byol_simsiam_mocov3_and_nnclr_export_to_torchvision(method, tmp_path):
+    model = NEW_METHODS[method](BackboneSpec("resnet18", small_input=True))
+    randomised(model.backbone)
+    pth, _, _ = export(saved(model, tmp_path / "last.ckpt"), "torchvision", tmp_path / "trunk")
+    exported = torchvision_model("resnet18", small_input=True)
+    exported.load_state_dict(torch.load(pth, weights_only=True), strict=True)
+    with torch.no_grad():
+        assert torch.equal(exported.eval()(IMAGES[:1]), model.backbone.eval()(IMAGES[:1]))
+
+
+def test_a_mocov3_vit_exports_to_timm_s_vision_transformer_with_its_fixed_positions_and_patch_projection(tmp_path, monkeypatch):
+    vit = BackboneSpec("vit_small", kwargs=dict(img_size=16, patch_size=8, depth=1, num_heads=12, init="mocov3",
+                                                position_embedding="sincos_2d", stop_grad_conv1=True))
+    model = NEW_METHODS["MoCoV3"](vit)
+    pth, safetensors, record = export(saved(model, tmp_path / "last.ckpt"), "timm", tmp_path / "trunk")
+    with torch.no_grad():
+        expected = model.backbone.eval()(IMAGES)
+        exported = timm.models.vision_transformer.VisionTransformer(img_size=16, patch_size=8, embed_dim=384, depth=1, num_heads=12, num_classes=0)
+        exported.load_state_dict(torch.load(pth, weights_only=True), strict=True)
+        assert torch.equal(exported.eval()(IMAGES), expected)
+        recipe = {"torch": torch, "timm": timm, "functools": functools, "safetensors": __import__("safetensors.torch")}
+        monkeypatch.chdir(safetensors.parent)
+        exec(json.loads(record.read_text())["load"], recipe)  # the record's own instructions
+        assert torch.equal(recipe["model"].eval()(IMAGES), expected)
 
 
 @pytest.mark.slow

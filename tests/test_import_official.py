@@ -17,7 +17,7 @@ import main_pretrain
 from analysis.__main__ import main as analyse_checkpoint
 from backbones import BackboneSpec
 from engine.files import read_checkpoint
-from interop.official import detect_format
+from interop.official import convert, detect_format
 from methods import CrossEntropy, LinearProbe, PaCo
 from helpers import randomised
 
@@ -151,6 +151,58 @@ def npid_file(trunk: nn.Module, cifar: bool = True) -> dict:
     }
 
 
+def bn_head(*dims: int, last_affine: bool = False, generator_seed: int = 4) -> dict:
+    """Linear-BN-ReLU-...-Linear-BN weights without Linear biases, as moco-v3 moco/builder.py `_build_mlp` and
+    simsiam/builder.py number them (the last BN without affine parameters unless `last_affine`)."""
+    generator = torch.Generator().manual_seed(generator_seed)
+    state = {}
+    for layer, (d_in, d_out) in enumerate(zip(dims, dims[1:])):
+        linear, norm = 3 * layer, 3 * layer + 1
+        state[f"{linear}.weight"] = torch.randn(d_out, d_in, generator=generator)
+        if layer < len(dims) - 2 or last_affine:
+            state |= {f"{norm}.weight": torch.rand(d_out, generator=generator), f"{norm}.bias": torch.randn(d_out, generator=generator)}
+        state |= {f"{norm}.running_mean": torch.randn(d_out, generator=generator), f"{norm}.running_var": torch.rand(d_out, generator=generator) + 0.5,
+                  f"{norm}.num_batches_tracked": torch.tensor(5)}
+    return state
+
+
+def mocov3_file(trunk: nn.Module, classifier_name: str, arch: str) -> dict:
+    """facebookresearch/moco-v3 main_moco.py: DDP (`module.`), MoCo(base_encoder, momentum_encoder, predictor); the
+    projector replaces the trunk's classifier (`fc` for a ResNet, `head` for a ViT, moco/builder.py)."""
+    state, width = trunk.state_dict(), trunk.num_features if hasattr(trunk, "num_features") else 512
+    projector, predictor = bn_head(width, 32, 16), bn_head(16, 32, 16)
+    predictor = {key: value for key, value in predictor.items() if not key.startswith("4.")}  # the ResNet's predictor has no last BN
+    return {
+        "epoch": 100,
+        "arch": arch,
+        "state_dict": renamed(state, "module.base_encoder.") | renamed(projector, f"module.base_encoder.{classifier_name}.")
+        | renamed(state, "module.momentum_encoder.") | renamed(projector, f"module.momentum_encoder.{classifier_name}.")
+        | renamed(predictor, "module.predictor."),
+        "optimizer": optimizer_state(),
+        "scaler": {"scale": 65536.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000, "_growth_tracker": 0},
+    }
+
+
+def simsiam_file(trunk: nn.Module) -> dict:
+    """facebookresearch/simsiam main_simsiam.py: DDP (`module.`), SimSiam(encoder, predictor); the encoder's `fc` is the
+    projector (simsiam/builder.py), its layer 6 the ResNet's own fc with its (frozen) bias."""
+    projector = bn_head(512, 64, 64, 64) | {"6.bias": torch.randn(64)}
+    predictor = bn_head(64, 16, 64)
+    predictor = {key: value for key, value in predictor.items() if not key.startswith("4.")} | {"3.bias": torch.randn(64)}
+    return {
+        "epoch": 100,
+        "arch": "resnet18",
+        "state_dict": renamed(trunk.state_dict(), "module.encoder.") | renamed(projector, "module.encoder.fc.") | renamed(predictor, "module.predictor."),
+        "optimizer": optimizer_state(),
+    }
+
+
+def timm_vit_trunk() -> nn.Module:
+    """moco-v3 vits.py's VisionTransformerMoCo is timm's VisionTransformer under the same names; a small one at 16 px."""
+    torch.manual_seed(5)
+    return timm.models.vision_transformer.VisionTransformer(img_size=16, patch_size=8, embed_dim=64, depth=1, num_heads=4, num_classes=0).eval()
+
+
 def full_torchvision_resnet18() -> tuple[nn.Module, nn.Module]:
     model = randomised(torchvision.models.resnet18()).eval()
     trunk = torchvision.models.resnet18()
@@ -183,6 +235,15 @@ def official_case(format: str):
     if format in ("npid", "npid_imagenet"):
         trunk = torchvision_trunk(small_input=format == "npid")
         return npid_file(trunk, cifar=format == "npid"), trunk, None
+    if format == "mocov3":
+        trunk = torchvision_trunk(small_input=False)
+        return mocov3_file(trunk, "fc", "resnet18"), trunk, None
+    if format == "mocov3_vit":
+        trunk = timm_vit_trunk()
+        return mocov3_file(trunk, "head", "vit_small"), trunk, BackboneSpec("vit_tiny", kwargs=dict(img_size=16, patch_size=8, embed_dim=64, depth=1, num_heads=4))
+    if format == "simsiam":
+        trunk = torchvision_trunk(small_input=False)
+        return simsiam_file(trunk), trunk, None
     if format == "torchvision":
         model, trunk = full_torchvision_resnet18()
         return model.state_dict(), trunk, None
@@ -190,8 +251,8 @@ def official_case(format: str):
     return model.state_dict(), trunk, BackboneSpec("timm:test_resnet")
 
 
-CASES = ["moco", "sce", "paco", "supcon", "supcon_one_gpu", "npid", "npid_imagenet", "torchvision", "timm"]
-DETECTED = {"supcon_one_gpu": "supcon", "npid_imagenet": "npid"}
+CASES = ["moco", "sce", "paco", "supcon", "supcon_one_gpu", "npid", "npid_imagenet", "torchvision", "timm", "mocov3", "mocov3_vit", "simsiam"]
+DETECTED = {"supcon_one_gpu": "supcon", "npid_imagenet": "npid", "mocov3_vit": "mocov3"}
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -204,6 +265,20 @@ def test_an_official_checkpoint_loads_strictly_and_gives_the_source_trunk_featur
     probe = LinearProbe(pretrained_ckpt=str(path), pretrained_format=format, backbone=backbone)
     with torch.no_grad():
         assert torch.equal(probe.backbone(IMAGES), source(IMAGES))
+
+
+@pytest.mark.parametrize("case", ["mocov3", "mocov3_vit", "simsiam"])
+def test_mocov3_and_simsiam_heads_are_read_in_the_numbering_of_contrastlab_s_mlps(case):
+    checkpoint, _, backbone = official_case(case)
+    weights = convert(checkpoint, DETECTED.get(case, case), backbone and backbone.name, "test")
+    state = checkpoint["state_dict"]
+    encoder, projector_prefix = ("module.encoder.", "module.encoder.fc.") if case == "simsiam" else \
+        ("module.base_encoder.", f"module.base_encoder.{'head' if case == 'mocov3_vit' else 'fc'}.")
+    assert set(weights.heads) == {"projector", "predictor"}
+    assert weights.heads["projector"] == {key.removeprefix(projector_prefix): value for key, value in state.items() if key.startswith(projector_prefix)}
+    assert weights.heads["predictor"] == {key.removeprefix("module.predictor."): value for key, value in state.items() if key.startswith("module.predictor.")}
+    assert not any(key.startswith(("fc.", "head.")) for key in weights.trunk) and len(weights.trunk) == sum(
+        key.startswith(encoder) and not key.startswith(projector_prefix) for key in state)
 
 
 def test_jcl_is_read_as_the_moco_layout_it_is(tmp_path):
@@ -274,7 +349,7 @@ def with_extra_key(checkpoint: dict) -> dict:
         (lambda: npid_file(torchvision_trunk()), "paco", None, "\\(format paco\\) holds no 'module.encoder_q.\\*' weights under 'state_dict'"),
         (lambda: {"weights": {"conv.weight": torch.zeros(1)}}, None, None, "is in no known format: it holds no 'backbone.\\*' weights"),
         (lambda: torchvision.models.resnet18().state_dict(), "timm", None, "give the timm trunk it holds as model.backbone"),
-        (lambda: moco_file(torchvision_trunk()), "mocov3", None, "model.pretrained_format 'mocov3' is not a known checkpoint format"),
+        (lambda: moco_file(torchvision_trunk()), "byol", None, "model.pretrained_format 'byol' is not a known checkpoint format"),
         (lambda: {"state_dict": {"module.encoder_q.conv1.weight": torch.zeros(64, 3, 7, 7)}}, None, None, "is no backbone contrastlab builds; give model.backbone"),
     ],
     ids=["partial", "partial-backbone-given", "extra-key", "other-stem", "wrong-container", "wrong-layout", "unknown", "timm-without-backbone", "bad-format", "no-resnet"],

@@ -51,6 +51,11 @@ CASES = {
     "multitask_digits_lt": ("paco_digits_lt.yaml", ["--model.class_path=methods.MultiTaskContrast", "--model.init_args.classifier_loss=balanced_softmax"]),
     "linear_digits": ("linear_digits.yaml", ["--model.random_init=true", "--model.backbone.name=timm:test_resnet"]),
     "linear_tcl_digits": ("linear_tcl_digits.yaml", ["--model.random_init=true", "--model.backbone.name=timm:test_resnet"]),
+    "byol_digits": ("byol_digits.yaml", []),
+    "simsiam_digits": ("simsiam_digits.yaml", []),
+    "mocov3_digits": ("mocov3_digits.yaml", []),
+    "mocov3_vit_digits": ("mocov3_vit_digits.yaml", []),
+    "nnclr_digits": ("nnclr_digits.yaml", []),
 }
 
 

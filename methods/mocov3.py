@@ -1,0 +1,51 @@
+"""MoCo v3 (Chen, Xie & He, ICCV 2021), as facebookresearch/moco-v3 does it, with a ResNet or a ViT trunk.
+
+Both views go through the online encoder (trunk, projector, predictor) and the momentum encoder (trunk,
+projector); each view's query is contrasted with the other view's keys of the global batch, gathered from
+every process without gradient, in InfoNCE without a queue, scaled by 2 tau (paper Algorithm 1;
+moco/builder.py `contrastive_loss`); the two terms are summed. The momentum rises to 1 with a cosine
+(`--moco-m-cos`), the momentum encoder updated before the keys of each step (here after the previous
+optimizer step: the `cosine_mocov3` schedule, the same sequence). The heads (moco/builder.py): ResNet,
+projector 2048-4096-256 ending in BN without affine parameters and predictor 256-4096-256; ViT, a 3-layer
+projector and a predictor ending in that BN too; no Linear has a bias. BatchNorm statistics are the global
+batch's (SyncBN, main_moco.py): trainer.sync_batchnorm, no shuffle-BN.
+"""
+
+from backbones import MLPSpec
+from engine.config import as_spec
+from methods.base import PretrainMethod
+from methods.losses import check_hyperparameters, mocov3_loss
+from methods.momentum import MomentumMixin, MomentumSpec
+
+
+class MoCoV3(MomentumMixin, PretrainMethod):
+    views = ("first", "second")
+
+    def __init__(
+        self,
+        temperature: float = 1.0,
+        predictor: MLPSpec = MLPSpec(hidden_dim=4096, output_dim=256, last_bias=False),
+        momentum: MomentumSpec = MomentumSpec(base=0.99, schedule="cosine_mocov3", shuffle_bn=False),
+        **kwargs,
+    ):
+        """
+        Args:
+            temperature: tau (1.0 for ResNet-50, the default of main_moco.py; 0.2 for ViTs, CONFIG.md `--moco-t=.2`).
+            predictor: the MLP after the online projector (ResNet 256-4096-256; ViT adds BN without affine at its end).
+            momentum: m (0.99; 0.996 for the 1000-epoch ResNet run) with `cosine_mocov3`; no shuffle-BN.
+            **kwargs: the PretrainMethod arguments (backbone, projector, optimizer, schedule, ...).
+        """
+        check_hyperparameters("model.", temperature=temperature)
+        super().__init__(**kwargs)
+        self.temperature = temperature
+        self.predictor = as_spec(MLPSpec, predictor).build(self.projection_dim)
+        self.init_momentum(momentum)
+
+    def step(self, batch):
+        first, second = batch["views"]["first"], batch["views"]["second"]
+        features, query1 = self.embed(first)  # each view its own forward, as moco/builder.py
+        _, query2 = self.embed(second)
+        key1, key2 = self.gather(self.target_embed(first)), self.gather(self.target_embed(second))
+        offset = self.global_rank * len(query1)  # this process's keys in the gathered batch
+        loss = mocov3_loss(query1, key2, self.temperature, offset) + mocov3_loss(query2, key1, self.temperature, offset)
+        return loss, features
