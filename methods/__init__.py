@@ -13,6 +13,10 @@ from methods.ressl import ReSSL
 from methods.sce import SCE
 from methods.simclr import SimCLR
 from methods.supcon import SupCon
+from methods.barlow_twins import BarlowTwins
+from methods.vicreg import VICReg
+from methods.swav import SwAV
+from methods.dino import DINO
 
 __all__ = [
     "JCL",
@@ -30,4 +34,8 @@ __all__ = [
     "SCE",
     "SimCLR",
     "SupCon",
+    "BarlowTwins",
+    "VICReg",
+    "SwAV",
+    "DINO",
 ]

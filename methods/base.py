@@ -29,7 +29,14 @@ import torch.nn.functional as F
 from backbones import BackboneSpec, MLPSpec
 from engine.compat import attached_trainer
 from engine.config import as_spec, save_plain_hyperparameters
-from engine.optim import OptimizerSpec, ScheduleSpec, configure_optimization, parameter_groups
+from engine.optim import (
+    OptimizerSpec,
+    ScheduleSpec,
+    clip_gradients_per_parameter_,
+    configure_optimization,
+    parameter_groups,
+    schedule_weight_decay_,
+)
 from engine.checkpoint_record import CheckpointRecord
 from methods.evaluation import EvaluationMixin
 from methods.queues import KeyQueue
@@ -186,6 +193,16 @@ class MethodBase(EvaluationMixin, CheckpointRecord, L.LightningModule):
             gathered.register_hook(lambda grad: grad.contiguous())
         return gathered.flatten(0, 1)
 
+    def mean_over_processes(self, rows: torch.Tensor) -> torch.Tensor:
+        """The mean of `rows` over the global batch, without gradient: the local sum, all-reduced (a centre
+        over every process's batch, DINO's; one vector crosses the network, not the rows)."""
+        with torch.no_grad():
+            total, count = rows.sum(dim=0), rows.shape[0]
+            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+                dist.all_reduce(total)
+                count *= dist.get_world_size()
+            return total / count
+
     def step(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The method's part: the training loss of a batch and the online trunk features for the probe
         (None when the method has no probe)."""
@@ -201,11 +218,32 @@ class MethodBase(EvaluationMixin, CheckpointRecord, L.LightningModule):
         return loss + probe_loss
 
     def on_train_batch_start(self, batch, batch_idx) -> None:
-        self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], on_step=True, on_epoch=False)
+        optimizer = self.trainer.optimizers[0]
+        self.log("train/lr", optimizer.param_groups[0]["lr"], on_step=True, on_epoch=False)
+        if self.optimizer_spec.weight_decay_end is not None:  # a weight-decay schedule (optimizer.weight_decay_end)
+            steps = (self.trainer.global_step, int(self.trainer.estimated_stepping_batches))
+            self.log("train/weight_decay", schedule_weight_decay_(optimizer, *steps, self.optimizer_spec), on_step=True, on_epoch=False)
+
+    def frozen_modules(self) -> list[nn.Module]:
+        """Modules whose gradients are dropped before this optimizer step, so that it leaves them as they are (no
+        update, no weight decay, no momentum): a method's hook (SwAV's prototypes, DINO's last layer at first)."""
+        return []
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        # after backward (and DDP's averaging, and unscaling): the gradients the step will use
+        if self.optimizer_spec.clip_grad_per_parameter is not None:
+            clip_gradients_per_parameter_([param for _, param in self.method_parameters()], self.optimizer_spec.clip_grad_per_parameter)
+        for module in self.frozen_modules():
+            for param in module.parameters():
+                param.grad = None
+
+    def method_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """The method's own named parameters (a pretraining method's online probe is not one)."""
+        return list(self.named_parameters())
 
     def optimizer_groups(self) -> list[dict]:
         """The optimizer's parameter groups: every parameter, weight decay as `optimizer` says."""
-        return parameter_groups(self.named_parameters(), self.optimizer_spec)
+        return parameter_groups(self.method_parameters(), self.optimizer_spec)
 
     def configure_optimizers(self):
         return configure_optimization(self.trainer, self.optimizer_groups(), self.optimizer_spec, self.schedule_spec)
@@ -296,8 +334,10 @@ class PretrainMethod(MethodBase):
         labelled = (labels >= 0).float()
         return (per_sample * labelled).sum() / labelled.sum().clamp(min=1)
 
+    def method_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return [(name, p) for name, p in self.named_parameters() if not name.startswith("probe.")]
+
     def optimizer_groups(self) -> list[dict]:
         """The method's groups, then the probe's own: its learning rate, no weight decay, never scaled."""
-        method_params = [(name, p) for name, p in self.named_parameters() if not name.startswith("probe.")]
         probe_group = {"params": list(self.probe.parameters()), "lr": self.probe_lr, "weight_decay": 0.0, "lars_exclude": True}
-        return parameter_groups(method_params, self.optimizer_spec) + [probe_group]
+        return super().optimizer_groups() + [probe_group]
