@@ -1,5 +1,6 @@
-"""Trunks: torchvision ResNet/ResNeXt (optionally with the small-input stem), the CIFAR ResNets, any
-timm model, each optionally initialised from torchvision's published weights or a local state dict."""
+"""Trunks: torchvision ResNet/ResNeXt (optionally with the small-input stem), the CIFAR ResNets, Vision
+Transformers with the official recipes' options (`backbones.vit`), any timm model, each optionally initialised
+from torchvision's published weights or a local state dict."""
 
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,6 +12,7 @@ from torchvision.models.resnet import Bottleneck, ResNet
 
 from backbones.cifar_resnet import CifarResNet
 from backbones.ride import RIDE_BUILDERS
+from backbones.vit import VIT_SIZES, build_vit
 from engine.files import read_checkpoint
 
 
@@ -35,7 +37,7 @@ TORCHVISION_BUILDERS = {
     )
 } | {"resnext101_32x4d": resnext101_32x4d}
 CIFAR_DEPTHS = {f"cifar_resnet{depth}": depth for depth in (20, 32, 44, 56, 110)}
-BACKBONE_NAMES = tuple(TORCHVISION_BUILDERS) + tuple(CIFAR_DEPTHS) + tuple(RIDE_BUILDERS) + ("timm:<model_name>",)
+BACKBONE_NAMES = tuple(TORCHVISION_BUILDERS) + tuple(CIFAR_DEPTHS) + tuple(RIDE_BUILDERS) + tuple(VIT_SIZES) + ("timm:<model_name>",)
 WEIGHTS_KEY = "model.init_args.backbone.weights"
 
 
@@ -43,7 +45,8 @@ WEIGHTS_KEY = "model.init_args.backbone.weights"
 class BackboneSpec:
     """What a config says about the trunk: `name` as in `build_backbone`, the small-input stem for
     32-64 px images, the initial `weights` (see `build_backbone`) and extra constructor keyword
-    arguments (e.g. `zero_init_residual: true`, or `base_width: 32` for a CIFAR ResNet)."""
+    arguments (e.g. `zero_init_residual: true`, `base_width: 32` for a CIFAR ResNet, or a ViT's `patch_size` and
+    MoCo v3 options, see `backbones.vit`)."""
 
     name: str = "resnet18"
     small_input: bool = False
@@ -62,7 +65,8 @@ def build_backbone(
     Names: the torchvision ResNets/ResNeXts (incl. `resnext101_32x4d`), `cifar_resnet{20,32,44,56,110}`
     (LDAM-DRW's CIFAR ResNets, 64-d, see `backbones.cifar_resnet`), the RIDE multi-expert trunks
     `ride_resnet50`, `ride_resnext50`, `ride_resnet32` and the small `ride_resnet8_narrow` (their forward
-    gives (B, num_experts, feature_dim), see `backbones.ride`) and `timm:<model_name>`.
+    gives (B, num_experts, feature_dim), see `backbones.ride`), the Vision Transformers `vit_tiny`, `vit_small`,
+    `vit_base` (timm's, with the official recipes' options, see `backbones.vit`) and `timm:<model_name>`.
 
     `small_input=True` replaces the 7x7/2 stem and max-pool by a 3x3 stride-1 convolution (no bias,
     no pooling): the ResNet variant SCE, ReSSL and SimCLR use for 32-64 px images (CEA-LIST/SCE create_resnet(small_input=True)).
@@ -84,6 +88,8 @@ def build_backbone(
         trunk, feature_dim = _build_torchvision(name, small_input, weights_name, **kwargs)
     elif name in RIDE_BUILDERS:
         trunk, feature_dim = _build_ride(name, small_input, weights_name, **kwargs)
+    elif name in VIT_SIZES:
+        trunk, feature_dim = _build_vit(name, small_input, weights_name, **kwargs)
     else:
         raise ValueError(f"unknown backbone name {name!r}; choose one of {', '.join(BACKBONE_NAMES)}")
     if weights_file is not None:
@@ -158,6 +164,14 @@ def _build_ride(name: str, small_input: bool, weights_name: str | None, **kwargs
     except TypeError as error:
         raise ValueError(f"backbone {name!r} rejected its keyword arguments {kwargs}: {error}") from None
     return trunk, trunk.feature_dim
+
+
+def _build_vit(name: str, small_input: bool, weights_name: str | None, **kwargs: Any) -> tuple[nn.Module, int]:
+    if small_input:
+        raise ValueError(f"small_input=True is only defined for the ResNets; a ViT for small images sets kwargs img_size and patch_size (backbone {name!r})")
+    if weights_name is not None:
+        raise _no_published_weights(name, weights_name)
+    return build_vit(name, **kwargs)
 
 
 def _build_timm(model_name: str, small_input: bool, weights_name: str | None, **kwargs: Any) -> tuple[nn.Module, int]:

@@ -39,6 +39,9 @@ class OptimizerSpec:
     # One kernel per step for all parameters (torch's fused SGD / AdamW): None uses it where every parameter is
     # on a CUDA device (LARS is always multi-tensor, `torch._foreach_*`), true asks for it anywhere torch has it.
     fused: bool | None = None
+    # Modules (top-level names, e.g. `predictor`) whose parameters keep the peak learning rate: their groups carry
+    # `fixed_lr` and the schedule leaves them alone (SimSiam's --fix-pred-lr, facebookresearch/simsiam main_simsiam.py).
+    fixed_lr_modules: list[str] = field(default_factory=list)
     # The learning rate of the biases and normalisation parameters (with `exclude_bias_and_norm`) as a fraction of the
     # others': Barlow Twins' 0.0048 / 0.2 = 0.024 (facebookresearch/barlowtwins main.py --learning-rate-biases/-weights).
     bias_and_norm_lr_ratio: float = 1.0
@@ -119,15 +122,26 @@ class RampSpec:
 
 def parameter_groups(named_params: Iterable[tuple[str, torch.nn.Parameter]], spec: OptimizerSpec) -> list[dict]:
     """Split trainable parameters into a decayed group and, with `exclude_bias_and_norm`, a group of
-    biases and norm parameters (ndim <= 1) without weight decay or LARS adaptation."""
-    decayed, excluded = [], []
-    for _, param in named_params:
+    biases and norm parameters (ndim <= 1) without weight decay or LARS adaptation; the parameters of
+    `fixed_lr_modules` go into groups of their own, in the same split, marked `fixed_lr`."""
+    split = {(fixed, excluded): [] for fixed in (False, True) for excluded in (False, True)}
+    used = set()
+    for name, param in named_params:
         if not param.requires_grad:
             continue
-        (excluded if spec.exclude_bias_and_norm and param.ndim <= 1 else decayed).append(param)
-    groups = [{"params": decayed, "weight_decay": spec.weight_decay, "lars_exclude": False}]
-    if excluded:
-        groups.append({"params": excluded, "weight_decay": 0.0, "lars_exclude": True} | lr_ratio(spec.bias_and_norm_lr_ratio))
+        module = name.split(".", 1)[0]
+        fixed = module in spec.fixed_lr_modules
+        used |= {module} if fixed else set()
+        split[fixed, spec.exclude_bias_and_norm and param.ndim <= 1].append(param)
+    if unused := [module for module in spec.fixed_lr_modules if module not in used]:
+        raise ValueError(f"optimizer.fixed_lr_modules names {unused[0]!r}, which holds no trainable parameter of the model")
+    groups = [{"params": split[False, False], "weight_decay": spec.weight_decay, "lars_exclude": False}]
+    if split[False, True]:
+        groups.append({"params": split[False, True], "weight_decay": 0.0, "lars_exclude": True} | lr_ratio(spec.bias_and_norm_lr_ratio))
+    for excluded in (False, True):
+        if split[True, excluded]:
+            groups.append({"params": split[True, excluded], "weight_decay": 0.0 if excluded else spec.weight_decay,
+                           "lars_exclude": excluded, "fixed_lr": True})
     return groups
 
 
@@ -189,15 +203,15 @@ def lr_factor(step: int, steps_per_epoch: int, total_steps: int, spec: ScheduleS
 def configure_optimization(trainer, groups: list[dict], optimizer_spec: OptimizerSpec, schedule_spec: ScheduleSpec) -> dict:
     """The optimizer and per-step LambdaLR in the form `configure_optimizers` returns; the learning
     rate is scaled by the global batch size (per-device batch x processes x accumulation) as
-    `optimizer_spec.lr_scaling` says."""
+    `optimizer_spec.lr_scaling` says. Groups marked `fixed_lr` are not scheduled."""
     global_batch_size = trainer.datamodule.batch_size * trainer.world_size * trainer.accumulate_grad_batches
     total_steps = int(trainer.estimated_stepping_batches)  # also sets up the training dataloader
     steps_per_epoch = max(1, trainer.num_training_batches // trainer.accumulate_grad_batches)
     lr = optimizer_spec.effective_lr(global_batch_size)
     optimizer = build_optimizer(with_lr_ratios(groups, lr), optimizer_spec, lr)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_factor(step, steps_per_epoch, total_steps, schedule_spec)
-    )
+    scheduled = lambda step: lr_factor(step, steps_per_epoch, total_steps, schedule_spec)  # noqa: E731
+    fixed = lambda step: 1.0  # noqa: E731  (a group marked `fixed_lr` keeps the peak learning rate)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, [fixed if group.get("fixed_lr") else scheduled for group in groups])
     trainer.print(f"learning rate {lr:.6g} for a global batch of {global_batch_size} ({optimizer_spec.lr_scaling} scaling)")
     return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}
 

@@ -44,7 +44,7 @@ class DINO(MomentumMixin, PretrainMethod):
         center_momentum: float = 0.9,
         freeze_last_layer_epochs: int = 1,
         projector: MLPSpec = DINO_HEAD,
-        momentum: MomentumSpec = MomentumSpec(base=0.996, schedule="cosine", shuffle_bn=False),
+        momentum: MomentumSpec = MomentumSpec(base=0.996, schedule="cosine_byol", shuffle_bn=False),
         **kwargs,
     ):
         """
@@ -57,7 +57,8 @@ class DINO(MomentumMixin, PretrainMethod):
             center_momentum: of the teacher centre's EMA (0.9).
             freeze_last_layer_epochs: epochs during which the last layer does not move (1).
             projector: the DINO head's MLP (2048 hidden, GELU, 256-d bottleneck; trunc-normal init as DINOHead).
-            momentum: the teacher's EMA momentum, 0.996 to 1 by a per-step cosine.
+            momentum: the teacher's EMA momentum, 0.996 to 1 by a per-step cosine (`cosine_byol`: after step i of N,
+                1 - 0.004 (1 + cos(pi i / N)) / 2, main_dino.py `momentum_schedule` with utils.py `cosine_scheduler`).
             **kwargs: the PretrainMethod arguments (backbone, optimizer, schedule, local_crops, ...).
         """
         check_hyperparameters("model.", student_temperature=student_temperature, teacher_temperature=teacher_temperature,

@@ -18,19 +18,31 @@ from engine.config import as_spec
 from methods.base import MethodMixin
 from methods.shuffle_bn import convert_to_split_batchnorm, distributed_shuffled_forward
 
-MomentumSchedule = Literal["constant", "cosine"]
+MomentumSchedule = Literal["constant", "cosine", "cosine_byol", "cosine_mocov3"]
 
 
 def momentum_at(step: int, total_steps: int, base: float, schedule: MomentumSchedule) -> float:
-    """Momentum of the EMA update made after optimizer step `step` (0-based).
+    """Momentum of the EMA update made after optimizer step `step` (0-based) of `total_steps` = T.
 
-    `cosine` is SCE's per-step schedule m_t = 1 - (1 - m_0)(cos(pi t / T) + 1) / 2 with
-    T = total_steps - 1, so m goes from m_0 at the first step to exactly 1 at the last (eztorch's momentum scheduler).
+    The cosine schedules are m = 1 - (1 - m_0)(cos(pi p) + 1) / 2 at a progress p that differs by official code:
+    - `cosine`: p = step / (T - 1), so m goes from m_0 at the first step to exactly 1 at the last (SCE's, eztorch's
+      momentum scheduler);
+    - `cosine_byol`: p = step / T, BYOL's tau_k with k the step just taken (deepmind-research byol/utils/schedules.py
+      `target_ema`; byol/byol_experiment.py updates the target after the optimizer step);
+    - `cosine_mocov3`: p = (step + 1) / T. MoCo v3 sets m from `epoch + i / iters` at the start of step i and updates the
+      momentum encoder in its forward, before the keys (facebookresearch/moco-v3 main_moco.py `adjust_moco_momentum`,
+      moco/builder.py `forward`): the update after step s here is the official one at the start of step s + 1, the
+      same sequence of momentum encoders (its update at step 0 changes nothing: the encoder is still a copy), and the
+      last one here, m = 1, changes nothing either.
     """
     if schedule == "constant":
         return base
-    last = max(total_steps - 1, 1)
-    return 1.0 - (1.0 - base) * (math.cos(math.pi * min(step, last) / last) + 1.0) / 2.0
+    if schedule == "cosine":
+        last = max(total_steps - 1, 1)
+        angle = math.pi * min(step, last) / last
+    else:
+        angle = math.pi * min(step + (schedule == "cosine_mocov3"), total_steps) / max(total_steps, 1)
+    return 1.0 - (1.0 - base) * (math.cos(angle) + 1.0) / 2.0
 
 
 @torch.no_grad()

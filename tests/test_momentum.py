@@ -31,6 +31,23 @@ def test_cosine_momentum_goes_from_base_to_exactly_one():
     assert all(a <= b for a, b in zip(values, values[1:]))
 
 
+def test_byol_cosine_momentum_is_tau_k_of_the_step_just_taken_at_the_first_middle_and_last_step():
+    total, base = 100, 0.996  # tau_k = 1 - (1 - tau_base)(cos(pi k / K) + 1) / 2 (deepmind-research byol/utils/schedules.py)
+    assert momentum_at(0, total, base, "cosine_byol") == pytest.approx(base, abs=1e-15)
+    assert momentum_at(50, total, base, "cosine_byol") == pytest.approx(base + (1 - base) / 2, abs=1e-15)
+    assert momentum_at(99, total, base, "cosine_byol") == pytest.approx(1 - 0.004 * (math.cos(math.pi * 99 / 100) + 1) / 2, abs=1e-15)
+    assert momentum_at(99, total, base, "cosine_byol") < 1.0  # the last update keeps a little of the online network
+
+
+def test_mocov3_cosine_momentum_is_the_official_one_of_the_next_step_and_ends_at_exactly_one():
+    total, base = 100, 0.99  # m = 1 - (1 + cos(pi e / E)) / 2 (1 - m_0) at e = epoch + i / iters (moco-v3 main_moco.py)
+    official = lambda step: 1 - 0.5 * (1 + math.cos(math.pi * step / total)) * (1 - base)  # noqa: E731
+    for step in (0, 49, 99):
+        assert momentum_at(step, total, base, "cosine_mocov3") == pytest.approx(official(step + 1), abs=1e-15)
+    assert momentum_at(49, total, base, "cosine_mocov3") == pytest.approx(base + (1 - base) / 2, abs=1e-15)
+    assert momentum_at(99, total, base, "cosine_mocov3") == 1.0
+
+
 def _pair():
     online = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
     target = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))

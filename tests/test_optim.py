@@ -1,10 +1,11 @@
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn as nn
 
-from engine.optim import LARS, OptimizerSpec, ScheduleSpec, build_optimizer, lr_factor, parameter_groups
+from engine.optim import LARS, OptimizerSpec, ScheduleSpec, build_optimizer, configure_optimization, lr_factor, parameter_groups
 
 
 def test_linear_warmup_then_cosine_per_step():
@@ -228,3 +229,25 @@ def test_lars_refuses_to_be_fused_with_the_way_out():
     groups = parameter_groups(nn.Linear(2, 2).named_parameters(), OptimizerSpec())
     with pytest.raises(ValueError, match="optimizer.fused: true, but LARS has no fused kernel .* set optimizer.fused: null"):
         build_optimizer(groups, OptimizerSpec(name="lars", fused=True), 0.1)
+
+
+def test_fixed_lr_modules_keep_the_peak_rate_while_the_other_groups_follow_the_schedule():
+    """SimSiam's --fix-pred-lr (facebookresearch/simsiam main_simsiam.py): the predictor keeps init_lr at every epoch."""
+    model = nn.ModuleDict({"backbone": nn.Linear(3, 3), "predictor": nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))})
+    spec = OptimizerSpec(lr=0.05, lr_scaling="linear", weight_decay=1e-4, exclude_bias_and_norm=True, fixed_lr_modules=["predictor"])
+    groups = parameter_groups(model.named_parameters(), spec)
+    assert [(len(g["params"]), g["weight_decay"], g.get("fixed_lr", False)) for g in groups] == [(1, 1e-4, False), (1, 0.0, False), (1, 1e-4, True), (3, 0.0, True)]
+    trainer = SimpleNamespace(datamodule=SimpleNamespace(batch_size=512), world_size=1, accumulate_grad_batches=1,
+                              estimated_stepping_batches=100, num_training_batches=10, print=lambda *args: None)
+    optimization = configure_optimization(trainer, groups, spec, ScheduleSpec(decay="cosine", unit="epoch"))
+    scheduler = optimization["lr_scheduler"]["scheduler"]
+    for _ in range(50):  # to epoch 5 of 10: the cosine is at half the peak
+        optimization["optimizer"].step()
+        scheduler.step()
+    assert [group["lr"] for group in optimization["optimizer"].param_groups] == pytest.approx([0.05, 0.05, 0.1, 0.1])
+
+
+def test_a_fixed_lr_module_without_trainable_parameters_is_refused_naming_it():
+    model = nn.ModuleDict({"backbone": nn.Linear(3, 3)})
+    with pytest.raises(ValueError, match="optimizer.fixed_lr_modules names 'predictr', which holds no trainable parameter of the model"):
+        parameter_groups(model.named_parameters(), OptimizerSpec(fixed_lr_modules=["predictr"]))

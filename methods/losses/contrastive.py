@@ -1,9 +1,11 @@
 """Instance discrimination against negatives: MoCo's InfoNCE with a queue, SimCLR's NT-Xent over the batch, Wang &
-Liu's ordinary and hard contrastive losses (NPID's memory bank), and JCL's closed form of infinitely many positives."""
+Liu's ordinary and hard contrastive losses (NPID's memory bank), JCL's closed form of infinitely many positives,
+MoCo v3's InfoNCE over the global batch and NNCLR's with nearest neighbours from a support set as positives."""
 
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from methods.losses.common import (
@@ -100,3 +102,41 @@ def contrastive_loss(
     if log_eps > 0:  # -log(p + eps) = -logaddexp(log p, log eps), without forming p
         nll = -torch.logaddexp(-nll, torch.full_like(nll, math.log(log_eps)))
     return nll.mean()
+
+
+def check_positive_offset(positive_offset: int, rows: int, columns: int) -> None:
+    if not 0 <= positive_offset <= columns - rows:
+        raise ValueError(f"positive_offset must lie in [0, {columns - rows}] ({rows} rows, {columns} columns), got {positive_offset}")
+
+
+@float32_math
+def mocov3_loss(query: Tensor, keys: Tensor, temperature: float, positive_offset: int = 0) -> Tensor:
+    """One term of MoCo v3 (Chen, Xie & He, ICCV 2021, Algorithm 1): ``2 tau CE(q k^T / tau, i + positive_offset)``
+    of a process's queries against the keys of the global batch, without a queue; the key of query i is column
+    ``positive_offset + i`` (the process's rank times its batch, facebookresearch/moco-v3 moco/builder.py
+    `contrastive_loss`, whose factor 2 tau this keeps). The method sums the two views' terms as the official code."""
+    check_shape("query", query, None, None)
+    check_shape("keys", keys, None, query.shape[1])
+    check_hyperparameters(temperature=temperature)
+    check_positive_offset(positive_offset, len(query), len(keys))
+    logits = query @ keys.T / temperature
+    positives = torch.arange(len(query), device=query.device) + positive_offset
+    return 2 * temperature * F.cross_entropy(logits, positives)
+
+
+@float32_math
+def nnclr_loss(projection: Tensor, predictions: Tensor, support: Tensor, temperature: float, positive_offset: int = 0) -> Tensor:
+    """NNCLR (Dwibedi et al., ICCV 2021, Eq. 2): InfoNCE whose anchor is NN(z_i, Q), the nearest neighbour of the
+    projection z_i in the support set Q (largest cosine: the rows are unit vectors; no gradient), against the
+    predictions of the other view of the global batch, the positive being column ``positive_offset + i``; mean
+    over the rows. As vturrisi/solo-learn solo/losses/nnclr.py (NNCLR has no official code); lightly's NT-Xent
+    form adds the opposite direction and same-view negatives (lightly-ai/lightly lightly/loss/ntx_ent_loss.py)."""
+    check_shape("projection", projection, None, None)
+    check_shape("predictions", predictions, None, projection.shape[1])
+    check_shape("support", support, None, projection.shape[1])
+    check_hyperparameters(temperature=temperature)
+    check_positive_offset(positive_offset, len(projection), len(predictions))
+    neighbour = support[(projection.detach() @ support.T).argmax(dim=1)].detach()
+    logits = neighbour @ predictions.T / temperature
+    positives = torch.arange(len(projection), device=projection.device) + positive_offset
+    return F.cross_entropy(logits, positives)

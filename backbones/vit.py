@@ -1,0 +1,81 @@
+"""Vision Transformers through timm's `VisionTransformer`, with the options of the official self-supervised recipes.
+
+Sizes (`VIT_SIZES`) are timm's / DeiT's: ViT-Tiny 192-d with 3 heads, ViT-Small 384-d with 6, ViT-Base 768-d with
+12, depth 12, patch 16 at 224 px. Any `VisionTransformer` argument can be given on top (`img_size`, `patch_size`,
+`depth`, `num_heads`, `drop_path_rate`, ...), e.g. a ViT for 32 px images: `{img_size: 32, patch_size: 4}`.
+MoCo v3's ViT-Small has 12 heads, not DeiT's 6 (facebookresearch/moco-v3 README, vits.py `vit_small`): its configs
+say `num_heads: 12`. The feature is the class token after the final LayerNorm (timm's `global_pool="token"`,
+as moco-v3 vits.py and its main_lincls.py use it).
+
+Options of the official code that change results, each a keyword of the backbone spec:
+- `init: mocov3`: moco-v3 vits.py `VisionTransformerMoCo.__init__`: xavier-uniform Linear weights, the qkv
+  projection as three separate matrices, zero biases, class token N(0, 1e-6), and the patch projection
+  xavier-uniform over its flattened 3 x p x p input (timm's `weight_init="moco"` leaves the patch projection out);
+- `position_embedding: sincos_2d`: the fixed 2-D sin-cos table of moco-v3 vits.py
+  `build_2d_sincos_position_embedding` (temperature 10,000; per patch [sin, cos] of its row, then of its column;
+  a zero row for the class token), not trained;
+- `stop_grad_conv1: true`: the patch projection stays at its random initialisation (moco-v3 `--stop-grad-conv1`,
+  "random patch projection", MoCo v3 paper section 5.3).
+"""
+
+import math
+from functools import partial
+from typing import Any, Literal
+
+import torch
+import torch.nn as nn
+
+VIT_SIZES = {
+    "vit_tiny": dict(embed_dim=192, depth=12, num_heads=3),
+    "vit_small": dict(embed_dim=384, depth=12, num_heads=6),
+    "vit_base": dict(embed_dim=768, depth=12, num_heads=12),
+}
+
+
+def build_vit(
+    name: str,
+    init: Literal["timm", "mocov3"] = "timm",
+    position_embedding: Literal["learned", "sincos_2d"] = "learned",
+    stop_grad_conv1: bool = False,
+    **timm_kwargs: Any,
+) -> tuple[nn.Module, int]:
+    """A `VisionTransformer` of size `name` without classifier, and its feature size (the embedding dimension)."""
+    from timm.models.vision_transformer import VisionTransformer  # lazily: timm is only needed for ViTs
+
+    if init not in ("timm", "mocov3"):
+        raise ValueError(f"backbone {name!r}: init must be 'timm' or 'mocov3', got {init!r}")
+    if position_embedding not in ("learned", "sincos_2d"):
+        raise ValueError(f"backbone {name!r}: position_embedding must be 'learned' or 'sincos_2d', got {position_embedding!r}")
+    # LayerNorm eps 1e-6 and qkv biases as moco-v3 vits.py and timm's ViTs
+    options = VIT_SIZES[name] | dict(mlp_ratio=4.0, qkv_bias=True, norm_layer=partial(nn.LayerNorm, eps=1e-6)) | timm_kwargs
+    options |= dict(num_classes=0, weight_init="moco" if init == "mocov3" else "")
+    try:
+        trunk = VisionTransformer(**options)
+    except TypeError as error:
+        raise ValueError(f"backbone {name!r} rejected its keyword arguments {timm_kwargs}: {error}") from None
+    projection = trunk.patch_embed.proj
+    if init == "mocov3":
+        bound = math.sqrt(6.0 / (projection.in_channels * math.prod(projection.kernel_size) + trunk.embed_dim))
+        nn.init.uniform_(projection.weight, -bound, bound)
+        nn.init.zeros_(projection.bias)
+    if position_embedding == "sincos_2d":
+        if trunk.num_prefix_tokens != 1 or trunk.pos_embed is None:
+            raise ValueError(f"backbone {name!r}: position_embedding sincos_2d needs one class token and a position table")
+        with torch.no_grad():
+            trunk.pos_embed.copy_(sincos_2d_position_embedding(trunk.patch_embed.grid_size, trunk.embed_dim)[None])
+        trunk.pos_embed.requires_grad_(False)
+    if stop_grad_conv1:
+        projection.requires_grad_(False)
+    return trunk, trunk.num_features
+
+
+def sincos_2d_position_embedding(grid_size: tuple[int, int], dim: int, temperature: float = 10000.0) -> torch.Tensor:
+    """(1 + rows * columns, dim): a zero row for the class token, then per patch in row-major order
+    [sin(r w), cos(r w), sin(c w), cos(c w)] with w_d = temperature^(-d / (dim / 4)), d < dim / 4 (moco-v3 vits.py)."""
+    if dim % 4:
+        raise ValueError(f"a 2-D sin-cos position embedding needs an embedding dimension divisible by 4, got {dim}")
+    rows, columns = torch.meshgrid(torch.arange(grid_size[0], dtype=torch.float32), torch.arange(grid_size[1], dtype=torch.float32), indexing="ij")
+    omega = 1.0 / temperature ** (torch.arange(dim // 4, dtype=torch.float32) / (dim // 4))
+    row_angles, column_angles = rows.flatten()[:, None] * omega, columns.flatten()[:, None] * omega
+    table = torch.cat([row_angles.sin(), row_angles.cos(), column_angles.sin(), column_angles.cos()], dim=1)
+    return torch.cat([torch.zeros(1, dim), table])
