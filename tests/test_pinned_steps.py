@@ -49,6 +49,10 @@ CASES = {
     "paco_digits_lt": ("paco_digits_lt.yaml", []),
     "paco_ride_digits_lt": ("paco_ride_digits_lt.yaml", []),
     "multitask_digits_lt": ("paco_digits_lt.yaml", ["--model.class_path=methods.MultiTaskContrast", "--model.init_args.classifier_loss=balanced_softmax"]),
+    "barlow_twins_digits": ("barlow_twins_digits.yaml", []),
+    "vicreg_digits": ("vicreg_digits.yaml", []),
+    "swav_digits": ("swav_digits.yaml", []),
+    "dino_digits": ("dino_digits.yaml", []),
     "linear_digits": ("linear_digits.yaml", ["--model.random_init=true", "--model.backbone.name=timm:test_resnet"]),
     "linear_tcl_digits": ("linear_tcl_digits.yaml", ["--model.random_init=true", "--model.backbone.name=timm:test_resnet"]),
 }
