@@ -6,9 +6,13 @@ Examples (input dim comes from the trunk or the previous head):
 - SCE ImageNet: `MLPSpec(4096, 256, num_layers=3, last_batch_norm=True, last_batch_norm_affine=False)`,
   predictor `MLPSpec(4096, 256, last_bias=False)`.
 - NPID / Wang & Liu: `MLPSpec(output_dim=128, num_layers=1)` -> one Linear.
+- Barlow Twins / VICReg: `MLPSpec(8192, 8192, num_layers=3, last_bias=False)`.
+- DINO: `MLPSpec(2048, 256, num_layers=3, batch_norm=False, activation="gelu")` (its weight-normalised last layer is
+  the method's).
 """
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch.nn as nn
 
@@ -22,13 +26,14 @@ class MLPSpec:
     last_batch_norm: bool = False  # BN after the output Linear (SCE/BYOL-style ImageNet projectors)
     last_batch_norm_affine: bool = True
     last_bias: bool | None = None  # None: a bias exactly when no BN follows (eztorch's predictor has none)
+    activation: Literal["relu", "gelu"] = "relu"  # between the layers (GELU: DINO's head, facebookresearch/dino)
 
     def build(self, input_dim: int) -> nn.Sequential:
         return build_mlp(input_dim, self)
 
 
 def build_mlp(input_dim: int, spec: MLPSpec) -> nn.Sequential:
-    """Linear layers with ReLU between them; a Linear has a bias exactly when no BN follows it
+    """Linear layers with ReLU (or GELU) between them; a Linear has a bias exactly when no BN follows it
     (a bias before BN is cancelled by the mean subtraction)."""
     if spec.num_layers < 1:
         raise ValueError(f"an MLP head needs num_layers >= 1, got {spec.num_layers}")
@@ -41,7 +46,7 @@ def build_mlp(input_dim: int, spec: MLPSpec) -> nn.Sequential:
         layers.append(nn.Linear(in_dim, spec.hidden_dim, bias=not spec.batch_norm))
         if spec.batch_norm:
             layers.append(nn.BatchNorm1d(spec.hidden_dim))
-        layers.append(nn.ReLU(inplace=True))
+        layers.append(nn.ReLU(inplace=True) if spec.activation == "relu" else nn.GELU())
         in_dim = spec.hidden_dim
     last_bias = not spec.last_batch_norm if spec.last_bias is None else spec.last_bias
     layers.append(nn.Linear(in_dim, spec.output_dim, bias=last_bias))

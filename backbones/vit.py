@@ -15,15 +15,25 @@ Options of the official code that change results, each a keyword of the backbone
   `build_2d_sincos_position_embedding` (temperature 10,000; per patch [sin, cos] of its row, then of its column;
   a zero row for the class token), not trained;
 - `stop_grad_conv1: true`: the patch projection stays at its random initialisation (moco-v3 `--stop-grad-conv1`,
-  "random patch projection", MoCo v3 paper section 5.3).
+  "random patch projection", MoCo v3 paper section 5.3);
+- `init: dino`: facebookresearch/dino vision_transformer.py: timm's initialisation (truncated normal 0.02 for the
+  Linear weights and the position table, zero biases) except the class token, truncated normal 0.02 too (timm: 1e-6);
+- `position_interpolation: dino`: images of another size than `img_size` (DINO's 96 px local crops of a 224 px ViT)
+  get the position table resized as DINO's `interpolate_pos_encoding`: bicubic, by the scale factor
+  (grid + 0.1) / side, without antialiasing. timm's `dynamic_img_size` resizes to the grid size with antialiasing,
+  after casting to float32, which gives other tables (vision_transformer.py `_pos_embed`, layers/pos_embed.py).
+DINO's ViT-S/16 is `{name: vit_small, kwargs: {init: dino, position_interpolation: dino, drop_path_rate: 0.1}}`,
+ViT-S/8 adds `patch_size: 8` (main_dino.py `--arch vit_small --patch_size 8 --drop_path_rate 0.1`).
 """
 
+import functools
 import math
 from functools import partial
 from typing import Any, Literal
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 VIT_SIZES = {
     "vit_tiny": dict(embed_dim=192, depth=12, num_heads=3),
@@ -44,16 +54,22 @@ def timm_arguments(name: str, kwargs: dict[str, Any]) -> dict[str, Any]:
 
 def build_vit(
     name: str,
-    init: Literal["timm", "mocov3"] = "timm",
+    init: Literal["timm", "mocov3", "dino"] = "timm",
     position_embedding: Literal["learned", "sincos_2d"] = "learned",
     stop_grad_conv1: bool = False,
+    position_interpolation: Literal["timm", "dino"] = "timm",
     **timm_kwargs: Any,
 ) -> tuple[nn.Module, int]:
     """A `VisionTransformer` of size `name` without classifier, and its feature size (the embedding dimension)."""
     from timm.models.vision_transformer import VisionTransformer  # lazily: timm is only needed for ViTs
 
-    if init not in ("timm", "mocov3"):
-        raise ValueError(f"backbone {name!r}: init must be 'timm' or 'mocov3', got {init!r}")
+    if init not in ("timm", "mocov3", "dino"):
+        raise ValueError(f"backbone {name!r}: init must be 'timm', 'mocov3' or 'dino', got {init!r}")
+    if position_interpolation not in ("timm", "dino"):
+        raise ValueError(f"backbone {name!r}: position_interpolation must be 'timm' or 'dino', got {position_interpolation!r}")
+    if position_interpolation == "dino":
+        VisionTransformer = dino_interpolating_vision_transformer()  # noqa: N806
+        timm_kwargs = timm_kwargs | dict(dynamic_img_size=True)
     if position_embedding not in ("learned", "sincos_2d"):
         raise ValueError(f"backbone {name!r}: position_embedding must be 'learned' or 'sincos_2d', got {position_embedding!r}")
     options = timm_arguments(name, timm_kwargs) | dict(norm_layer=partial(nn.LayerNorm, eps=LAYER_NORM_EPS))
@@ -67,6 +83,10 @@ def build_vit(
         bound = math.sqrt(6.0 / (projection.in_channels * math.prod(projection.kernel_size) + trunk.embed_dim))
         nn.init.uniform_(projection.weight, -bound, bound)
         nn.init.zeros_(projection.bias)
+    if position_interpolation == "dino" and (trunk.cls_token is None or trunk.reg_token is not None or trunk.no_embed_class):
+        raise ValueError(f"backbone {name!r}: position_interpolation dino needs a class token, no register tokens and a table over both")
+    if init == "dino":
+        nn.init.trunc_normal_(trunk.cls_token, std=0.02)
     if position_embedding == "sincos_2d":
         if trunk.num_prefix_tokens != 1 or trunk.pos_embed is None:
             raise ValueError(f"backbone {name!r}: position_embedding sincos_2d needs one class token and a position table")
@@ -88,3 +108,33 @@ def sincos_2d_position_embedding(grid_size: tuple[int, int], dim: int, temperatu
     row_angles, column_angles = rows.flatten()[:, None] * omega, columns.flatten()[:, None] * omega
     table = torch.cat([row_angles.sin(), row_angles.cos(), column_angles.sin(), column_angles.cos()], dim=1)
     return torch.cat([torch.zeros(1, dim), table])
+
+
+def dino_position_embedding(table: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
+    """The position table (1, 1 + side^2, D) of a square grid, for a grid of `rows` x `columns` patches: the class
+    token's row kept, the patches' rows resized by bicubic interpolation with the scale factor (rows + 0.1) / side,
+    (columns + 0.1) / side (facebookresearch/dino vision_transformer.py `interpolate_pos_encoding`; the 0.1 keeps
+    the floating-point output size from falling below the grid)."""
+    side = math.isqrt(table.shape[1] - 1)
+    if rows == columns == side:
+        return table
+    grid = table[:, 1:].reshape(1, side, side, -1).permute(0, 3, 1, 2)
+    grid = F.interpolate(grid, scale_factor=((rows + 0.1) / side, (columns + 0.1) / side), mode="bicubic")
+    if grid.shape[-2:] != (rows, columns):
+        raise ValueError(f"DINO's position interpolation made a {tuple(grid.shape[-2:])} grid from {side} x {side}, not {rows} x {columns}")
+    return torch.cat([table[:, :1], grid.permute(0, 2, 3, 1).reshape(1, rows * columns, -1)], dim=1)
+
+
+@functools.cache
+def dino_interpolating_vision_transformer() -> type:
+    """timm's `VisionTransformer` (built with `dynamic_img_size`) whose position table follows each input's patch
+    grid by `dino_position_embedding`; made on first use, since timm is imported lazily."""
+    from timm.models.vision_transformer import VisionTransformer
+
+    class DINOInterpolatingVisionTransformer(VisionTransformer):
+        def _pos_embed(self, x: torch.Tensor) -> torch.Tensor:
+            batch, rows, columns, dim = x.shape  # the patch grid (dynamic_img_size keeps it unflattened)
+            tokens = torch.cat([self.cls_token.expand(batch, -1, -1), x.reshape(batch, rows * columns, dim)], dim=1)
+            return self.pos_drop(tokens + dino_position_embedding(self.pos_embed, rows, columns))
+
+    return DINOInterpolatingVisionTransformer

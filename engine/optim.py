@@ -42,12 +42,28 @@ class OptimizerSpec:
     # Modules (top-level names, e.g. `predictor`) whose parameters keep the peak learning rate: their groups carry
     # `fixed_lr` and the schedule leaves them alone (SimSiam's --fix-pred-lr, facebookresearch/simsiam main_simsiam.py).
     fixed_lr_modules: list[str] = field(default_factory=list)
+    # The learning rate of the biases and normalisation parameters (with `exclude_bias_and_norm`) as a fraction of the
+    # others': Barlow Twins' 0.0048 / 0.2 = 0.024 (facebookresearch/barlowtwins main.py --learning-rate-biases/-weights).
+    bias_and_norm_lr_ratio: float = 1.0
+    # Weight decay from `weight_decay` to `weight_decay_end` by a per-step cosine over the run, on the decayed groups
+    # (DINO's 0.04 -> 0.4, facebookresearch/dino main_dino.py: `cosine_scheduler(weight_decay, weight_decay_end)`,
+    # set on its first, regularised group each iteration); None keeps it constant.
+    weight_decay_end: float | None = None
+    # Each parameter's gradient rescaled to this L2 norm where it is larger, tensor by tensor (DINO's 3.0,
+    # facebookresearch/dino utils.py `clip_gradients`), not over the global norm as trainer.gradient_clip_val; None: off.
+    clip_grad_per_parameter: float | None = None
 
     def __post_init__(self):
         # the values as configured: torch would name the scaled learning rate, a number the user never wrote
         for name in ("lr", "weight_decay", "momentum"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"optimizer.{name} must be >= 0, got {getattr(self, name):g}")
+        if self.bias_and_norm_lr_ratio != 1.0 and not (self.exclude_bias_and_norm and self.bias_and_norm_lr_ratio > 0):
+            raise ValueError(f"optimizer.bias_and_norm_lr_ratio {self.bias_and_norm_lr_ratio:g} needs exclude_bias_and_norm: true and a value > 0")
+        if self.weight_decay_end is not None and not (self.weight_decay_end >= 0 and self.weight_decay > 0):
+            raise ValueError(f"optimizer.weight_decay_end {self.weight_decay_end:g} needs a value >= 0 and optimizer.weight_decay > 0")
+        if self.clip_grad_per_parameter is not None and not self.clip_grad_per_parameter > 0:
+            raise ValueError(f"optimizer.clip_grad_per_parameter must be > 0, got {self.clip_grad_per_parameter:g}")
 
     def effective_lr(self, global_batch_size: int) -> float:
         ratio = global_batch_size / 256
@@ -121,12 +137,22 @@ def parameter_groups(named_params: Iterable[tuple[str, torch.nn.Parameter]], spe
         raise ValueError(f"optimizer.fixed_lr_modules names {unused[0]!r}, which holds no trainable parameter of the model")
     groups = [{"params": split[False, False], "weight_decay": spec.weight_decay, "lars_exclude": False}]
     if split[False, True]:
-        groups.append({"params": split[False, True], "weight_decay": 0.0, "lars_exclude": True})
+        groups.append({"params": split[False, True], "weight_decay": 0.0, "lars_exclude": True} | lr_ratio(spec.bias_and_norm_lr_ratio))
     for excluded in (False, True):
         if split[True, excluded]:
             groups.append({"params": split[True, excluded], "weight_decay": 0.0 if excluded else spec.weight_decay,
                            "lars_exclude": excluded, "fixed_lr": True})
     return groups
+
+
+def lr_ratio(ratio: float) -> dict:
+    """The group key of a learning rate `ratio` times the optimizer's (`with_lr_ratios`); none for 1."""
+    return {} if ratio == 1.0 else {"lr_ratio": ratio}
+
+
+def with_lr_ratios(groups: list[dict], lr: float) -> list[dict]:
+    """Each group with an `lr_ratio` gets that fraction of the (scaled) learning rate as its own."""
+    return [group | {"lr": lr * group["lr_ratio"]} if "lr_ratio" in group else group for group in groups]
 
 
 def build_optimizer(groups: list[dict], spec: OptimizerSpec, lr: float) -> Optimizer:
@@ -193,12 +219,40 @@ def configure_optimization(trainer, groups: list[dict], optimizer_spec: Optimize
     total_steps = schedule_length(trainer)
     steps_per_epoch = max(1, trainer.num_training_batches // trainer.accumulate_grad_batches)
     lr = optimizer_spec.effective_lr(global_batch_size)
-    optimizer = build_optimizer(groups, optimizer_spec, lr)
+    optimizer = build_optimizer(with_lr_ratios(groups, lr), optimizer_spec, lr)
     scheduled = lambda step: lr_factor(step, steps_per_epoch, total_steps, schedule_spec)  # noqa: E731
     fixed = lambda step: 1.0  # noqa: E731  (a group marked `fixed_lr` keeps the peak learning rate)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, [fixed if group.get("fixed_lr") else scheduled for group in groups])
     trainer.print(f"learning rate {lr:.6g} for a global batch of {global_batch_size} ({optimizer_spec.lr_scaling} scaling)")
     return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}
+
+
+def weight_decay_at(step: int, total_steps: int, spec: OptimizerSpec) -> float:
+    """DINO's cosine weight decay at optimizer step `step` (0-based) of `total_steps`: from `weight_decay` at step 0
+    towards `weight_decay_end`, end + (start - end) (1 + cos(pi step / total_steps)) / 2 (facebookresearch/dino
+    utils.py `cosine_scheduler` without warm-up: the end value is approached, not reached)."""
+    start, end = spec.weight_decay, spec.weight_decay_end
+    return end + 0.5 * (start - end) * (1.0 + math.cos(math.pi * min(step, total_steps) / max(total_steps, 1)))
+
+
+def schedule_weight_decay_(optimizer: Optimizer, step: int, total_steps: int, spec: OptimizerSpec) -> float:
+    """Set the scheduled weight decay of step `step` on the groups that decay (those created with a weight decay > 0;
+    the biases, normalisation parameters and online probe keep none) and return it."""
+    value = weight_decay_at(step, total_steps, spec)
+    for group in optimizer.param_groups:
+        if group.setdefault("initial_weight_decay", group["weight_decay"]) > 0:
+            group["weight_decay"] = value
+    return value
+
+
+@torch.no_grad()
+def clip_gradients_per_parameter_(parameters: Iterable[torch.nn.Parameter], max_norm: float) -> None:
+    """Rescale each gradient whose L2 norm exceeds `max_norm` to norm max_norm / (1 + 1e-6 / norm), tensor by tensor:
+    grad *= max_norm / (norm + 1e-6) where that factor is below 1 (facebookresearch/dino utils.py `clip_gradients`)."""
+    grads = [param.grad for param in parameters if param.grad is not None]
+    if grads:
+        factors = (max_norm / (torch.stack(torch._foreach_norm(grads)) + 1e-6)).clamp(max=1.0)
+        torch._foreach_mul_(grads, list(factors.unbind()))
 
 
 class LARS(Optimizer):

@@ -10,6 +10,8 @@ Every layout below is read from the repository's own model definition and its lo
 | `paco` | dvlab-research/Parametric-Contrastive-Learning `PaCo/LT/paco_lt.py`: `{"state_dict", "arch", "epoch", "acc", "optimizer"}` | `module.encoder_q.*` without `fc.*` (`moco/builder.py`) | `module.encoder_q.fc.*` | the centres `module.linear.*` (`_inference`: `linear` on the pooled `encoder_q` feature) |
 | `supcon` | HobbitLong/SupContrast `util.py` `save_model`: `{"model", "opt", "optimizer", "epoch"}` | `encoder.*`, or `encoder.module.*` after `main_supcon.py`'s DataParallel; blocks name their projection shortcut `shortcut` (`networks/resnet_big.py`), torchvision `downsample` | `head.*` | - |
 | `npid` | WangFeng18/UnsupervisedLearningCodes `main.py` / `run.py`: `{"state_dict", "optimizer", "epoch", "memory_banks", "neigh"}`, the network wrapped in DataParallel | `module.*` without the head; CIFAR nets (`models/resnet_cifar.py`) name the shortcut `shortcut` | `module.linear.*` (CIFAR) or `module.fc.*` (`models/resnet.py`) | - |
+| `swav` | facebookresearch/swav `*_pretrain.pth.tar` releases: a flat state dict of the DDP model (`hubconf.py` strips `module.` and loads it into torchvision's resnet50 non-strictly) | `module.*` without the head and prototypes (`src/resnet50.py`: torchvision's names; its `ConstantPad2d(1)` + padding-2 stem computes torchvision's) | - (`module.projection_head.*` has a bias before its BN, which contrastlab's SwAV head leaves out) | - |
+| `dino` | facebookresearch/dino `main_dino.py` `checkpoint.pth`: `{"student", "teacher", "optimizer", "epoch", "args", "dino_loss"}`; the teacher is read, as `eval_linear.py` (`checkpoint_key="teacher"`) | `teacher`'s `backbone.*` (a ViT teacher is not DDP-wrapped; timm's ViT names) or `module.backbone.*` (ResNet, DDP for its BN) | `head.mlp.*` (`vision_transformer.py` DINOHead: GELU MLP, contrastlab's `projector`) | - |
 | `torchvision` | a plain state dict (`torch.save(model.state_dict())`, or `.safetensors`) | every key but `fc.*` | - | `fc.*` |
 | `timm` | a plain state dict of `timm.create_model(name)` | every key but the classifier's | - | the model's `pretrained_cfg["classifier"]` |
 | `mocov3` | facebookresearch/moco-v3 `main_moco.py`: `{"epoch", "arch", "state_dict", "optimizer", "scaler"}` | `module.base_encoder.*` without `fc.*` (ResNet) or `head.*` (ViT) (`main_lincls.py` keeps exactly these) | `module.base_encoder.fc.*` / `.head.*` (`moco/builder.py`: the projector replaces the classifier), `module.predictor.*` | - |
@@ -28,7 +30,7 @@ import torch
 from backbones import BACKBONE_NAMES, BackboneSpec, load_state_strictly
 from engine.files import is_state_dict, read_checkpoint
 
-FORMATS = ("contrastlab", "moco", "sce", "paco", "supcon", "jcl", "npid", "torchvision", "timm", "mocov3", "simsiam")
+FORMATS = ("contrastlab", "moco", "sce", "paco", "supcon", "jcl", "npid", "torchvision", "timm", "mocov3", "simsiam", "swav", "dino")
 LIGHTNING_KEY = "pytorch-lightning_version"
 
 
@@ -61,6 +63,9 @@ LAYOUTS = {
         heads={"projector": ("module.base_encoder.fc.", "module.base_encoder.head."), "predictor": ("module.predictor.",)},
     ),  # fmt: skip
     "simsiam": Layout("state_dict", ("module.encoder.",), not_trunk=("fc.",), heads={"projector": ("module.encoder.fc.",), "predictor": ("module.predictor.",)}),
+    # Barlow Twins' and VICReg's released resnet50.pth are torchvision state dicts without `fc` (`torchvision`)
+    "swav": Layout(None, ("module.",), not_trunk=("projection_head.", "prototypes.")),
+    "dino": Layout("teacher", ("module.backbone.", "backbone."), heads={"projector": ("module.head.mlp.", "head.mlp.")}),
 }
 
 
@@ -83,6 +88,8 @@ def check_format(format: str | None, key: str) -> None:
 def detect_format(checkpoint: Any, backbone_name: str | None, source: str) -> str:
     """The layout of a loaded checkpoint, from its keys (JCL's is MoCo's: detected as `moco`)."""
     if is_state_dict(checkpoint):
+        if "module.prototypes.weight" in checkpoint:
+            return "swav"
         return "timm" if (backbone_name or "").startswith("timm:") else "torchvision"
     entries = checkpoint if isinstance(checkpoint, dict) else {}
     keys = entries.get("state_dict") if isinstance(entries.get("state_dict"), dict) else {}
@@ -100,6 +107,8 @@ def detect_format(checkpoint: Any, backbone_name: str | None, source: str) -> st
         return "npid"
     if isinstance(entries.get("model"), dict) and any(key.startswith("encoder.") for key in entries["model"]):
         return "supcon"
+    if isinstance(entries.get("teacher"), dict) and isinstance(entries.get("student"), dict):
+        return "dino"
     found = list(keys or entries)[:5]
     raise ValueError(
         f"{source} is in no known format: it holds no 'backbone.*' weights (a contrastlab checkpoint) and none of the "

@@ -17,6 +17,10 @@ from methods.sce import SCE
 from methods.simclr import SimCLR
 from methods.simsiam import SimSiam
 from methods.supcon import SupCon
+from methods.barlow_twins import BarlowTwins
+from methods.vicreg import VICReg
+from methods.swav import SwAV
+from methods.dino import DINO
 
 __all__ = [
     "BYOL",
@@ -38,4 +42,8 @@ __all__ = [
     "SimCLR",
     "SimSiam",
     "SupCon",
+    "BarlowTwins",
+    "VICReg",
+    "SwAV",
+    "DINO",
 ]

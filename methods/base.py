@@ -8,8 +8,12 @@
   schedule, and the one training-step contract of both families: a method implements `step(batch) -> (loss,
   features)`, `features` being the online trunk features its probe learns from, or None (a classifier).
 - `PretrainMethod`: a self-supervised or contrastive pretraining method. It adds the projector, the online
-  linear probe (its own parameter group) and the kNN monitor. A method subclass sets `views` and implements
-  `step`: which view goes through which branch, which loss, what is enqueued. Everything else lives here.
+  linear probe (its own parameter group), the kNN monitor and multi-crop: `local_crops` names further data
+  views (any resolution, `count: N` crops each) that a method with `multi_crop` feeds to the branch that
+  takes every crop, and `encode_crops` passes a branch's crops through trunk and head one crop at a time or,
+  as the official `MultiCropWrapper` of SwAV and DINO, batched by resolution (`crop_batching`). A method
+  subclass sets `views` and implements `step`: which view goes through which branch, which loss, what is
+  enqueued. Everything else lives here.
 - The long-tail classifiers (PaCo and its baselines) build on `MethodBase` in `methods/longtail/`.
 """
 
@@ -26,7 +30,14 @@ import torch.nn.functional as F
 from backbones import BackboneSpec, MLPSpec
 from engine.compat import attached_trainer
 from engine.config import as_spec, save_plain_hyperparameters
-from engine.optim import OptimizerSpec, ScheduleSpec, configure_optimization, parameter_groups
+from engine.optim import (
+    OptimizerSpec,
+    ScheduleSpec,
+    clip_gradients_per_parameter_,
+    configure_optimization,
+    parameter_groups,
+    schedule_weight_decay_,
+)
 from engine.checkpoint_record import CheckpointRecord
 from methods.evaluation import EvaluationMixin
 from methods.queues import KeyQueue
@@ -54,6 +65,7 @@ class MethodBase(EvaluationMixin, CheckpointRecord, L.LightningModule):
     `step`. Its checkpoints record the contrastlab version and the method class (`engine.checkpoint_record`)."""
 
     views: tuple[str, ...] = ()  # names of the data views the method consumes
+    local_crops: tuple[str, ...] = ()  # further views of multi-crop (`PretrainMethod`), consumed as well
     keys_per_sample: int = 1  # keys a queue receives per training image and step
     compiled_modules = ("backbone", "target_backbone")  # those a method has are compiled with `compile`
     wrong_checkpoint_hint = ""  # added to the CLI's error when --ckpt_path holds another model's checkpoint
@@ -119,9 +131,10 @@ class MethodBase(EvaluationMixin, CheckpointRecord, L.LightningModule):
         """Fail before training when the data cannot feed this method (the CLI calls this before
         anything is written; `setup` calls it again for runs started from Python)."""
         provided = tuple(getattr(datamodule, "view_names", ()))
-        if sorted(provided) != sorted(self.views):
+        consumed = self.views + self.local_crops
+        if sorted(provided) != sorted(consumed):
             raise ValueError(
-                f"{type(self).__name__} consumes the views {list(self.views)} but data.views provides "
+                f"{type(self).__name__} consumes the views {list(consumed)} but data.views provides "
                 f"{list(provided)}; rename or remove views so that they match (no view is computed unused)"
             )
         batch, images = datamodule.batch_size, len(datamodule.splits["train"])
@@ -194,6 +207,16 @@ class MethodBase(EvaluationMixin, CheckpointRecord, L.LightningModule):
             gathered.register_hook(lambda grad: grad.contiguous())
         return gathered.flatten(0, 1)
 
+    def mean_over_processes(self, rows: torch.Tensor) -> torch.Tensor:
+        """The mean of `rows` over the global batch, without gradient: the local sum, all-reduced (a centre
+        over every process's batch, DINO's; one vector crosses the network, not the rows)."""
+        with torch.no_grad():
+            total, count = rows.sum(dim=0), rows.shape[0]
+            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+                dist.all_reduce(total)
+                count *= dist.get_world_size()
+            return total / count
+
     def step(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The method's part: the training loss of a batch and the online trunk features for the probe
         (None when the method has no probe)."""
@@ -209,20 +232,53 @@ class MethodBase(EvaluationMixin, CheckpointRecord, L.LightningModule):
         return loss + probe_loss
 
     def on_train_batch_start(self, batch, batch_idx) -> None:
-        self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], on_step=True, on_epoch=False)
+        optimizer = self.trainer.optimizers[0]
+        self.log("train/lr", optimizer.param_groups[0]["lr"], on_step=True, on_epoch=False)
+        if self.optimizer_spec.weight_decay_end is not None:  # a weight-decay schedule (optimizer.weight_decay_end)
+            steps = (self.trainer.global_step, int(self.trainer.estimated_stepping_batches))
+            self.log("train/weight_decay", schedule_weight_decay_(optimizer, *steps, self.optimizer_spec), on_step=True, on_epoch=False)
+
+    def frozen_modules(self) -> list[nn.Module]:
+        """Modules whose gradients are dropped before this optimizer step, so that it leaves them as they are (no
+        update, no weight decay, no momentum): a method's hook (SwAV's prototypes, DINO's last layer at first)."""
+        return []
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        # after backward (and DDP's averaging, and unscaling): the gradients the step will use
+        if self.optimizer_spec.clip_grad_per_parameter is not None:
+            clip_gradients_per_parameter_([param for _, param in self.method_parameters()], self.optimizer_spec.clip_grad_per_parameter)
+        for module in self.frozen_modules():
+            for param in module.parameters():
+                param.grad = None
+
+    def method_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """The method's own named parameters (a pretraining method's online probe is not one)."""
+        return list(self.named_parameters())
 
     def optimizer_groups(self) -> list[dict]:
         """The optimizer's parameter groups: every parameter, weight decay as `optimizer` says."""
-        return parameter_groups(self.named_parameters(), self.optimizer_spec)
+        return parameter_groups(self.method_parameters(), self.optimizer_spec)
 
     def configure_optimizers(self):
         return configure_optimization(self.trainer, self.optimizer_groups(), self.optimizer_spec, self.schedule_spec)
 
 
+CropBatching = Literal["per_crop", "by_resolution"]
+
+
 class PretrainMethod(MethodBase):
+    multi_crop = False  # the method feeds `local_crops` to one of its branches (else it refuses them)
+    # How `encode_crops` passes a branch's crops through trunk and head: `per_crop`, each crop its own forward, so that
+    # BatchNorm sees one crop per batch (MoCo, SCE's and ReSSL's official code; Barlow Twins and VICReg run each view
+    # separately); `by_resolution`, one trunk forward per run of consecutive crops of one resolution and one head
+    # forward on all crops (the `MultiCropWrapper` of facebookresearch/dino utils.py and the forward of
+    # facebookresearch/swav src/resnet50.py).
+    crop_batching: CropBatching = "per_crop"
+
     def __init__(
         self,
         projector: MLPSpec = MLPSpec(),
+        local_crops: Sequence[str] = (),
         probe_lr: float = 0.1,
         knn_k: int = 200,
         knn_temperature: float = 0.07,
@@ -231,6 +287,9 @@ class PretrainMethod(MethodBase):
         """
         Args:
             projector: the projection head on the trunk's pooled features.
+            local_crops: names of further data views fed, after the method's own views, to the branch of a
+                multi-crop method that takes every crop (e.g. the 6 x 96 px crops of SwAV, a view with `count: 6`;
+                each view sets its own `size` and `scale`).
             probe_lr: learning rate of the online linear probe (its own parameter group, no weight
                 decay, never scaled by the batch size); the probe sees detached features only.
             knn_k: neighbours of the kNN monitor (0 disables it); knn_temperature: its vote temperature.
@@ -238,7 +297,10 @@ class PretrainMethod(MethodBase):
         """
         if not probe_lr > 0:
             raise ValueError(f"model.probe_lr must be > 0, got {probe_lr}")
+        if local_crops and not self.multi_crop:
+            raise ValueError(f"model.local_crops {list(local_crops)}: {type(self).__name__} has no branch for local crops (multi-crop)")
         super().__init__(**kwargs)
+        self.local_crops = tuple(local_crops)
         projector = as_spec(MLPSpec, projector)
         self.projector = projector.build(self.feature_dim)
         self.projection_dim = projector.output_dim
@@ -260,14 +322,31 @@ class PretrainMethod(MethodBase):
         projection = self.projector(features)
         return features, F.normalize(projection, dim=1), F.normalize(self.predictor(projection), dim=1)
 
+    def crops(self, views: dict[str, torch.Tensor], names: Sequence[str]) -> list[torch.Tensor]:
+        """Every crop of the named views, in order: a view with `count: N`, shaped (B, N, C, H, W), gives N crops."""
+        return [crop for name in names for crop in (views[name].unbind(1) if views[name].ndim == 5 else [views[name]])]
+
+    def encode_crops(self, crops: Sequence[torch.Tensor], trunk: nn.Module, head) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """`head(trunk(crop))` for each crop, batched as `crop_batching` says, and the trunk features of the first
+        crop (for the online probe). `by_resolution` concatenates each run of consecutive crops of one resolution
+        into one trunk forward and runs the head once on all of them, so that its BatchNorm sees every crop."""
+        if self.crop_batching == "per_crop":
+            features = [trunk(crop) for crop in crops]
+            return [head(feature) for feature in features], features[0]
+        runs: list[list[torch.Tensor]] = []
+        for crop in crops:
+            if runs and runs[-1][0].shape[-2:] == crop.shape[-2:]:
+                runs[-1].append(crop)
+            else:
+                runs.append([crop])
+        features = torch.cat([trunk(torch.cat(run)) for run in runs])
+        return list(head(features).split(crops[0].shape[0])), features[: crops[0].shape[0]]
+
     def embed_crops(self, views: dict[str, torch.Tensor], names: Sequence[str]) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """Online projections of every crop of the named views, in order (a view with `count: N`,
-        shaped (B, N, C, H, W), gives N crops, e.g. multi-crop's small crops); each crop is its own
-        forward, so BatchNorm sees one crop per batch as in the two-crop case. Also returns the trunk
-        features of the first crop, for the online probe."""
-        crops = [crop for name in names for crop in (views[name].unbind(1) if views[name].ndim == 5 else [views[name]])]
-        embedded = [self.embed(crop) for crop in crops]
-        return [projection for _, projection in embedded], embedded[0][0]
+        """Online projections (`embed`) of every crop of the named views, in order, and the trunk features of the
+        first crop, for the online probe."""
+        head = lambda features: F.normalize(self.predictor(self.projector(features)), dim=1)  # noqa: E731
+        return self.encode_crops(self.crops(views, names), self.backbone, head)
 
     # ----------------------------------------------------------------- training
     def probe_loss(self, features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -276,8 +355,10 @@ class PretrainMethod(MethodBase):
         labelled = (labels >= 0).float()
         return (per_sample * labelled).sum() / labelled.sum().clamp(min=1)
 
+    def method_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return [(name, p) for name, p in self.named_parameters() if not name.startswith("probe.")]
+
     def optimizer_groups(self) -> list[dict]:
         """The method's groups, then the probe's own: its learning rate, no weight decay, never scaled."""
-        method_params = [(name, p) for name, p in self.named_parameters() if not name.startswith("probe.")]
         probe_group = {"params": list(self.probe.parameters()), "lr": self.probe_lr, "weight_decay": 0.0, "lars_exclude": True}
-        return parameter_groups(method_params, self.optimizer_spec) + [probe_group]
+        return super().optimizer_groups() + [probe_group]

@@ -1,6 +1,6 @@
 """What a method remembers of past steps: `KeyQueue`, a FIFO queue of keys (one per row) with optional labels,
 filled with gathered keys (MoCo, SCE, ReSSL, JCL, PaCo); `MemoryBank`, one entry per training sample,
-momentum-updated by sample index (NPID)."""
+momentum-updated by sample index (NPID); `EmbeddingQueue`, the past embeddings of SwAV's codes."""
 
 import math
 
@@ -69,3 +69,29 @@ class MemoryBank(nn.Module):
     def update(self, indices: torch.Tensor, features: torch.Tensor, momentum: float) -> None:
         mixed = momentum * self.entries[indices] + (1.0 - momentum) * features.detach().to(self.entries.dtype)
         self.entries[indices] = F.normalize(mixed, dim=1)
+
+
+class EmbeddingQueue(nn.Module):
+    """The last `size` embeddings of one stream (one per row), newest first, starting empty (zeros): SwAV's queue of
+    past crop embeddings (facebookresearch/swav main_swav.py), which the method reads only once it is full. Its
+    buffer is saved in and restored from checkpoints; whether it is full follows from how many rows were pushed,
+    which the method counts from the training progress (no host read of a device value)."""
+
+    def __init__(self, size: int, dim: int):
+        super().__init__()
+        if size < 1 or dim < 1:
+            raise ValueError(f"queue size and dim must be >= 1, got size={size}, dim={dim}")
+        self.register_buffer("embeddings", torch.zeros(size, dim))
+
+    @property
+    def size(self) -> int:
+        return self.embeddings.shape[0]
+
+    def read(self) -> torch.Tensor:
+        return self.embeddings.clone()
+
+    @torch.no_grad()
+    def push(self, rows: torch.Tensor) -> None:
+        """Shift the queue by len(rows) and write `rows` (already gathered, in rank order) at its head."""
+        count = min(rows.shape[0], self.size)
+        self.embeddings.copy_(torch.cat([rows[:count].detach().to(self.embeddings.dtype), self.embeddings[: self.size - count]]))

@@ -8,8 +8,6 @@ The teacher sees the weak view (crop + flip), the student the strong MoCo v2 vie
 enqueued after the loss. ReSSL is SCE with coeff = 0 without the positive slot and the ceiling term.
 """
 
-from typing import Sequence
-
 import torch
 
 from methods.base import PretrainMethod
@@ -19,12 +17,13 @@ from methods.queues import KeyQueue
 
 
 class ReSSL(MomentumMixin, PretrainMethod):
+    multi_crop = True
+
     def __init__(
         self,
         temperature: float = 0.1,
         temperature_momentum: float = 0.04,
         queue_size: int = 131072,
-        small_crops: Sequence[str] = (),
         momentum: MomentumSpec = MomentumSpec(base=0.999),
         **kwargs,
     ):
@@ -33,16 +32,15 @@ class ReSSL(MomentumMixin, PretrainMethod):
             temperature: tau_s of the student distribution (0.1).
             temperature_momentum: tau_t of the teacher distribution (0.04; SCE's Table 2 tunes it).
             queue_size: K (131,072 on ImageNet, 4,096 CIFAR, 16,384 STL/Tiny).
-            small_crops: names of further views fed to the student only (multi-crop: the 192/160/128/96
-                px crops of the ImageNet 5-crop run; a view with `count: N` gives N crops).
             momentum: teacher EMA momentum (0.999 ImageNet, 0.99 / 0.996 small datasets) and shuffle-BN.
-            **kwargs: the PretrainMethod arguments (backbone, projector, optimizer, schedule, ...).
+            **kwargs: the PretrainMethod arguments (backbone, projector, optimizer, schedule, ...); its
+                `local_crops` (multi-crop: the 192/160/128/96 px crops of the ImageNet 5-crop run) go to the student.
         """
         check_hyperparameters("model.", temperature=temperature, temperature_momentum=temperature_momentum)
         super().__init__(**kwargs)
         self.temperature, self.temperature_momentum = temperature, temperature_momentum
-        self.online_views = ("strong", *small_crops)
-        self.views = ("weak", *self.online_views)
+        self.views = ("weak", "strong")
+        self.online_views = ("strong", *self.local_crops)
         self.init_momentum(momentum)
         self.queue = KeyQueue(queue_size, self.projection_dim)
 

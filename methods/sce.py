@@ -8,12 +8,10 @@ relational target plus the "ceiling" term (SCE Proposition 1, proved in SCE supp
 weak view goes to the momentum branch, the strong one to the online branch (official code and configs;
 the comments of SCE supplementary, Algorithm 1 have them swapped).
 
-- asymmetric (small datasets): weak -> target, strong (+ optional multi-crop small crops) -> online;
+- asymmetric (small datasets): weak -> target, strong (+ the local crops of multi-crop, if any) -> online;
 - symmetric (ImageNet): two strong global views, each a target for every other crop; the keys of
   both global views are enqueued (2 keys per image and step).
 """
-
-from typing import Sequence
 
 import torch
 import torch.nn as nn
@@ -28,6 +26,8 @@ from methods.queues import KeyQueue
 
 
 class SCE(MomentumMixin, PretrainMethod):
+    multi_crop = True
+
     def __init__(
         self,
         temperature: float = 0.1,
@@ -35,7 +35,6 @@ class SCE(MomentumMixin, PretrainMethod):
         coeff: float = 0.5,
         queue_size: int = 65536,
         symmetric: bool = False,
-        small_crops: Sequence[str] = (),
         mask_positive_target: bool = False,
         predictor: MLPSpec | None = None,
         temperature_momentum_warmup: RampSpec | None = None,
@@ -51,16 +50,15 @@ class SCE(MomentumMixin, PretrainMethod):
             queue_size: K, keys kept from previous steps (4,096 CIFAR, 16,384 STL/Tiny, 65,536 ImageNet).
             symmetric: the ImageNet loss (views global1/global2) instead of the small-dataset one
                 (views weak/strong).
-            small_crops: names of further views fed to the online branch only (multi-crop, e.g. the
-                192/160/128/96 px crops of the ImageNet 5-crop run; a view with `count: N` gives N
-                crops); each is predicted from every target view.
             mask_positive_target: give the positive slot of the target a logit of -inf (SCE
                 Proposition 1, supplementary Sec. B) instead of 0 (official code, Algorithm 1); negligible in practice.
             predictor: an MLP after the online projector (ImageNet recipe); the target has none.
             temperature_momentum_warmup, coeff_warmup: optional ramps from `start` to the configured
                 value over the first epochs (eztorch options, off in every paper config).
             momentum: EMA momentum (0.99 CIFAR, 0.996 STL/Tiny, 0.99 cosine to 1 ImageNet), shuffle-BN.
-            **kwargs: the PretrainMethod arguments (backbone, projector, optimizer, schedule, ...).
+            **kwargs: the PretrainMethod arguments (backbone, projector, optimizer, schedule, ...); its
+                `local_crops` (multi-crop, e.g. the 192/160/128/96 px crops of the ImageNet 5-crop run) go to the
+                online branch, each predicted from every target view.
         """
         check_hyperparameters("model.", temperature=temperature, temperature_momentum=temperature_momentum, coeff=coeff)
         super().__init__(**kwargs)
@@ -71,8 +69,8 @@ class SCE(MomentumMixin, PretrainMethod):
         if predictor is not None:
             self.predictor: nn.Module = as_spec(MLPSpec, predictor).build(self.projection_dim)
         self.target_views = ("global1", "global2") if symmetric else ("weak",)
-        self.online_views = (("global1", "global2") if symmetric else ("strong",)) + tuple(small_crops)
-        self.views = tuple(dict.fromkeys(self.target_views + self.online_views))
+        self.views = ("global1", "global2") if symmetric else ("weak", "strong")
+        self.online_views = (("global1", "global2") if symmetric else ("strong",)) + self.local_crops
         self.keys_per_sample = len(self.target_views)
         self.init_momentum(momentum)
         self.queue = KeyQueue(queue_size, self.projection_dim)

@@ -34,12 +34,15 @@ from torch.utils.data import DataLoader, Dataset
 
 from backbones import BackboneSpec, MLPSpec
 from engine.preemption import LastCheckpointOnSigterm, PreemptionSignals
-from methods import BYOL, NNCLR, SCE, MoCoV2, MoCoV3, MultiTaskContrast, PaCo, SimSiam, SupCon
+from engine.optim import OptimizerSpec
+from methods import BYOL, DINO, NNCLR, SCE, BarlowTwins, MoCoV2, MoCoV3, MultiTaskContrast, PaCo, SimSiam, SupCon, SwAV, VICReg
 from methods.momentum import MomentumSpec
 
 pytestmark = pytest.mark.slow  # two processes each: left out of the inner loop (`pytest -m "not slow"`)
 
 WORLD, GLOBAL_BATCH, NUM_CLASSES = 2, 8, 3
+GLOBAL_VIEWS = ("global1", "global2")
+STEP = dict(lr=0.5, momentum=0.9)  # a step large enough that a gradient off by the world size shows in the weights
 TRUNK = BackboneSpec(name="timm:test_resnet", kwargs={"norm_layer": "groupnorm1"})  # no batch statistics
 NO_SHUFFLE = MomentumSpec(base=0.9, shuffle_bn=False, split_bn=1)
 COMMON = dict(backbone=TRUNK, projector=TINY_PROJECTOR)
@@ -58,7 +61,14 @@ METHODS = {  # name: (model, the views it reads)
     "simsiam": (lambda: SimSiam(predictor=PREDICTOR, **PRETRAIN), TWO_VIEWS),
     "mocov3": (lambda: MoCoV3(temperature=0.2, predictor=PREDICTOR, momentum=NO_SHUFFLE, **PRETRAIN), TWO_VIEWS),
     "nnclr": (lambda: NNCLR(queue_size=32, predictor=PREDICTOR, **PRETRAIN), TWO_VIEWS),
+    # the losses over the whole batch: gathered with gradients (Barlow Twins, VICReg), codes over the global batch and
+    # a queue that receives it (SwAV, from its first step), a centre over the global batch (DINO, clipping per tensor)
+    "barlow_twins": (lambda: BarlowTwins(optimizer=STEP | {"lr": 0.001}, **PRETRAIN), GLOBAL_VIEWS),  # gradients ~50x the others'
+    "vicreg": (lambda: VICReg(optimizer=STEP, **PRETRAIN), GLOBAL_VIEWS),
+    "swav": (lambda: SwAV(num_prototypes=5, queue_size=GLOBAL_BATCH, queue_start_epoch=0, freeze_prototypes_steps=0, optimizer=STEP, **PRETRAIN), GLOBAL_VIEWS),
+    "dino": (lambda: DINO(out_dim=6, freeze_last_layer_epochs=0, momentum=NO_SHUFFLE, optimizer=STEP | {"clip_grad_per_parameter": 0.5}, **PRETRAIN), GLOBAL_VIEWS),
 }
+GRADIENTS_KEPT = ("barlow_twins", "vicreg", "swav", "dino")  # their gradients are compared too (`grad:` entries)
 EQUIVALENT = sorted(set(METHODS) - {"paco_local"})
 
 
@@ -113,7 +123,8 @@ def one_step(method: str, trainer: L.Trainer, world_size: int) -> dict[str, torc
     model, views = initial_model(method), METHODS[method][1]
     trainer.fit(model, FixedBatch(views, world_size))
     assert trainer.global_step == 1
-    return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+    gradients = {f"grad:{name}": p.grad.clone() for name, p in model.named_parameters() if p.grad is not None} if method in GRADIENTS_KEPT else {}
+    return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()} | gradients
 
 
 def trainer_options(directory) -> dict:
@@ -155,10 +166,13 @@ def test_one_ddp_step_on_two_processes_equals_one_step_on_the_concatenated_batch
     assert not torch.equal(before["backbone.conv1.0.weight"], expected["backbone.conv1.0.weight"])  # the step trained
     queues = [name for name in expected if name.startswith("queue.")]
     assert bool(queues) == (method in ("moco", "sce", "paco", "multitask"))
+    assert any(name.startswith("grad:") for name in expected) == (method in GRADIENTS_KEPT)
     for rank in range(WORLD):
         state = two_process_states[method, rank]
         assert state.keys() == expected.keys()
         for name, tensor in expected.items():  # parameters, momentum encoder, queue keys / labels / pointer
+            if name.startswith("grad:"):  # compared at their own scale below
+                continue
             torch.testing.assert_close(state[name], tensor, rtol=1e-5, atol=1e-6, msg=f"{method}: {name} on rank {rank}")
     if queues:  # the step enqueued all 2B keys, in the 1-process order
         assert int(expected["queue.pointer"]) == GLOBAL_BATCH
@@ -194,3 +208,34 @@ def test_sigterm_at_different_steps_stops_every_process_at_the_same_step_with_a_
             pytest.fail("the processes did not stop after SIGTERM: they wait on each other")
     assert dict(results) == {0: 2, 1: 2}  # rank 0's signal before step 1 stops both after it
     assert torch.load(tmp_path / "last.ckpt", weights_only=True)["global_step"] == 2
+
+
+@pytest.mark.parametrize("method", ["barlow_twins", "vicreg"])
+def test_barlow_twins_and_vicreg_gradients_on_two_processes_are_the_global_batch_gradients_not_a_world_size_fraction(method, two_process_states, tmp_path):
+    """The bugs of lightly's losses (lightly issue #1977, PR #979's review): a cross-correlation all-reduced without
+    autograd gives each process 1/W of the gradient; embeddings summed where they should be gathered give another
+    loss. Both would fail here, where the gradient of every parameter is compared with the 1-process one."""
+    expected = one_step(method, cpu_trainer(tmp_path, **trainer_options(tmp_path)), world_size=1)
+    gradients = {name: tensor for name, tensor in expected.items() if name.startswith("grad:backbone.") or name.startswith("grad:projector.")}
+    large = [name for name, tensor in gradients.items() if tensor.abs().max() > 1e-3]
+    scale = max(tensor.abs().max().item() for tensor in gradients.values())
+    assert "grad:backbone.conv1.0.weight" in large and "grad:projector.0.weight" in large
+    for rank in range(WORLD):
+        for name, tensor in gradients.items():
+            found = two_process_states[method, rank][name]
+            # float32 sums in another order: differences to 1e-5 of the largest gradient (the last layer's bias, which
+            # the standardisation or centring cancels, has only rounding noise)
+            difference = (found - tensor).abs().max().item()
+            assert difference <= 1e-5 * scale + 1e-5 * tensor.abs().max().item(), f"{method}: {name} on rank {rank} differs by {difference:.3g}"
+            if name in large:  # a gradient off by the world size would be half of it
+                assert not torch.allclose(found, tensor / WORLD, rtol=1e-3, atol=1e-7)
+
+
+def test_swav_queue_and_dino_centre_on_two_processes_hold_the_global_batch(two_process_states, tmp_path):
+    swav = one_step("swav", cpu_trainer(tmp_path / "swav", **trainer_options(tmp_path / "swav")), world_size=1)
+    dino = one_step("dino", cpu_trainer(tmp_path / "dino", **trainer_options(tmp_path / "dino")), world_size=1)
+    assert torch.count_nonzero(swav["queues.0.embeddings"].norm(dim=1)) == GLOBAL_BATCH  # every row of both processes
+    assert dino["center"].abs().max() > 0
+    for rank in range(WORLD):
+        torch.testing.assert_close(two_process_states["swav", rank]["queues.0.embeddings"], swav["queues.0.embeddings"], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(two_process_states["dino", rank]["center"], dino["center"], rtol=1e-5, atol=1e-7)

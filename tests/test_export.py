@@ -21,7 +21,7 @@ import main_pretrain
 from backbones import BackboneSpec, MLPSpec
 from helpers import TINY_PROJECTOR, randomised
 from interop.export import export, main as export_command
-from methods import BYOL, NNCLR, CrossEntropy, LinearProbe, MoCoV2, MoCoV3, PaCo, SimCLR, SimSiam
+from methods import BYOL, DINO, NNCLR, BarlowTwins, CrossEntropy, LinearProbe, MoCoV2, MoCoV3, PaCo, SimCLR, SimSiam, SwAV, VICReg
 from methods.longtail import tau_normalised
 
 ROOT = Path(__file__).parents[1]
@@ -135,6 +135,31 @@ def test_the_momentum_encoder_is_exported_on_request_and_refused_where_there_is_
     simclr = saved(SimCLR(backbone=BackboneSpec("resnet18", small_input=True), projector=TINY_PROJECTOR, knn_k=0), tmp_path / "simclr.ckpt")
     with pytest.raises(ValueError, match="has no momentum encoder \\('target_backbone.\\*'\\)"):
         export(simclr, "torchvision", tmp_path / "simclr", encoder="momentum")
+
+
+ISSUE_34_METHODS = {
+    "barlow_twins": lambda trunk: BarlowTwins(backbone=trunk, projector=TINY_PROJECTOR, knn_k=0),
+    "vicreg": lambda trunk: VICReg(backbone=trunk, projector=TINY_PROJECTOR, knn_k=0),
+    "swav": lambda trunk: SwAV(backbone=trunk, projector=TINY_PROJECTOR, num_prototypes=10, knn_k=0),
+    "dino": lambda trunk: DINO(backbone=trunk, projector=TINY_PROJECTOR, out_dim=10, knn_k=0),
+}
+
+
+@pytest.mark.parametrize("method", ISSUE_34_METHODS)
+def test_the_trunks_of_barlow_twins_vicreg_swav_and_dino_export_to_timm_and_dinos_teacher_on_request(method, tmp_path):
+    model = ISSUE_34_METHODS[method](BackboneSpec("timm:test_resnet"))
+    randomised(model.backbone)
+    checkpoint = saved(model, tmp_path / "last.ckpt")
+    encoders = {"online": model.backbone} | ({"momentum": model.target_backbone} if method == "dino" else {})
+    for encoder, trunk in encoders.items():
+        if method == "dino":
+            randomised(model.target_backbone, seed=3)  # the teacher differs from the student
+            checkpoint = saved(model, tmp_path / "last.ckpt")
+        pth = export(checkpoint, "timm", tmp_path / encoder / "trunk", encoder=encoder)[0]
+        exported = timm.create_model("test_resnet", num_classes=0)
+        exported.load_state_dict(torch.load(pth, weights_only=True), strict=True)
+        with torch.no_grad():
+            assert torch.equal(exported.eval()(IMAGES), trunk.eval()(IMAGES))
 
 
 def moco_converter(state: dict) -> dict:

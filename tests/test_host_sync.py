@@ -95,7 +95,8 @@ class RecordSteps(Callback):
 
 TINY = ["--data.init_args.batch_size=16", "--data.init_args.num_workers=0", "--data.init_args.knn_bank=false"]
 CONFIGS = ["moco_digits", "sce_digits", "ressl_digits", "simclr_digits", "npid_digits", "jcl_digits", "supcon_digits",
-           "tcl_digits", "tcl_ssl_digits", "paco_digits_lt", "paco_ride_digits_lt", "ce_digits_lt", "balanced_softmax_digits_lt"]
+           "tcl_digits", "tcl_ssl_digits", "paco_digits_lt", "paco_ride_digits_lt", "ce_digits_lt", "balanced_softmax_digits_lt",
+           "barlow_twins_digits", "vicreg_digits", "swav_digits", "dino_digits"]
 # The one host read by design: the non-finite loss guard reads whether the loss is finite before backward, so that it
 # stops before the optimizer step (engine/non_finite.py)
 BY_DESIGN = "engine/non_finite.py"

@@ -203,6 +203,40 @@ def timm_vit_trunk() -> nn.Module:
     return timm.models.vision_transformer.VisionTransformer(img_size=16, patch_size=8, embed_dim=64, depth=1, num_heads=4, num_classes=0).eval()
 
 
+def swav_file(trunk: nn.Module) -> dict:
+    """facebookresearch/swav's released `*_pretrain.pth.tar`: the DDP model's flat state dict, trunk (torchvision's
+    names, src/resnet50.py), projection head Linear-BN-ReLU-Linear with biases, prototypes."""
+    generator = torch.Generator().manual_seed(4)
+    projection = {"0.weight": torch.randn(64, 512, generator=generator), "0.bias": torch.randn(64, generator=generator),
+                  "1.weight": torch.ones(64), "1.bias": torch.zeros(64), "1.running_mean": torch.zeros(64),
+                  "1.running_var": torch.ones(64), "1.num_batches_tracked": torch.tensor(5),
+                  "3.weight": torch.randn(16, 64, generator=generator), "3.bias": torch.randn(16, generator=generator)}  # fmt: skip
+    return renamed(trunk.state_dict(), "module.") | renamed(projection, "module.projection_head.") | {"module.prototypes.weight": torch.randn(30, 16)}
+
+
+def dino_head(dim: int) -> dict:
+    """facebookresearch/dino vision_transformer.py DINOHead(dim, 20, hidden_dim=32, bottleneck_dim=8): GELU MLP, then
+    the weight-normalised last layer."""
+    generator = torch.Generator().manual_seed(5)
+    mlp = {f"mlp.{index}.{kind}": torch.randn(*((out, into) if kind == "weight" else (out,)), generator=generator)
+           for index, (into, out) in {0: (dim, 32), 2: (32, 32), 4: (32, 8)}.items() for kind in ("weight", "bias")}  # fmt: skip
+    return mlp | {"last_layer.weight_g": torch.ones(20, 1), "last_layer.weight_v": torch.randn(20, 8, generator=generator)}
+
+
+def dino_file(teacher: nn.Module, vit: bool) -> dict:
+    """facebookresearch/dino main_dino.py checkpoint.pth: the DDP student (`module.`), the teacher (DDP-wrapped only
+    when it has BatchNorm: a ResNet), the centre under `dino_loss`, the arguments as an argparse.Namespace."""
+    dim = 192 if vit else 512
+    student = torchvision_trunk(small_input=False) if not vit else teacher
+    teacher_prefix = "" if vit else "module."
+    return {
+        "student": renamed(student.state_dict(), "module.backbone.") | renamed(dino_head(dim), "module.head."),
+        "teacher": renamed(teacher.state_dict(), f"{teacher_prefix}backbone.") | renamed(dino_head(dim), f"{teacher_prefix}head."),
+        "optimizer": optimizer_state(), "epoch": 100, "args": argparse.Namespace(arch="vit_tiny" if vit else "resnet18"),
+        "dino_loss": {"center": torch.zeros(1, 20)}, "fp16_scaler": None,
+    }  # fmt: skip
+
+
 def full_torchvision_resnet18() -> tuple[nn.Module, nn.Module]:
     model = randomised(torchvision.models.resnet18()).eval()
     trunk = torchvision.models.resnet18()
@@ -247,12 +281,26 @@ def official_case(format: str):
     if format == "torchvision":
         model, trunk = full_torchvision_resnet18()
         return model.state_dict(), trunk, None
+    if format == "barlow_twins":  # facebookresearch/barlowtwins main.py and vicreg main_vicreg.py save backbone.state_dict()
+        trunk = torchvision_trunk(small_input=False)
+        return trunk.state_dict(), trunk, None
+    if format == "swav":
+        trunk = torchvision_trunk(small_input=False)
+        return swav_file(trunk), trunk, None
+    if format == "dino":
+        teacher = torchvision_trunk(small_input=False)
+        return dino_file(teacher, vit=False), teacher, None
+    if format == "dino_vit":
+        spec = BackboneSpec("vit_tiny", kwargs={"img_size": 16, "patch_size": 8, "depth": 1})
+        teacher = spec.build()[0].eval()
+        return dino_file(teacher, vit=True), teacher, spec
     model, trunk = full_timm_test_resnet()
     return model.state_dict(), trunk, BackboneSpec("timm:test_resnet")
 
 
-CASES = ["moco", "sce", "paco", "supcon", "supcon_one_gpu", "npid", "npid_imagenet", "torchvision", "timm", "mocov3", "mocov3_vit", "simsiam"]
-DETECTED = {"supcon_one_gpu": "supcon", "npid_imagenet": "npid", "mocov3_vit": "mocov3"}
+CASES = ["moco", "sce", "paco", "supcon", "supcon_one_gpu", "npid", "npid_imagenet", "torchvision", "timm", "mocov3", "mocov3_vit", "simsiam",
+         "barlow_twins", "swav", "dino", "dino_vit"]
+DETECTED = {"supcon_one_gpu": "supcon", "npid_imagenet": "npid", "mocov3_vit": "mocov3", "barlow_twins": "torchvision", "dino_vit": "dino"}
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -5,7 +5,18 @@ import pytest
 import torch
 import torch.nn as nn
 
-from engine.optim import LARS, OptimizerSpec, ScheduleSpec, build_optimizer, configure_optimization, lr_factor, parameter_groups
+from engine.optim import (
+    LARS,
+    OptimizerSpec,
+    ScheduleSpec,
+    build_optimizer,
+    clip_gradients_per_parameter_,
+    configure_optimization,
+    lr_factor,
+    parameter_groups,
+    schedule_weight_decay_,
+    weight_decay_at,
+)
 
 
 def test_linear_warmup_then_cosine_per_step():
@@ -251,3 +262,41 @@ def test_a_fixed_lr_module_without_trainable_parameters_is_refused_naming_it():
     model = nn.ModuleDict({"backbone": nn.Linear(3, 3)})
     with pytest.raises(ValueError, match="optimizer.fixed_lr_modules names 'predictr', which holds no trainable parameter of the model"):
         parameter_groups(model.named_parameters(), OptimizerSpec(fixed_lr_modules=["predictr"]))
+
+
+def test_the_bias_and_norm_lr_ratio_gives_those_groups_barlow_twins_bias_rate_through_the_schedule():
+    """facebookresearch/barlowtwins main.py: --learning-rate-weights 0.2, --learning-rate-biases 0.0048 (ratio 0.024)."""
+    model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
+    spec = OptimizerSpec(lr=0.2, lr_scaling="linear", exclude_bias_and_norm=True, bias_and_norm_lr_ratio=0.024)
+    trainer = SimpleNamespace(datamodule=SimpleNamespace(batch_size=512), world_size=1, accumulate_grad_batches=1,
+                              estimated_stepping_batches=100, num_training_batches=10, print=lambda *args: None)
+    optimization = configure_optimization(trainer, parameter_groups(model.named_parameters(), spec), spec, ScheduleSpec(decay="cosine"))
+    assert [group["lr"] for group in optimization["optimizer"].param_groups] == pytest.approx([0.4, 0.4 * 0.024])
+    for _ in range(50):
+        optimization["optimizer"].step()
+        optimization["lr_scheduler"]["scheduler"].step()
+    assert [group["lr"] for group in optimization["optimizer"].param_groups] == pytest.approx([0.2, 0.2 * 0.024])
+    with pytest.raises(ValueError, match="optimizer.bias_and_norm_lr_ratio 0.024 needs exclude_bias_and_norm: true"):
+        OptimizerSpec(bias_and_norm_lr_ratio=0.024)
+
+
+def test_the_weight_decay_follows_dinos_cosine_from_start_towards_end_on_the_decayed_groups_only():
+    """facebookresearch/dino utils.py cosine_scheduler(0.04, 0.4, epochs, niter): end + (start - end)(1 + cos(pi i / N)) / 2."""
+    spec = OptimizerSpec(name="adamw", weight_decay=0.04, weight_decay_end=0.4, exclude_bias_and_norm=True)
+    assert [weight_decay_at(step, 10, spec) for step in (0, 5, 9)] == pytest.approx([0.04, 0.22, 0.4 + 0.5 * (0.04 - 0.4) * (1 + math.cos(math.pi * 0.9))])
+    model = nn.Sequential(nn.Linear(3, 3), nn.LayerNorm(3))
+    optimizer = build_optimizer(parameter_groups(model.named_parameters(), spec), spec, 1e-3)
+    assert schedule_weight_decay_(optimizer, 5, 10, spec) == pytest.approx(0.22)
+    assert [group["weight_decay"] for group in optimizer.param_groups] == pytest.approx([0.22, 0.0])
+    with pytest.raises(ValueError, match="optimizer.weight_decay_end 0.4 needs a value >= 0 and optimizer.weight_decay > 0"):
+        OptimizerSpec(weight_decay=0.0, weight_decay_end=0.4)
+
+
+def test_gradients_are_clipped_tensor_by_tensor_as_dinos_clip_gradients():
+    small, large = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2))
+    small.grad, large.grad = torch.tensor([0.3, 0.4]), torch.tensor([30.0, 40.0])  # norms 0.5 and 50
+    clip_gradients_per_parameter_([small, large, nn.Parameter(torch.zeros(1))], 3.0)  # a parameter without gradient too
+    torch.testing.assert_close(small.grad, torch.tensor([0.3, 0.4]))  # under the norm: untouched (no global norm)
+    torch.testing.assert_close(large.grad, torch.tensor([30.0, 40.0]) * 3.0 / (50.0 + 1e-6))
+    with pytest.raises(ValueError, match="optimizer.clip_grad_per_parameter must be > 0, got 0"):
+        OptimizerSpec(clip_grad_per_parameter=0.0)

@@ -65,10 +65,10 @@ def test_symmetric_loss_averages_both_directions_and_enqueues_both_global_keys()
     assert model.queue.pointer.item() == 32
 
 
-def test_small_crops_are_each_predicted_from_the_weak_view():
+def test_local_crops_are_each_predicted_from_the_weak_view():
     views = WEAK_STRONG | {"local": {"preset": "mocov2", "size": 16, "count": 2}}
-    model = tiny(SCE, small_crops=["local"])
-    assert model.views == ("weak", "strong", "local")
+    model = tiny(SCE, local_crops=["local"])
+    assert model.views == ("weak", "strong") and model.local_crops == ("local",)
     batch = first_batch(digits(views, batch_size=16))
     assert batch["views"]["local"].shape == (16, 2, 3, 16, 16)
     queue_before = model.queue.read()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from backbones import BackboneSpec, build_backbone
-from backbones.vit import sincos_2d_position_embedding
+from backbones.vit import dino_position_embedding, sincos_2d_position_embedding
 from engine.optim import OptimizerSpec, parameter_groups
 from methods.momentum import ema_update_
 
@@ -80,3 +80,44 @@ def test_a_spec_builds_a_vit_with_its_options_and_bad_options_are_one_error_nami
         build_backbone("vit_tiny", heads=2)
     with pytest.raises(ValueError, match="torchvision publishes no weights for backbone 'vit_small'"):
         build_backbone("vit_small", weights="DEFAULT")
+
+
+DINO = dict(init="dino", position_interpolation="dino")
+
+
+def test_dino_init_draws_the_class_token_like_the_other_weights_and_timm_init_keeps_it_tiny():
+    torch.manual_seed(0)
+    dino, _ = build_backbone("vit_small", **DINO, **TINY)
+    timm_init, _ = build_backbone("vit_small", **TINY)
+    assert 0.015 < dino.cls_token.std() < 0.025  # normal, std 0.02, truncated at +-2 (absolute, as DINO's trunc_normal_)
+    assert timm_init.cls_token.abs().max() < 1e-5
+
+
+def test_dino_interpolation_keeps_the_table_at_the_trained_size_and_resizes_it_by_the_scale_factor_elsewhere():
+    table = torch.randn(1, 1 + 16, 8)
+    assert dino_position_embedding(table, 4, 4) is table
+    resized = dino_position_embedding(table, 2, 2)
+    grid = table[:, 1:].reshape(1, 4, 4, 8).permute(0, 3, 1, 2)
+    by_scale = torch.nn.functional.interpolate(grid, scale_factor=(2.1 / 4, 2.1 / 4), mode="bicubic")
+    by_size = torch.nn.functional.interpolate(grid, size=(2, 2), mode="bicubic", antialias=True)  # timm's resampling
+    assert resized.shape == (1, 1 + 4, 8) and torch.equal(resized[:, 0], table[:, 0])  # the class token's row kept
+    torch.testing.assert_close(resized[0, 1:], by_scale.permute(0, 2, 3, 1).reshape(4, 8))
+    assert not torch.allclose(resized[0, 1:], by_size.permute(0, 2, 3, 1).reshape(4, 8), atol=1e-3)
+    constant = torch.ones(1, 1 + 16, 8)
+    torch.testing.assert_close(dino_position_embedding(constant, 3, 3), torch.ones(1, 1 + 9, 8))
+
+
+def test_a_dino_vit_takes_local_crops_with_the_dino_table_and_equals_timms_vit_at_its_own_size():
+    torch.manual_seed(0)
+    dino, _ = build_backbone("vit_tiny", **DINO, **TINY)
+    timm_vit, _ = build_backbone("vit_tiny", dynamic_img_size=True, **TINY)
+    timm_vit.load_state_dict(dino.state_dict())
+    dino.eval(), timm_vit.eval()
+    full, local = torch.randn(2, 3, 32, 32), torch.randn(2, 3, 16, 16)
+    torch.testing.assert_close(dino(full), timm_vit(full))
+    patches = dino.patch_embed(local)  # (B, 2, 2, D): dynamic_img_size keeps the grid
+    tokens = torch.cat([dino.cls_token.expand(2, -1, -1), patches.flatten(1, 2)], dim=1) + dino_position_embedding(dino.pos_embed, 2, 2)
+    torch.testing.assert_close(dino(local), dino.norm(dino.blocks(tokens))[:, 0])
+    assert not torch.allclose(dino(local), timm_vit(local), atol=1e-3)
+    with pytest.raises(ValueError, match="position_interpolation must be 'timm' or 'dino', got 'bicubic'"):
+        build_backbone("vit_tiny", position_interpolation="bicubic", **TINY)

@@ -2,18 +2,22 @@
 
 Conventions shared by every function:
 
-- embeddings are already L2-normalised rows; a queue or memory bank is a ``(K, D)`` tensor, one key per row;
-- each function returns the mean of its per-anchor losses as a 0-d tensor;
+- embeddings are already L2-normalised rows (Barlow Twins and VICReg take the projector's raw output); a queue or
+  memory bank is a ``(K, D)`` tensor, one key per row; the crops of multi-crop losses come stacked, ``(V, B, K)``;
+- each loss returns a 0-d tensor, the mean of its per-anchor losses where it has anchors;
 - the math runs with autocast disabled, in float32, or in float64 when any input is float64 (so that
   ``torch.autograd.gradcheck`` works); only logsumexp / log-softmax forms are used, never ``exp`` then ``log``;
 - nothing is updated: queues, banks and momentum encoders belong to the caller;
 - gradients reach every input that requires them, except the SCE and ReSSL target distributions, BYOL's targets,
-  SimSiam's projections and NNCLR's nearest neighbours, which are detached as in the official code;
+  SimSiam's projections, NNCLR's nearest neighbours, SwAV's codes and DINO's teacher, which are detached as in the
+  official code;
 - bad input raises ``ValueError`` naming the offending argument.
 
 The library is one module per family of losses: `contrastive` (InfoNCE, NT-Xent, Wang & Liu / NPID, JCL, MoCo v3,
-NNCLR), `predictive` (BYOL, SimSiam), `relational` (ReSSL, SCE), `supervised` (SupCon, TCL, PaCo); `common` holds what they share, among it the domain of
-every scalar hyper-parameter (`check_hyperparameters`). Import the losses from here: `from methods.losses import info_nce`.
+NNCLR), `predictive` (BYOL, SimSiam), `relational` (ReSSL, SCE), `supervised` (SupCon, TCL, PaCo), `redundancy`
+(Barlow Twins, VICReg), `clustering` (SwAV's Sinkhorn-Knopp and swapped prediction, DINO); `common` holds what they
+share, among it the domain of every scalar hyper-parameter (`check_hyperparameters`). Import the losses from here:
+`from methods.losses import info_nce`.
 """
 
 from methods.losses.common import HYPERPARAMETER_DOMAINS, check_hyperparameters
@@ -21,6 +25,8 @@ from methods.losses.contrastive import contrastive_loss, info_nce, jcl_loss, moc
 from methods.losses.predictive import byol_loss, simsiam_loss
 from methods.losses.relational import ressl_loss, sce_loss
 from methods.losses.supervised import paco_loss, supcon_loss, tcl_loss
+from methods.losses.redundancy import barlow_twins_loss, vicreg_loss
+from methods.losses.clustering import dino_loss, sinkhorn_knopp, swav_loss
 
 __all__ = [
     "HYPERPARAMETER_DOMAINS",
@@ -38,4 +44,9 @@ __all__ = [
     "simsiam_loss",
     "supcon_loss",
     "tcl_loss",
+    "barlow_twins_loss",
+    "vicreg_loss",
+    "dino_loss",
+    "sinkhorn_knopp",
+    "swav_loss",
 ]

@@ -36,6 +36,11 @@ HYPERPARAMETER_DOMAINS = {
     "jcl_lambda": NONNEGATIVE,  # JCL's lambda as its method names it (`lam` of `jcl_loss`)
     "coeff": ("lie in [0, 1]", lambda v: 0 <= v <= 1),
     "num_hard": ("be >= 1", lambda v: v >= 1),
+    # Barlow Twins, VICReg (methods/losses/redundancy.py); SwAV, DINO (methods/losses/clustering.py)
+    **dict.fromkeys(("off_diagonal_weight", "invariance_weight", "variance_weight", "covariance_weight"), NONNEGATIVE),
+    **dict.fromkeys(("loss_scale", "epsilon", "student_temperature", "teacher_temperature"), POSITIVE),
+    "sinkhorn_iterations": ("be >= 1", lambda v: v >= 1),
+    "center_momentum": ("lie in [0, 1]", lambda v: 0 <= v <= 1),
 }
 
 

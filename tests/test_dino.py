@@ -1,0 +1,109 @@
+"""DINO as a method: the student sees every crop, the teacher the global views; the teacher's outputs are centred by
+an EMA over the global batch (updated after the loss) and sharpened by a temperature warmed up per epoch; the last
+layer is frozen in the first epoch; the teacher follows the student by EMA (facebookresearch/dino main_dino.py).
+Its 2-process equivalence is in tests/test_distributed.py."""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from helpers import TINY_BACKBONE, cpu_trainer, digits
+from lightning.pytorch.callbacks import Callback
+
+from backbones import MLPSpec
+from engine.optim import OptimizerSpec, ScheduleSpec
+from methods import DINO
+from methods.losses import dino_loss
+from methods.momentum import MomentumSpec
+
+VIEWS = {"global1": {"preset": "mocov2"}, "global2": {"preset": "mocov2"}}
+LOCAL = {"local": {"preset": "mocov2", "size": 16, "scale": [0.2, 0.5], "count": 2}}
+HEAD = MLPSpec(hidden_dim=32, output_dim=16, num_layers=3, batch_norm=False, activation="gelu")
+
+
+def tiny_dino(**kwargs) -> DINO:
+    options = dict(backbone=TINY_BACKBONE, projector=HEAD, out_dim=20, knn_k=0, schedule=ScheduleSpec(decay="constant"),
+                   optimizer=OptimizerSpec(lr=0.1, momentum=0.9, clip_grad_per_parameter=3.0),
+                   momentum=MomentumSpec(base=0.9, schedule="constant", shuffle_bn=False))  # fmt: skip
+    return DINO(**(options | kwargs))
+
+
+def first_batch(views: dict, batch_size: int = 8) -> dict:
+    datamodule = digits(views, batch_size=batch_size)
+    datamodule.setup()
+    return next(iter(datamodule.train_dataloader()))
+
+
+def outputs(model: DINO, crops: list[torch.Tensor], teacher: bool) -> torch.Tensor:
+    """(V, B, K): the crops through the teacher or the student, batched by resolution, on a copy."""
+    copied = copy.deepcopy(model).train()
+    prefix = "target_" if teacher else ""
+    trunk, projector, last_layer = (getattr(copied, prefix + name) for name in ("backbone", "projector", "last_layer"))
+    runs = [torch.cat(crops[:2])] + ([torch.cat(crops[2:])] if len(crops) > 2 else [])
+    with torch.no_grad():
+        logits = last_layer(torch.nn.functional.normalize(projector(torch.cat([trunk(run) for run in runs])), dim=-1))
+    return logits.unflatten(0, (len(crops), -1))
+
+
+def test_the_student_sees_every_crop_the_teacher_the_global_views_and_the_centre_moves_after_the_loss():
+    model, batch = tiny_dino(local_crops=["local"]), first_batch(VIEWS | LOCAL)
+    views = batch["views"]
+    crops = [views["global1"], views["global2"], *views["local"].unbind(1)]
+    student, teacher = outputs(model, crops, teacher=False), outputs(model, crops[:2], teacher=True)
+    with torch.no_grad():
+        first, _ = model.step(batch)
+    assert first.item() == pytest.approx(dino_loss(student, teacher, torch.zeros(1, 20), 0.1, 0.04).item(), rel=1e-5)
+    center = 0.1 * teacher.flatten(0, 1).mean(dim=0, keepdim=True)  # 0.9 x 0 + 0.1 x the batch mean
+    torch.testing.assert_close(model.center, center)
+    with torch.no_grad():
+        second, _ = model.step(batch)  # the same views: now centred
+    assert second.item() == pytest.approx(dino_loss(student, teacher, center, 0.1, 0.04).item(), rel=1e-5)
+    torch.testing.assert_close(model.center, 0.9 * center + 0.1 * teacher.flatten(0, 1).mean(dim=0, keepdim=True))
+
+
+def test_the_last_layer_is_weight_normalised_with_unit_norms_that_only_train_without_norm_last_layer():
+    normed, free = tiny_dino(), tiny_dino(norm_last_layer=False)
+    torch.testing.assert_close(normed.last_layer.weight.norm(dim=1), torch.ones(20))
+    assert not normed.last_layer.parametrizations.weight.original0.requires_grad
+    assert free.last_layer.parametrizations.weight.original0.requires_grad
+
+
+class Record(Callback):
+    def __init__(self):
+        self.temperatures, self.last_layer, self.trunk, self.teacher = [], [], [], []
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        self.temperatures.append(module.teacher_temperature())
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.last_layer.append(module.last_layer.parametrizations.weight.original1.detach().clone())
+        self.trunk.append(module.backbone.conv1.weight.detach().clone())
+        self.teacher.append(module.target_backbone.conv1.weight.detach().clone())
+
+
+@pytest.mark.slow
+def test_teacher_temperature_warms_up_per_epoch_and_the_last_layer_moves_from_the_second_epoch(tmp_path):
+    model = tiny_dino(warmup_teacher_temperature=0.04, teacher_temperature=0.07, warmup_teacher_temperature_epochs=3)
+    initial_last_layer = model.last_layer.parametrizations.weight.original1.detach().clone()
+    initial_teacher = model.target_backbone.conv1.weight.detach().clone()
+    record = Record()
+    cpu_trainer(tmp_path, max_epochs=4, limit_train_batches=2, limit_val_batches=0, callbacks=[record]).fit(model, digits(VIEWS, batch_size=8))
+    per_epoch = np.concatenate([np.linspace(0.04, 0.07, 3), [0.07]])  # main_dino.py DINOLoss.teacher_temp_schedule
+    assert record.temperatures == pytest.approx(np.repeat(per_epoch, 2).tolist())
+    assert torch.equal(record.last_layer[0], initial_last_layer) and torch.equal(record.last_layer[1], initial_last_layer)
+    assert not torch.equal(record.last_layer[2], record.last_layer[1])  # epoch 1: trained
+    assert not torch.equal(record.trunk[0], model.backbone.conv1.weight)  # the trunk trains from the first step
+    first_student = record.trunk[0]
+    torch.testing.assert_close(record.teacher[0], 0.9 * initial_teacher + 0.1 * first_student)  # EMA after the step
+
+
+@pytest.mark.slow
+def test_training_steps_lower_the_loss_on_the_embedded_data(tmp_path):
+    model, batch = tiny_dino(freeze_last_layer_epochs=0), first_batch(VIEWS, batch_size=32)
+    with torch.no_grad():
+        before = copy.deepcopy(model).train().step(batch)[0].item()
+    cpu_trainer(tmp_path, max_steps=10, limit_val_batches=0).fit(model, digits(VIEWS, batch_size=32))
+    with torch.no_grad():
+        after = copy.deepcopy(model).train().step(batch)[0].item()
+    assert after < 0.9 * before, (before, after)
