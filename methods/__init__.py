@@ -4,6 +4,7 @@ Configs refer to a method by its short name, e.g. `class_path: methods.MoCoV2`.
 """
 
 from methods.base import MethodBase, PretrainMethod
+from methods.finetune import FineTune
 from methods.jcl import JCL
 from methods.linear import LinearProbe
 from methods.longtail import CrossEntropy, LongTailClassifier, MultiTaskContrast, PaCo, PaCoRIDE
@@ -17,6 +18,7 @@ from methods.supcon import SupCon
 __all__ = [
     "JCL",
     "CrossEntropy",
+    "FineTune",
     "LinearProbe",
     "LongTailClassifier",
     "MethodBase",
