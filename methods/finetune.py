@@ -21,6 +21,8 @@ differs is written here:
 A fine-tuned checkpoint exports its trunk like a pretraining checkpoint (`python -m interop.export`).
 """
 
+import dataclasses
+
 import torch.nn as nn
 
 from engine.optim import OptimizerSpec, ScheduleSpec
@@ -45,6 +47,9 @@ class FineTune(LinearProbe):
                 initialised trunk trained on the same labels, the supervised baseline; knn_k, ...) and MethodBase's.
         """
         super().__init__(optimizer=optimizer, schedule=schedule, **kwargs)
+        # the checkpoint records the trunk it trained, read from the pretraining checkpoint when not given: the export
+        # (interop.export) builds the trunk from it
+        self.hparams["backbone"] = dataclasses.asdict(self.backbone_spec)
 
     def init_head(self, head: nn.Linear) -> None:
         nn.init.zeros_(head.weight)  # google-research/simclr --zero_init_logits_layer
