@@ -43,8 +43,10 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from datamodules.encoded import EncodedImages, collate_encoded
 from datamodules.pipeline import Pipeline, pipeline_mode
 from datamodules.samplers import ClassPrioritySampler, EpochSampler
+from datamodules.subsets import LabelSubset, labelled_subset
 from datamodules.transforms import build_view
 from engine.compat import data_position
+from engine.config import as_spec
 
 
 
@@ -177,6 +179,7 @@ class ContrastiveDataModule(L.LightningDataModule):
         pipeline: Literal["cpu", "gpu"] = "cpu",
         sampler: Literal["instance", "class_balanced", "square_root", "progressive"] = "instance",
         resident: bool = True,
+        label_subset: LabelSubset | None = None,
     ):
         """
         Args:
@@ -199,6 +202,9 @@ class ContrastiveDataModule(L.LightningDataModule):
             resident: with `pipeline: gpu` and images of one size, decode the training split once and keep it
                 on the training device as one uint8 tensor (N x 3 x H x W bytes per process: CIFAR-10 150 MB,
                 STL-10 with its unlabelled images 2.9 GB); false streams raw batches through the workers.
+            label_subset: train on a labelled part of the training split only (`datamodules.subsets.LabelSubset`: a
+                stratified, seeded `fraction` of every class, or the images a `list_file` names, e.g. SimCLR's ImageNet
+                `1percent.txt`), as semi-supervised fine-tuning does; the kNN bank is then that part too.
         """
         super().__init__()
         if batch_size < 1:
@@ -212,6 +218,7 @@ class ContrastiveDataModule(L.LightningDataModule):
         self.pin_memory = pin_memory
         self.pipeline = pipeline
         self.sampler = sampler
+        self.label_subset = None if label_subset is None else as_spec(LabelSubset, label_subset)  # checked here, before anything is written
         self.mode = pipeline_mode(pipeline, resident, self.uniform_image_size)
         self.resident_images: torch.Tensor | None = None  # the decoded training split, once decoded (RESIDENT)
         self.encoded_training: EncodedImages | None = None  # what the training loader serves (ENCODED)
@@ -254,6 +261,16 @@ class ContrastiveDataModule(L.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.splits is None:
             self.splits = self.build_splits()
+            if self.label_subset is not None:
+                self.keep_labelled_subset()
+
+    def keep_labelled_subset(self) -> None:
+        """Replace the training split by the part `label_subset` keeps; the labels of the rest are unknown to the run,
+        so the kNN monitor votes with that part too (a separate bank split, STL-10's, is dropped)."""
+        train = self.splits["train"]
+        description = f"the training split of {type(self).__name__}"
+        self.splits["train"] = labelled_subset(train, dataset_labels(train), self.label_subset, description)
+        self.splits.pop("bank", None)
 
     def train_class_counts(self) -> list[int]:
         """Training images per class of the actual training split (long-tailed where the DataModule

@@ -10,18 +10,57 @@ labelled dataset (the label fractions of semi-supervised evaluation).
 
 One seed draws one random order of each class's images (`class_orders`); a subset takes the first images of each
 order, so the subsets of one seed are nested (the 1% within the 10%) and the same at every call.
+
+`LabelSubset` is the DataModules' `data.label_subset`, the labelled part of the training split that a stage trains
+on (the fine-tuning configs); `labelled_subset` applies it to a training split.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
+from torch.utils.data import Dataset, Subset
 
 from datamodules.image_files import listing
 
-__all__ = ["class_orders", "read_subset_list", "stratified_fraction"]
+__all__ = ["LabelSubset", "class_orders", "labelled_subset", "read_subset_list", "stratified_fraction"]
+
+
+@dataclass(frozen=True)
+class LabelSubset:
+    """The labelled images a run trains on (`data.label_subset`): either `fraction` of every class, drawn from `seed`
+    (`stratified_fraction`), or the images `list_file` names (SimCLR's `1percent.txt` / `10percent.txt`, a path the
+    user gives; `read_subset_list`), for datasets of image files. Checked when the DataModule is built."""
+
+    fraction: float | None = None
+    list_file: str | None = None
+    seed: int = 0
+
+    def __post_init__(self):
+        if (self.fraction is None) == (self.list_file is None):
+            raise ValueError("data.label_subset needs exactly one of fraction (a share of every class) or list_file "
+                             f"(a subset list such as SimCLR's 1percent.txt), got fraction={self.fraction}, list_file={self.list_file!r}")
+        if self.fraction is not None and not 0 < self.fraction <= 1:
+            raise ValueError(f"data.label_subset.fraction must lie in (0, 1], got {self.fraction}")
+        if self.list_file is not None and not Path(self.list_file).expanduser().is_file():
+            raise ValueError(f"data.label_subset.list_file {self.list_file!r} is not an existing file "
+                             "(one training image file name per line, as SimCLR's imagenet_subsets/1percent.txt)")
+
+
+def labelled_subset(train: Dataset, labels: np.ndarray, spec: LabelSubset, description: str) -> Subset:
+    """The images of the training split `train` (with its `labels`) that `spec` keeps. A subset list is read
+    against the split's file names (`ImageFiles.paths`); a split that is not a listing of image files has none and
+    is refused, naming `description`."""
+    if spec.fraction is not None:
+        return Subset(train, stratified_fraction(labels, spec.fraction, spec.seed).tolist())
+    paths = getattr(train, "paths", None)
+    if paths is None:
+        raise ValueError(f"data.label_subset.list_file names image files, but {description} is not a listing of image files: "
+                         "give data.label_subset.fraction instead")
+    return Subset(train, read_subset_list(Path(spec.list_file).expanduser(), paths, description).tolist())
 
 
 def class_orders(labels: np.ndarray, seed: int) -> list[np.ndarray]:

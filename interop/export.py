@@ -46,7 +46,7 @@ from engine.config import as_spec
 from engine.checkpoint_record import RECORD_KEY, VERSION
 from engine.files import write_atomically
 from interop.official import layout_of
-from methods import LongTailClassifier, PretrainMethod
+from methods import FineTune, LongTailClassifier, PretrainMethod
 from methods.checkpoints import read_method_checkpoint
 from methods.longtail import tau_normalised
 
@@ -60,7 +60,7 @@ EXPORT_SUFFIXES = (".pth", ".safetensors", ".pkl", ".json")
 def export(
     checkpoint_path: Path, format: str, out: Path | None = None, encoder: str = "online", tau_norm: float | None = None, force: bool = False
 ) -> list[Path]:
-    """Write the export files of `checkpoint_path` (a pretraining or long-tail checkpoint) and the JSON record; return
+    """Write the export files of `checkpoint_path` (a pretraining, fine-tuned or long-tail checkpoint) and the JSON record; return
     their paths. `out` names the files without suffix (a suffix of theirs is dropped: `model.pth` writes `model.pth`,
     not `model.pth.pth`); files that exist are overwritten only with `force`."""
     source = f"checkpoint {str(checkpoint_path)!r}"
@@ -126,8 +126,8 @@ def _save_safetensors(state: dict[str, torch.Tensor], path: Path) -> None:
 
 
 def _read_contrastlab(path: Path, source: str) -> tuple[dict, type]:
-    needs = "export a pretraining or long-tail checkpoint (a linear probe's trunk is the pretraining checkpoint's)"
-    return read_method_checkpoint(path, source, (PretrainMethod, LongTailClassifier), needs)
+    needs = "export a pretraining, fine-tuned or long-tail checkpoint (a linear probe's trunk is the pretraining checkpoint's)"
+    return read_method_checkpoint(path, source, (PretrainMethod, FineTune, LongTailClassifier), needs)
 
 
 def _check_exportable(spec: BackboneSpec, format: str, source: str) -> None:
@@ -243,7 +243,7 @@ def config_hash(config: dict | None) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m interop.export", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("checkpoint", type=Path, help="a main_pretrain.py checkpoint (pretraining or long-tail)")
+    parser.add_argument("checkpoint", type=Path, help="a main_pretrain.py checkpoint (pretraining or long-tail) or a fine-tuned one (main_linear.py, methods.FineTune)")
     parser.add_argument("--format", required=True, choices=EXPORT_FORMATS, help="what to write (see formats above)")
     parser.add_argument("--encoder", choices=tuple(ENCODER_PREFIXES), default="online", help="which trunk (default: online, the one the papers evaluate)")
     parser.add_argument("--tau-norm", type=float, help="tau of the classifier's normalisation (default: the model's tau_norm)")

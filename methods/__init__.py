@@ -4,7 +4,10 @@ Configs refer to a method by its short name, e.g. `class_path: methods.MoCoV2`.
 """
 
 from methods.base import MethodBase, PretrainMethod
+from methods.barlow_twins import BarlowTwins
 from methods.byol import BYOL
+from methods.dino import DINO
+from methods.finetune import FineTune
 from methods.jcl import JCL
 from methods.linear import LinearProbe
 from methods.longtail import CrossEntropy, LongTailClassifier, MultiTaskContrast, PaCo, PaCoRIDE
@@ -17,15 +20,16 @@ from methods.sce import SCE
 from methods.simclr import SimCLR
 from methods.simsiam import SimSiam
 from methods.supcon import SupCon
-from methods.barlow_twins import BarlowTwins
-from methods.vicreg import VICReg
 from methods.swav import SwAV
-from methods.dino import DINO
+from methods.vicreg import VICReg
 
 __all__ = [
     "BYOL",
-    "JCL",
+    "BarlowTwins",
     "CrossEntropy",
+    "DINO",
+    "FineTune",
+    "JCL",
     "LinearProbe",
     "LongTailClassifier",
     "MethodBase",
@@ -42,8 +46,6 @@ __all__ = [
     "SimCLR",
     "SimSiam",
     "SupCon",
-    "BarlowTwins",
-    "VICReg",
     "SwAV",
-    "DINO",
+    "VICReg",
 ]

@@ -7,7 +7,7 @@ statistics frozen), and run without gradients; only the linear layer learns. The
 classifier's or a linear probe's is refused. The default optimizer is the MoCo / SCE small-dataset
 protocol (SGD lr 30, momentum 0.9, no weight decay, x0.1 at epochs 60 and 80 of 100; MoCo's main_lincls.py, CEA-LIST/SCE's linear configs).
 The pretraining checkpoint is a model argument, never `ckpt_path` (which would try to restore this
-module from it).
+module from it). `methods.finetune.FineTune` is the same model with the trunk trained too (`trains_trunk`).
 """
 
 import contextlib
@@ -52,6 +52,8 @@ class LinearProbe(MethodBase):
     views = ("image",)
     wrong_checkpoint_hint = " (a pretraining checkpoint to probe is --model.pretrained_ckpt)"
     monitors_representations = False  # its trunk is frozen: the pretraining run monitored it
+    trains_trunk = False  # the trunk is frozen in eval mode and run without gradients (FineTune trains it)
+    run_folder = "linear"  # where it runs beside its pretraining checkpoint (`probe_run_directory`)
 
     def __init__(
         self,
@@ -88,16 +90,21 @@ class LinearProbe(MethodBase):
         if state is not None:
             target = f"backbone {self.backbone_spec.name!r} (small_input={self.backbone_spec.small_input})"
             load_state_strictly(self.backbone, state, f"model.pretrained_ckpt {pretrained_ckpt!r}", target)
-        self.backbone.requires_grad_(False).eval()
+        if not self.trains_trunk:
+            self.backbone.requires_grad_(False).eval()
         self.probe = nn.Linear(self.feature_dim, self.num_classes)
-        nn.init.normal_(self.probe.weight, std=0.01)  # MoCo main_lincls: N(0, 0.01), bias 0
-        nn.init.zeros_(self.probe.bias)
-        self.init_evaluation(knn_k, knn_temperature)
+        self.init_head(self.probe)
+        # a fine-tuned network's logits are its own prediction (`val/top1`), a probe's those of a probe (`val/probe_top1`)
+        self.init_evaluation(knn_k, knn_temperature, prefix="" if self.trains_trunk else "probe_")
         self.pretraining = pretraining
+
+    def init_head(self, head: nn.Linear) -> None:
+        nn.init.normal_(head.weight, std=0.01)  # MoCo main_lincls: N(0, 0.01), bias 0
+        nn.init.zeros_(head.bias)
 
     @classmethod
     def default_run_directory(cls, init_args: dict, dataset: str, seed: int) -> str:
-        return probe_run_directory(init_args.get("pretrained_ckpt"), dataset, seed)
+        return probe_run_directory(init_args.get("pretrained_ckpt"), dataset, seed, cls.run_folder)
 
     @classmethod
     def check_resume(cls, saved_hyperparameters: dict, init_args: dict, source: str) -> None:
@@ -136,16 +143,18 @@ class LinearProbe(MethodBase):
             )
 
     def expected_warnings(self) -> tuple[str, ...]:
-        return (*super().expected_warnings(), r"Found \d+ module\(s\) in eval mode at the start of training")  # the frozen trunk
+        frozen = () if self.trains_trunk else (r"Found \d+ module\(s\) in eval mode at the start of training",)  # the frozen trunk
+        return (*super().expected_warnings(), *frozen)
 
     def train(self, mode: bool = True):
-        """Keep the frozen trunk in eval mode whatever Lightning switches (BN statistics stay fixed)."""
+        """Keep a frozen trunk in eval mode whatever Lightning switches (BN statistics stay fixed)."""
         super().train(mode)
-        self.backbone.eval()
+        if not self.trains_trunk:
+            self.backbone.eval()
         return self
 
     def step(self, batch: dict) -> tuple[torch.Tensor, None]:
-        with torch.no_grad():
+        with torch.set_grad_enabled(self.trains_trunk and torch.is_grad_enabled()):
             features = self.backbone(batch["views"]["image"])
         logits = self.probe(features)
         self.log("train/top1", (logits.argmax(1) == batch["label"]).float().mean())
@@ -183,12 +192,13 @@ def pretraining_summary(checkpoint) -> dict:
     return {key: "?" if value is None else value for key, value in found.items()}
 
 
-def probe_run_directory(pretrained_ckpt: str | None, dataset: str, seed: int) -> str:
-    """Where a probe runs unless trainer.default_root_dir says otherwise: in the run directory of its pretraining
-    checkpoint (the folder above `checkpoints/`, else the checkpoint's own folder), under `linear/`, where
-    `scripts/compare.py` and `scripts/sweep.py` look; a random trunk's under `runs/linear_random_<dataset>_s<seed>`."""
+def probe_run_directory(pretrained_ckpt: str | None, dataset: str, seed: int, stage: str = "linear") -> str:
+    """Where a probe (`stage` linear) or a fine-tuning (`finetune`) runs unless trainer.default_root_dir says otherwise:
+    in the run directory of its pretraining checkpoint (the folder above `checkpoints/`, else the checkpoint's own
+    folder), under `<stage>/`, where `scripts/compare.py` and `scripts/sweep.py` look for `linear/`; a random trunk's
+    under `runs/<stage>_random_<dataset>_s<seed>`."""
     if pretrained_ckpt is None:
-        return f"runs/linear_random_{dataset}_s{seed}"
+        return f"runs/{stage}_random_{dataset}_s{seed}"
     folder = Path(pretrained_ckpt).parent
-    return str((folder.parent if folder.name == "checkpoints" else folder) / "linear")
+    return str((folder.parent if folder.name == "checkpoints" else folder) / stage)
 

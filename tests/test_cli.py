@@ -6,6 +6,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+import torchvision
+import yaml
 from lightning.pytorch.accelerators import CUDAAccelerator, MPSAccelerator
 
 import main_linear
@@ -14,6 +17,8 @@ from datamodules.imagenet import IMAGENET100_WNIDS
 
 ROOT = Path(__file__).parents[1]
 CONFIGS = sorted(ROOT.glob("configs/*.yaml"))
+FINETUNE_CONFIGS = sorted(ROOT.glob("configs/finetune_*.yaml"))
+SECOND_STAGES = ("linear_", "finetune_")  # the configs of main_linear.py
 PRETRAIN_DIGITS = str(ROOT / "configs/moco_digits.yaml")
 LINEAR_DIGITS = str(ROOT / "configs/linear_digits.yaml")
 TINY_RUN = [
@@ -33,11 +38,40 @@ TINY_RUN = [
 @pytest.mark.parametrize("config", CONFIGS, ids=[config.name for config in CONFIGS])
 @pytest.mark.slow
 def test_every_shipped_config_parses(config, capsys):
-    entry = main_linear if config.name.startswith("linear_") else main_pretrain
+    entry = main_linear if config.name.startswith(SECOND_STAGES) else main_pretrain
     with pytest.raises(SystemExit) as exit_info:
         entry.cli_main(["fit", "--config", str(config), "--print_config"])
     assert exit_info.value.code == 0
     assert "class_path" in capsys.readouterr().out
+
+
+def fake_dataset_of(config: Path, tmp_path: Path, monkeypatch) -> list[str]:
+    """Overrides that point a fine-tuning config at a fake copy of its dataset (and a subset list naming its images)."""
+    from test_datasets import write_cifar, write_imagenet_tree  # the dataset writers of the format tests
+
+    data = yaml.safe_load(config.read_text())["data"]
+    if data["class_path"] == "datamodules.DigitsDataModule":
+        return ["--data.init_args.train_variants=1", "--data.init_args.eval_variants=1"]
+    if data["class_path"] == "datamodules.CIFAR10DataModule":
+        return [f"--data.init_args.root={write_cifar(tmp_path, torchvision.datasets.CIFAR10, monkeypatch)}"]
+    tree = write_imagenet_tree(tmp_path / "imagenet")
+    listed = tmp_path / Path(data["init_args"]["label_subset"]["list_file"]).name  # SimCLR's format: one file name per line
+    listed.write_text("".join(f"{image.name}\n" for image in sorted((tree / "train").rglob("*.JPEG"))))
+    return [f"--data.init_args.root={tree}", f"--data.init_args.label_subset.list_file={listed}", "--data.init_args.image_size=32",
+            "--trainer.devices=1", "--trainer.strategy=auto", "--trainer.sync_batchnorm=false"]
+
+
+@pytest.mark.parametrize("config", FINETUNE_CONFIGS, ids=[config.name for config in FINETUNE_CONFIGS])
+@pytest.mark.slow
+def test_every_fine_tuning_config_trains_one_step_on_its_label_subset(config, tmp_path, monkeypatch):
+    cli = main_linear.cli_main([
+        "fit", "--config", str(config), *fake_dataset_of(config, tmp_path, monkeypatch),
+        "--model.init_args.random_init=true", "--model.init_args.backbone.name=timm:test_resnet",
+        "--data.init_args.batch_size=4", "--data.init_args.num_workers=0", "--trainer.fast_dev_run=1", "--trainer.accelerator=cpu",
+        "--trainer.logger=false", f"--trainer.default_root_dir={tmp_path / 'run'}",
+    ])
+    assert cli.trainer.global_step == 1 and isinstance(cli.datamodule.splits["train"], torch.utils.data.Subset)  # the label subset
+    assert torch.isfinite(cli.trainer.callback_metrics["train/loss"])
 
 
 def run_failing(entry, args, capsys) -> str:

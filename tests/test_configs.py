@@ -40,14 +40,15 @@ def stated(pattern: re.Pattern, config: Path) -> str:
 
 def build_model(config: Path):
     """The config's model as the CLI builds it (nested specs given as dicts), with its own trunk, randomly
-    initialised; a linear stage gets a random ResNet-18, since only its linear layer trains."""
+    initialised; a linear or fine-tuning stage gets a random ResNet-18 (its trunk comes from a checkpoint)."""
     model = yaml.safe_load(config.read_text())["model"]
     init_args = dict(model.get("init_args", {}))
-    if model["class_path"] == "methods.LinearProbe":
+    model_class = getattr(methods, model["class_path"].rsplit(".", 1)[-1])
+    if issubclass(model_class, methods.LinearProbe):  # the linear stage and fine-tuning
         init_args |= {"random_init": True, "backbone": {"name": "resnet18"}}
     if "weights" in init_args.get("backbone", {}):  # the grouping does not depend on the values (no download here)
         init_args["backbone"] = init_args["backbone"] | {"weights": None}
-    return getattr(methods, model["class_path"].rsplit(".", 1)[-1])(**init_args)
+    return model_class(**init_args)
 
 
 def trained_parameter_groups(model) -> list[dict]:

@@ -509,6 +509,10 @@ FILE_CONFIGS = [config for config in sorted(ROOT.glob("configs/*.yaml")) if conf
 def test_every_shipped_config_builds_its_views_on_a_fake_copy_of_its_dataset(config, tmp_path, monkeypatch):
     datamodule_class, init_args = config_data(config)
     root = FAKE_DATASETS[datamodule_class](tmp_path, monkeypatch)
+    if "list_file" in init_args.get("label_subset", {}):  # a SimCLR subset list (fine-tuning): one naming every fake image
+        listed = tmp_path / "subset.txt"
+        listed.write_text("".join(f"{image.name}\n" for image in sorted((root / "train").rglob("*.JPEG"))))
+        init_args = init_args | {"label_subset": {"list_file": str(listed)}}
     datamodule = datamodule_class(**(init_args | {"root": str(root), "batch_size": 2, "num_workers": 0}))
     batch = datamodule.augment_on_device(next(iter(datamodule.train_dataloader())))
     assert set(batch["views"]) == set(init_args["views"])

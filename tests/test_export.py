@@ -321,7 +321,7 @@ def test_the_command_lists_the_formats_and_ends_bad_input_with_one_error_line(di
     for arguments, message in [
         ([str(tmp_path / "none.ckpt"), "--format", "torchvision"], "none.ckpt' is not an existing file"),
         ([str(official), "--format", "torchvision"], "is not a Lightning checkpoint and holds no contrastlab record"),
-        ([str(linear), "--format", "torchvision"], "is a methods.linear.LinearProbe checkpoint: export a pretraining or long-tail checkpoint"),
+        ([str(linear), "--format", "torchvision"], "is a methods.linear.LinearProbe checkpoint: export a pretraining, fine-tuned or long-tail checkpoint"),
         ([str(digits_run), "--format", "torchvision"], "backbone 'timm:test_resnet' is not a torchvision ResNet / ResNeXt"),
         ([str(digits_run), "--format", "detectron2"], "backbone 'timm:test_resnet' is not a torchvision ResNet / ResNeXt"),
         ([str(digits_run), "--format", "timm", "--tau-norm", "1"], "--tau-norm applies to a long-tail classifier's classifier"),
