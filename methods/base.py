@@ -36,6 +36,7 @@ from engine.optim import (
     clip_gradients_per_parameter_,
     configure_optimization,
     parameter_groups,
+    schedule_length,
     schedule_weight_decay_,
 )
 from engine.checkpoint_record import CheckpointRecord
@@ -235,7 +236,7 @@ class MethodBase(EvaluationMixin, CheckpointRecord, L.LightningModule):
         optimizer = self.trainer.optimizers[0]
         self.log("train/lr", optimizer.param_groups[0]["lr"], on_step=True, on_epoch=False)
         if self.optimizer_spec.weight_decay_end is not None:  # a weight-decay schedule (optimizer.weight_decay_end)
-            steps = (self.trainer.global_step, int(self.trainer.estimated_stepping_batches))
+            steps = (self.trainer.global_step, schedule_length(self.trainer))  # over max_epochs, as the lr (engine.optim)
             self.log("train/weight_decay", schedule_weight_decay_(optimizer, *steps, self.optimizer_spec), on_step=True, on_epoch=False)
 
     def frozen_modules(self) -> list[nn.Module]:
