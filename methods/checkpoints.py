@@ -54,3 +54,11 @@ def read_method_checkpoint(path, source: str, accepts: type, needs: str) -> tupl
     the class it names."""
     checkpoint = read_checkpoint(path, source)
     return checkpoint, require_method(checkpoint, source, accepts, needs)
+
+
+def trainable_classes(base: type) -> list[str]:
+    """The names under `methods.` of the model classes a config's `model.class_path` may name for an entry point
+    whose model class is `base`: those that define a training step (for --help)."""
+    import methods  # the package that imports this module
+
+    return [name for name in methods.__all__ if issubclass(getattr(methods, name), base) and getattr(methods, name).step is not methods.MethodBase.step]

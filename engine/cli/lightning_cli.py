@@ -44,7 +44,6 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveCon
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-import methods
 from analysis.monitors import CollapseMonitor, EmbeddingMap
 from datamodules.base import ContrastiveDataModule
 from datamodules.folders import TooManyUnreadableImages
@@ -66,7 +65,7 @@ from engine.preemption import LastCheckpointOnSigterm, PreemptionSignals, Proces
 from engine.random_state import RandomStateCheckpoint
 from engine.tracking import TrainingThroughput, WandbRun, WandbUnavailable, wandb_mode
 from methods.base import MethodBase
-from methods.checkpoints import class_at
+from methods.checkpoints import class_at, trainable_classes
 
 LIGHTNING_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero")
 
@@ -136,9 +135,8 @@ class SaveConfigToRun(SaveConfigCallback):
 
 
 def models_trained_here(model_class) -> str:
-    """For --help: the model classes a config's `model.class_path` may name (those that define a training step)."""
-    names = [name for name in methods.__all__ if issubclass(getattr(methods, name), model_class) and getattr(methods, name).step is not MethodBase.step]
-    return f"model.class_path: one of methods.{{{', '.join(names)}}}; see configs/ for one config per paper setting"
+    """For --help: the model classes a config's `model.class_path` may name."""
+    return f"model.class_path: one of methods.{{{', '.join(trainable_classes(model_class))}}}; see configs/ for one config per paper setting"
 
 
 class ContrastlabCLI(LightningCLI):
