@@ -48,3 +48,19 @@ def randomised(module: torch.nn.Module, seed: int = 2) -> torch.nn.Module:
             child.weight.data.copy_(torch.rand(child.num_features, generator=generator) + 0.5)
             child.bias.data.copy_(torch.randn(child.num_features, generator=generator) * 0.1)
     return module
+
+
+def loss_before_and_after_training(model, views: dict, tmp_path, steps: int = 10, batch_size: int = 32) -> tuple[float, float]:
+    """The method's loss on one fixed Digits-M batch (on a copy, BatchNorm in training mode) before and after
+    `steps` training steps on Digits-M: what the lowers-the-loss tests compare."""
+    datamodule = digits(views, batch_size=batch_size)
+    datamodule.setup()
+    batch = next(iter(datamodule.train_dataloader()))
+
+    def loss() -> float:
+        with torch.no_grad():
+            return copy.deepcopy(model).train().step(batch)[0].item()
+
+    before = loss()
+    cpu_trainer(tmp_path, max_steps=steps, limit_val_batches=0).fit(model, digits(views, batch_size=batch_size))
+    return before, loss()

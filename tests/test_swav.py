@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import TINY_BACKBONE, cpu_trainer, digits
+from helpers import TINY_BACKBONE, cpu_trainer, digits, loss_before_and_after_training
 from lightning.pytorch.callbacks import Callback
 
 from backbones import MLPSpec
@@ -116,10 +116,5 @@ def test_a_queue_that_is_not_a_multiple_of_the_global_batch_is_refused():
 
 @pytest.mark.slow
 def test_training_steps_lower_the_loss_on_the_embedded_data(tmp_path):
-    model, batch = tiny_swav(), first_batch(VIEWS, batch_size=32)
-    with torch.no_grad():
-        before = copy.deepcopy(model).train().step(batch)[0].item()
-    cpu_trainer(tmp_path, max_steps=10, limit_val_batches=0).fit(model, digits(VIEWS, batch_size=32))
-    with torch.no_grad():
-        after = copy.deepcopy(model).train().step(batch)[0].item()
+    before, after = loss_before_and_after_training(tiny_swav(), VIEWS, tmp_path)
     assert after < 0.9 * before, (before, after)
