@@ -138,7 +138,7 @@ class MethodBase(EvaluationMixin, CheckpointRecord, L.LightningModule):
                 f"{type(self).__name__} consumes the views {list(consumed)} but data.views provides "
                 f"{list(provided)}; rename or remove views so that they match (no view is computed unused)"
             )
-        batch, train = datamodule.batch_size, getattr(datamodule, "splits", {}).get("train")
+        batch, train = datamodule.batch_size, (getattr(datamodule, "splits", None) or {}).get("train")
         images = len(train) if train is not None else None  # None: a DataModule of batches only (tests' stand-ins)
         if images is not None and images // world_size < batch:  # the last incomplete batch is dropped (equal batches): nothing would train
             raise ValueError(
