@@ -248,7 +248,7 @@ def test_fixed_lr_modules_keep_the_peak_rate_while_the_other_groups_follow_the_s
     spec = OptimizerSpec(lr=0.05, lr_scaling="linear", weight_decay=1e-4, exclude_bias_and_norm=True, fixed_lr_modules=["predictor"])
     groups = parameter_groups(model.named_parameters(), spec)
     assert [(len(g["params"]), g["weight_decay"], g.get("fixed_lr", False)) for g in groups] == [(1, 1e-4, False), (1, 0.0, False), (1, 1e-4, True), (3, 0.0, True)]
-    trainer = SimpleNamespace(datamodule=SimpleNamespace(batch_size=512), world_size=1, accumulate_grad_batches=1,
+    trainer = SimpleNamespace(datamodule=SimpleNamespace(batch_size=512), world_size=1, accumulate_grad_batches=1, max_epochs=10, max_steps=-1,
                               estimated_stepping_batches=100, num_training_batches=10, print=lambda *args: None)
     optimization = configure_optimization(trainer, groups, spec, ScheduleSpec(decay="cosine", unit="epoch"))
     scheduler = optimization["lr_scheduler"]["scheduler"]
@@ -268,7 +268,7 @@ def test_the_bias_and_norm_lr_ratio_gives_those_groups_barlow_twins_bias_rate_th
     """facebookresearch/barlowtwins main.py: --learning-rate-weights 0.2, --learning-rate-biases 0.0048 (ratio 0.024)."""
     model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
     spec = OptimizerSpec(lr=0.2, lr_scaling="linear", exclude_bias_and_norm=True, bias_and_norm_lr_ratio=0.024)
-    trainer = SimpleNamespace(datamodule=SimpleNamespace(batch_size=512), world_size=1, accumulate_grad_batches=1,
+    trainer = SimpleNamespace(datamodule=SimpleNamespace(batch_size=512), world_size=1, accumulate_grad_batches=1, max_epochs=10, max_steps=-1,
                               estimated_stepping_batches=100, num_training_batches=10, print=lambda *args: None)
     optimization = configure_optimization(trainer, parameter_groups(model.named_parameters(), spec), spec, ScheduleSpec(decay="cosine"))
     assert [group["lr"] for group in optimization["optimizer"].param_groups] == pytest.approx([0.4, 0.4 * 0.024])
