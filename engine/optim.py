@@ -1,4 +1,4 @@
-"""Optimizers (SGD, LARS, AdamW), parameter groups and the per-step learning-rate schedule.
+"""Optimizers (SGD, LARS from `engine.lars`, AdamW), parameter groups and the per-step learning-rate schedule.
 
 Configured from YAML through two dataclasses, e.g. SCE's small-dataset recipe:
 
@@ -15,6 +15,8 @@ from typing import Iterable, Literal
 
 import torch
 from torch.optim import Optimizer
+
+from engine.lars import LARS
 
 
 @dataclass
@@ -253,50 +255,3 @@ def clip_gradients_per_parameter_(parameters: Iterable[torch.nn.Parameter], max_
     if grads:
         factors = (max_norm / (torch.stack(torch._foreach_norm(grads)) + 1e-6)).clamp(max=1.0)
         torch._foreach_mul_(grads, list(factors.unbind()))
-
-
-class LARS(Optimizer):
-    """SGD with momentum and layer-wise adaptive rate scaling (You et al. 2017), by default in the form used
-    by SCE/BYOL: for a group without `lars_exclude`, the update g + wd * p is rescaled by
-    trust_coefficient * ||p|| / ||g + wd * p|| (1 where a norm is 0); excluded groups are plain SGD.
-    `trust_denominator="norm_sum"` and `clip_lr=True` give solo-learn's form (OptimizerSpec)."""
-
-    def __init__(
-        self, params, lr: float, momentum: float = 0.9, trust_coefficient: float = 0.001,
-        trust_denominator: str = "update_norm", clip_lr: bool = False,
-    ):
-        if trust_denominator not in ("update_norm", "norm_sum"):
-            raise ValueError(f"optimizer.lars_trust_denominator must be 'update_norm' or 'norm_sum', got {trust_denominator!r}")
-        defaults = dict(lr=lr, momentum=momentum, trust_coefficient=trust_coefficient, weight_decay=0.0,
-                        trust_denominator=trust_denominator, clip_lr=clip_lr)
-        super().__init__(params, defaults)
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:  # every operation on all of a group's tensors at once (multi-tensor)
-            params = [param for param in group["params"] if param.grad is not None]
-            if not params:
-                continue
-            updates = torch._foreach_add([param.grad for param in params], params, alpha=group["weight_decay"])
-            if not group.get("lars_exclude", False):
-                param_norms = torch.stack(torch._foreach_norm(params))
-                if group["trust_denominator"] == "norm_sum":  # solo-learn: its eps 1e-8 included
-                    grad_norms = torch.stack(torch._foreach_norm([param.grad for param in params]))
-                    denominators, defined = grad_norms + group["weight_decay"] * param_norms + 1e-8, grad_norms > 0
-                else:
-                    denominators = torch.stack(torch._foreach_norm(updates))
-                    defined = denominators > 0
-                ratio = group["trust_coefficient"] * param_norms / denominators
-                if group["clip_lr"]:
-                    ratio = (ratio / group["lr"]).clamp(max=1.0)
-                trust = torch.where((param_norms > 0) & defined, ratio, torch.ones_like(ratio))
-                torch._foreach_mul_(updates, list(trust.unbind()))
-            buffers = [self.state[param].setdefault("momentum_buffer", torch.zeros_like(param)) for param in params]
-            torch._foreach_mul_(buffers, group["momentum"])
-            torch._foreach_add_(buffers, updates)
-            torch._foreach_add_(params, buffers, alpha=-group["lr"])
-        return loss

@@ -3,7 +3,8 @@
 Configs refer to a method by its short name, e.g. `class_path: methods.MoCoV2`.
 """
 
-from methods.base import MethodBase, PretrainMethod
+from methods.base import MethodBase
+from methods.pretrain import PretrainMethod
 from methods.barlow_twins import BarlowTwins
 from methods.byol import BYOL
 from methods.dino import DINO

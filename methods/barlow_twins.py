@@ -17,8 +17,8 @@ pair of a global view and another crop, the official one with the two views only
 
 import torch
 
-from methods.base import PretrainMethod
 from methods.losses import barlow_twins_loss, check_hyperparameters
+from methods.pretrain import PretrainMethod
 
 
 class BarlowTwins(PretrainMethod):

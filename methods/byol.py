@@ -13,9 +13,9 @@ import torch.nn as nn
 
 from backbones import MLPSpec
 from engine.config import as_spec
-from methods.base import PretrainMethod
 from methods.losses import byol_loss
 from methods.momentum import MomentumMixin, MomentumSpec
+from methods.pretrain import PretrainMethod
 
 
 class BYOL(MomentumMixin, PretrainMethod):

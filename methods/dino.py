@@ -20,9 +20,9 @@ from torch.nn.utils.parametrizations import weight_norm
 
 from backbones import MLPSpec
 from engine.compat import attached_trainer
-from methods.base import PretrainMethod
 from methods.losses import check_hyperparameters, dino_loss
 from methods.momentum import MomentumMixin, MomentumSpec
+from methods.pretrain import PretrainMethod
 
 DINO_HEAD = MLPSpec(hidden_dim=2048, output_dim=256, num_layers=3, batch_norm=False, activation="gelu")
 

@@ -15,9 +15,9 @@ import torch
 
 from engine.config import as_spec
 from engine.optim import RampSpec
-from methods.base import PretrainMethod
 from methods.losses import check_hyperparameters, jcl_loss
 from methods.momentum import MomentumMixin, MomentumSpec
+from methods.pretrain import PretrainMethod
 from methods.queues import KeyQueue
 
 

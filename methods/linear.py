@@ -26,8 +26,9 @@ from engine.config import as_spec
 from engine.files import read_checkpoint
 from engine.optim import OptimizerSpec, ScheduleSpec
 from interop.official import official_trunk
-from methods.base import MethodBase, PretrainMethod
+from methods.base import MethodBase
 from methods.checkpoints import require_method
+from methods.pretrain import PretrainMethod
 
 
 def probed_trunk(path: str, format: str | None, backbone: BackboneSpec | dict | None) -> tuple[dict[str, torch.Tensor], BackboneSpec | dict | None, dict]:

@@ -7,9 +7,9 @@ enqueued after the loss. The official code updates the momentum encoder at the s
 this one right after each optimizer step: the same sequence of updates except for the very last.
 """
 
-from methods.base import PretrainMethod
 from methods.losses import check_hyperparameters, info_nce
 from methods.momentum import MomentumMixin, MomentumSpec
+from methods.pretrain import PretrainMethod
 from methods.queues import KeyQueue
 
 

@@ -13,9 +13,9 @@ batch's (SyncBN, main_moco.py): trainer.sync_batchnorm, no shuffle-BN.
 
 from backbones import MLPSpec
 from engine.config import as_spec
-from methods.base import PretrainMethod
 from methods.losses import check_hyperparameters, mocov3_loss
 from methods.momentum import MomentumMixin, MomentumSpec
+from methods.pretrain import PretrainMethod
 
 
 class MoCoV3(MomentumMixin, PretrainMethod):

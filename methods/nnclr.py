@@ -13,8 +13,8 @@ with same-view negatives instead.
 
 from backbones import MLPSpec
 from engine.config import as_spec
-from methods.base import PretrainMethod
 from methods.losses import check_hyperparameters, nnclr_loss
+from methods.pretrain import PretrainMethod
 from methods.queues import KeyQueue
 
 

@@ -13,8 +13,8 @@ read from the DataModule at setup, or from the checkpoint when a trained model i
 
 from typing import Literal
 
-from methods.base import PretrainMethod
 from methods.losses import check_hyperparameters, contrastive_loss
+from methods.pretrain import PretrainMethod
 from methods.queues import MemoryBank
 
 

@@ -10,9 +10,9 @@ enqueued after the loss. ReSSL is SCE with coeff = 0 without the positive slot a
 
 import torch
 
-from methods.base import PretrainMethod
 from methods.losses import check_hyperparameters, ressl_loss
 from methods.momentum import MomentumMixin, MomentumSpec
+from methods.pretrain import PretrainMethod
 from methods.queues import KeyQueue
 
 

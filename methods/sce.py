@@ -19,9 +19,9 @@ import torch.nn as nn
 from backbones import MLPSpec
 from engine.config import as_spec
 from engine.optim import RampSpec
-from methods.base import PretrainMethod
 from methods.losses import check_hyperparameters, sce_loss
 from methods.momentum import MomentumMixin, MomentumSpec
+from methods.pretrain import PretrainMethod
 from methods.queues import KeyQueue
 
 

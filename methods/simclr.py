@@ -10,8 +10,8 @@ With `num_hard`, Wang & Liu's hard contrastive loss replaces NT-Xent (their SimC
 
 import torch
 
-from methods.base import PretrainMethod
 from methods.losses import check_hyperparameters, contrastive_loss, nt_xent
+from methods.pretrain import PretrainMethod
 
 
 class SimCLR(PretrainMethod):

@@ -13,8 +13,8 @@ import torch.nn as nn
 
 from backbones import MLPSpec
 from engine.config import as_spec
-from methods.base import PretrainMethod
 from methods.losses import simsiam_loss
+from methods.pretrain import PretrainMethod
 
 
 class SimSiam(PretrainMethod):

@@ -14,8 +14,8 @@ linear classifier on the frozen trunk (`main_linear.py`, configs/linear_tcl_<dat
 
 from typing import Literal
 
-from methods.base import PretrainMethod
 from methods.losses import check_hyperparameters, supcon_loss, tcl_loss
+from methods.pretrain import PretrainMethod
 
 
 class SupCon(PretrainMethod):

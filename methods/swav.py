@@ -21,8 +21,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from engine.compat import attached_trainer, data_position
-from methods.base import PretrainMethod
 from methods.losses import check_hyperparameters, sinkhorn_knopp, swav_loss
+from methods.pretrain import PretrainMethod
 from methods.queues import EmbeddingQueue
 
 

@@ -18,10 +18,13 @@ project module for `importlib` (e.g. "methods.longtail.paco.PaCo" in a table of 
 """
 
 import ast
+import inspect
 import re
 from pathlib import Path
 
 import pytest
+
+from methods.checkpoints import trainable_classes
 
 ROOT = Path(__file__).parents[1]
 PACKAGES = ("engine", "methods", "datamodules", "backbones", "analysis", "interop")
@@ -151,3 +154,29 @@ def test_the_import_graph_of_the_project_has_no_cycle():
 
 def test_the_check_finds_a_cycle_of_two_modules():
     assert cycle({"a": {"b"}, "b": {"a"}}) == ["a", "b", "a"]
+
+
+def lines_over(limit: int, paths) -> dict[str, int]:
+    return {str(path): lines for path in paths if (lines := len(path.read_text().splitlines())) > limit}
+
+
+def test_no_module_of_engine_or_methods_is_over_300_lines():
+    """One job per file (issue 31): a module that grows past 300 lines holds more than one and is split by job."""
+    assert lines_over(300, [path for package in ("engine", "methods") for path in (ROOT / package).rglob("*.py")]) == {}
+
+
+def test_every_method_reads_in_one_file_of_at_most_150_lines():
+    """A method's file shows its idea (which view goes where, which loss, what is enqueued); the generic parts live in
+    the base, the mixins and the loss library."""
+    import methods
+
+    trained = [getattr(methods, name) for base in (methods.PretrainMethod, methods.LongTailClassifier) for name in trainable_classes(base)]
+    files = {Path(inspect.getsourcefile(cls)) for cls in trained}  # the linear probe and fine-tuning are evaluations
+    assert len(files) >= 19  # every method of the papers and the baselines
+    assert lines_over(150, files) == {}
+
+
+def test_the_size_check_finds_a_file_over_its_limit(tmp_path):
+    (tmp_path / "long.py").write_text("x = 1\n" * 151)
+    (tmp_path / "short.py").write_text("x = 1\n" * 150)
+    assert {Path(name).name: lines for name, lines in lines_over(150, tmp_path.glob("*.py")).items()} == {"long.py": 151}

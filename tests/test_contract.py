@@ -6,8 +6,9 @@ that adds Lightning hooks cannot be placed where its hooks would never run."""
 import pytest
 
 import methods
-from methods.base import MethodBase, PretrainMethod
+from methods.base import MethodBase
 from methods.momentum import MomentumMixin
+from methods.pretrain import PretrainMethod
 
 MODEL_CLASSES = [cls for name in methods.__all__ if isinstance(cls := getattr(methods, name), type) and issubclass(cls, MethodBase) and cls not in (MethodBase, PretrainMethod)]
 BASE_HOOKS = ("training_step", "configure_optimizers", "validation_step", "test_step", "on_validation_epoch_end", "on_test_epoch_end")

@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.nn as nn
 
+from engine.lars import LARS
 from engine.optim import (
-    LARS,
     OptimizerSpec,
     ScheduleSpec,
     build_optimizer,

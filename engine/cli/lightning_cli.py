@@ -5,12 +5,13 @@
 - optimizers and schedules come from the model's own config (`auto_configure_optimizers=False`),
   because they need parameter groups and per-step schedules;
 - the resolved config is written with overwrite enabled (a second run in the same directory or a
-  Slurm requeue must not crash) and, with a `WandbLogger`, sent to the W&B run;
+  Slurm requeue must not crash) and, with a `WandbLogger`, sent to the W&B run (`engine.cli.parsing`);
 - a `checkpoint` group (ModelCheckpoint) is always present, with `save_last: true`, writing to
   `<default_root_dir>/checkpoints/` whatever the logger (`last.ckpt` is where the linear stage and a
   resumed run look);
 - configuration mistakes end with one `error:` line naming the offending key or value, before any
-  directory, config or checkpoint is written (set CONTRASTLAB_TRACEBACK=1 for the full traceback);
+  directory, config or checkpoint is written (set CONTRASTLAB_TRACEBACK=1 for the full traceback;
+  `engine.cli.errors`, `engine.cli.parsing`);
 - at the end of `fit` / `validate` / `test`, the final metrics are printed and written to
   `<default_root_dir>/results_<stage>.json` (`engine.cli.results`);
 - reliability: `seed_everything` must be an explicit integer; a `non_finite` group (`engine.non_finite`) stops
@@ -27,12 +28,9 @@
   `check_resume`, `wrong_checkpoint_hint`): a linear probe, for one, runs beside its pretraining checkpoint.
 """
 
-import logging
-import os
 import signal
 import sys
 import warnings
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -40,15 +38,16 @@ import yaml
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator, MPSAccelerator
 from lightning.pytorch.callbacks import ModelCheckpoint, Timer
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
-from lightning.pytorch.loggers import WandbLogger
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from analysis.monitors import CollapseMonitor, EmbeddingMap
 from datamodules.base import ContrastiveDataModule
 from datamodules.folders import TooManyUnreadableImages
-from engine.checkpoint_record import RECORD_KEY, CheckpointMismatch
+from engine.checkpoint_record import CheckpointMismatch
 from engine.cli.errors import condense_parser_error, fail, last_line, one_error_line, root_cause
+from engine.cli.parsing import ContrastlabArgumentParser, SaveConfigToRun
+from engine.cli.quiet import quiet_run
 from engine.cli.resume import (
     LIGHTNING_CHECKPOINT_NAMES,
     check_resumable,
@@ -66,73 +65,6 @@ from engine.random_state import RandomStateCheckpoint
 from engine.tracking import TrainingThroughput, WandbRun, WandbUnavailable, wandb_mode
 from methods.base import MethodBase
 from methods.checkpoints import class_at, trainable_classes
-
-LIGHTNING_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero")
-
-
-def no_advertisement(record: logging.LogRecord) -> bool:
-    return not record.getMessage().startswith("💡 Tip: For seamless cloud logging")
-
-
-@contextmanager
-def quiet_run():
-    """Silence, for this run only, noise a user cannot act on: Lightning's advertisement for LitLogger at every start,
-    and the deprecation that its own pytree helper triggers in torch (lightning/pytorch/utilities/_pytree.py) at
-    every fit. The warnings a model or DataModule expects by design (`expected_warnings`) are added in the run's
-    hooks, inside the same scope."""
-    loggers = [logging.getLogger(name) for name in LIGHTNING_LOGGERS]
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
-        for logger in loggers:
-            logger.addFilter(no_advertisement)
-        try:
-            yield
-        finally:
-            for logger in loggers:
-                logger.removeFilter(no_advertisement)
-
-
-class ContrastlabArgumentParser(LightningArgumentParser):
-    def __init__(self, *args, **kwargs):
-        # argparse would read `--trainer.max_epoch` as `--trainer.max_epochs`: a typo must never change a run quietly
-        kwargs.setdefault("allow_abbrev", False)
-        super().__init__(*args, **kwargs)
-
-    def parse_path(self, path, *args, **kwargs):
-        """A YAML syntax error of a config file names the file, line and column (jsonargparse parses the file's text,
-        so its error says "<unicode string>")."""
-        if self.exit_on_error and not os.environ.get("CONTRASTLAB_TRACEBACK"):
-            try:
-                yaml.compose(Path(path).read_text())  # syntax only: what the text means is jsonargparse's to read
-            except yaml.MarkedYAMLError as error:
-                mark = error.problem_mark or error.context_mark
-                where = f", line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-                fail(f"config file {str(path)!r}{where}: {', '.join(part for part in (error.context, error.problem) if part)}")
-            except (OSError, yaml.YAMLError):
-                pass  # an unreadable path or another problem: jsonargparse reports it
-        return super().parse_path(path, *args, **kwargs)
-
-    def error(self, message: str, ex: Exception | None = None):
-        if os.environ.get("CONTRASTLAB_TRACEBACK") or not self.exit_on_error:
-            return super().error(message, ex)
-        fail(f"{condense_parser_error(message)} (run with --help for the accepted options)")
-
-
-class SaveConfigToRun(SaveConfigCallback):
-    """Write the resolved config next to the run and, with W&B, into the run's config so that runs
-    can be compared by hyperparameter."""
-
-    def save_config(self, trainer, pl_module, stage: str) -> None:
-        if isinstance(trainer.logger, WandbLogger):
-            trainer.logger.experiment.config.update(self.config.as_dict(), allow_val_change=True)
-
-    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
-        """Every checkpoint carries the resolved config (plain YAML types, so `weights_only` loads read it) and the
-        number of processes that trained it (with the batch size, the global batch a resumed run must keep)."""
-        record = checkpoint.setdefault(RECORD_KEY, {})
-        record["config"] = yaml.safe_load(self.parser.dump(self.config, skip_none=False))
-        record["world_size"] = trainer.world_size
-
 
 def models_trained_here(model_class) -> str:
     """For --help: the model classes a config's `model.class_path` may name."""

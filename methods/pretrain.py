@@ -1,0 +1,120 @@
+"""`PretrainMethod`: the base of a self-supervised or contrastive pretraining method, on `methods.base.MethodBase`.
+
+It adds the projector, the online linear probe (its own parameter group), the kNN monitor and multi-crop:
+`local_crops` names further data views (any resolution, `count: N` crops each) that a method with `multi_crop`
+feeds to the branch that takes every crop, and `encode_crops` passes a branch's crops through trunk and head one
+crop at a time or, as the official `MultiCropWrapper` of SwAV and DINO, batched by resolution (`crop_batching`). A
+method subclass sets `views` and implements `step`: which view goes through which branch, which loss, what is
+enqueued. Everything else lives here and in `MethodBase`.
+"""
+
+from typing import Literal, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from backbones import MLPSpec
+from engine.config import as_spec
+from methods.base import MethodBase
+
+
+CropBatching = Literal["per_crop", "by_resolution"]
+
+
+class PretrainMethod(MethodBase):
+    multi_crop = False  # the method feeds `local_crops` to one of its branches (else it refuses them)
+    # How `encode_crops` passes a branch's crops through trunk and head: `per_crop`, each crop its own forward, so that
+    # BatchNorm sees one crop per batch (MoCo, SCE's and ReSSL's official code; Barlow Twins and VICReg run each view
+    # separately); `by_resolution`, one trunk forward per run of consecutive crops of one resolution and one head
+    # forward on all crops (the `MultiCropWrapper` of facebookresearch/dino utils.py and the forward of
+    # facebookresearch/swav src/resnet50.py).
+    crop_batching: CropBatching = "per_crop"
+
+    def __init__(
+        self,
+        projector: MLPSpec = MLPSpec(),
+        local_crops: Sequence[str] = (),
+        probe_lr: float = 0.1,
+        knn_k: int = 200,
+        knn_temperature: float = 0.07,
+        **kwargs,
+    ):
+        """
+        Args:
+            projector: the projection head on the trunk's pooled features.
+            local_crops: names of further data views fed, after the method's own views, to the branch of a
+                multi-crop method that takes every crop (e.g. the 6 x 96 px crops of SwAV, a view with `count: 6`;
+                each view sets its own `size` and `scale`).
+            probe_lr: learning rate of the online linear probe (its own parameter group, no weight
+                decay, never scaled by the batch size); the probe sees detached features only.
+            knn_k: neighbours of the kNN monitor (0 disables it); knn_temperature: its vote temperature.
+            **kwargs: the MethodBase arguments (backbone, optimizer, schedule, num_classes, channels_last, compile).
+        """
+        if not probe_lr > 0:
+            raise ValueError(f"model.probe_lr must be > 0, got {probe_lr}")
+        if local_crops and not self.multi_crop:
+            raise ValueError(f"model.local_crops {list(local_crops)}: {type(self).__name__} has no branch for local crops (multi-crop)")
+        super().__init__(**kwargs)
+        self.local_crops = tuple(local_crops)
+        projector = as_spec(MLPSpec, projector)
+        self.projector = projector.build(self.feature_dim)
+        self.projection_dim = projector.output_dim
+        self.predictor: nn.Module = nn.Identity()  # a method with a predictor head replaces it
+        self.probe = nn.Linear(self.feature_dim, self.num_classes)
+        self.probe_lr = probe_lr
+        self.init_evaluation(knn_k, knn_temperature)
+
+    # ----------------------------------------------------------------- shared helpers
+    def embed(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Online branch: trunk features and the L2-normalised projection (after the predictor, if any)."""
+        features = self.backbone(images)
+        return features, F.normalize(self.predictor(self.projector(features)), dim=1)
+
+    def embed_and_predict(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Online branch of a method that reads the projection before the predictor too (SimSiam's targets,
+        NNCLR's nearest-neighbour queries): trunk features, L2-normalised projection and prediction."""
+        features = self.backbone(images)
+        projection = self.projector(features)
+        return features, F.normalize(projection, dim=1), F.normalize(self.predictor(projection), dim=1)
+
+    def crops(self, views: dict[str, torch.Tensor], names: Sequence[str]) -> list[torch.Tensor]:
+        """Every crop of the named views, in order: a view with `count: N`, shaped (B, N, C, H, W), gives N crops."""
+        return [crop for name in names for crop in (views[name].unbind(1) if views[name].ndim == 5 else [views[name]])]
+
+    def encode_crops(self, crops: Sequence[torch.Tensor], trunk: nn.Module, head) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """`head(trunk(crop))` for each crop, batched as `crop_batching` says, and the trunk features of the first
+        crop (for the online probe). `by_resolution` concatenates each run of consecutive crops of one resolution
+        into one trunk forward and runs the head once on all of them, so that its BatchNorm sees every crop."""
+        if self.crop_batching == "per_crop":
+            features = [trunk(crop) for crop in crops]
+            return [head(feature) for feature in features], features[0]
+        runs: list[list[torch.Tensor]] = []
+        for crop in crops:
+            if runs and runs[-1][0].shape[-2:] == crop.shape[-2:]:
+                runs[-1].append(crop)
+            else:
+                runs.append([crop])
+        features = torch.cat([trunk(torch.cat(run)) for run in runs])
+        return list(head(features).split(crops[0].shape[0])), features[: crops[0].shape[0]]
+
+    def embed_crops(self, views: dict[str, torch.Tensor], names: Sequence[str]) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Online projections (`embed`) of every crop of the named views, in order, and the trunk features of the
+        first crop, for the online probe."""
+        head = lambda features: F.normalize(self.predictor(self.projector(features)), dim=1)  # noqa: E731
+        return self.encode_crops(self.crops(views, names), self.backbone, head)
+
+    # ----------------------------------------------------------------- training
+    def probe_loss(self, features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Cross-entropy of the online probe; unlabelled samples (label -1) are left out."""
+        per_sample = F.cross_entropy(self.probe(features), labels.clamp(min=0), reduction="none")
+        labelled = (labels >= 0).float()
+        return (per_sample * labelled).sum() / labelled.sum().clamp(min=1)
+
+    def method_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return [(name, p) for name, p in self.named_parameters() if not name.startswith("probe.")]
+
+    def optimizer_groups(self) -> list[dict]:
+        """The method's groups, then the probe's own: its learning rate, no weight decay, never scaled."""
+        probe_group = {"params": list(self.probe.parameters()), "lr": self.probe_lr, "weight_decay": 0.0, "lars_exclude": True}
+        return super().optimizer_groups() + [probe_group]
