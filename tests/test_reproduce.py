@@ -5,6 +5,7 @@ import csv
 import fcntl
 import json
 import os
+import re
 import shlex
 import signal
 import stat
@@ -21,6 +22,7 @@ from scripts.tables import load_table
 
 ROOT = Path(__file__).resolve().parents[1]
 TABLES = sorted((ROOT / "tables").glob("*.yaml"))
+README_AT_COMMIT = re.compile(r"\b[\w.-]+/[\w.-]+ (?:[\w.-]+/)*README(?:\.md)? at [0-9a-f]{7,40}\b")  # a baselines table's source
 TINY = ["--trainer.max_epochs=1", "--trainer.limit_train_batches=3", "--trainer.limit_val_batches=2", "--trainer.check_val_every_n_epoch=1",
         "--trainer.num_sanity_val_steps=0", "--trainer.enable_progress_bar=false", "--trainer.precision=32-true",
         "--data.init_args.batch_size=16", "--data.init_args.train_variants=1", "--data.init_args.eval_variants=1"]
@@ -62,14 +64,17 @@ def csv_rows(out: Path) -> list[dict]:
 
 # ----------------------------------------------------------------- table files
 @pytest.mark.parametrize("path", TABLES, ids=[path.stem for path in TABLES])
-def test_every_shipped_table_file_validates_and_cites_a_paper_or_says_it_stands_in(path):
+def test_every_shipped_table_file_validates_and_cites_a_paper_or_a_readme_or_says_it_stands_in(path):
     table = load_table(path)
     assert table.rows
     if path.stem.startswith("digits_"):
         assert table.stand_in, "a Digits-M table says which paper table it stands in for"
     else:
-        assert table.stand_in is None and all(" supplementary, Table " in row.source for row in table.rows)
-        assert all(any(number is not None for number in row.paper.values()) for row in table.rows)
+        assert table.stand_in is None and all(any(number is not None for number in row.paper.values()) for row in table.rows)
+        if table.kind == "paper":
+            assert [row.id for row in table.rows if " supplementary, Table " not in row.source] == []
+        else:  # a baselines' table: the repository's README at the commit read
+            assert [row.id for row in table.rows if not README_AT_COMMIT.search(row.source)] == []
 
 
 def test_the_paper_tables_cover_every_seed_table_with_configs():
@@ -101,6 +106,12 @@ def test_a_bad_row_is_one_error_line_naming_the_file_and_the_row_before_anything
     message = str(exit_info.value)
     assert message.startswith(f"error: {path}: ") and problem in message and "\n" not in message
     assert not (tmp_path / "out").exists()
+
+
+def test_a_table_of_an_unknown_kind_is_refused(tmp_path):
+    path = write_table(tmp_path / "t.yaml", a_row("a"), head='title: "a test table"\nkind: survey\n')
+    with pytest.raises(SystemExit, match=rf"^error: {re.escape(str(path))}: kind 'survey' is none of paper, baselines$"):
+        reproduce.main([str(path), "--dry-run"])
 
 
 def test_unknown_rows_and_bad_seeds_are_refused(tmp_path):
