@@ -1,19 +1,28 @@
 """DINO's linear-evaluation feature of a ViT trunk (backbones/vit.py `features`): the final norm applied to the tokens
 of each of the last n blocks, their class tokens concatenated, optionally with the mean of the patch tokens
-(facebookresearch/dino eval_linear.py, vision_transformer.py `get_intermediate_layers`)."""
+(facebookresearch/dino eval_linear.py, vision_transformer.py `get_intermediate_layers`), and the linear stage of
+configs/linear_dino_vit_small_imagenet.yaml on a tiny DINO checkpoint."""
 
 import re
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+import yaml
+from helpers import cpu_trainer, digits
 from timm.models.vision_transformer import VisionTransformer
 
-from backbones import BackboneSpec, build_backbone
+from backbones import BackboneSpec, MLPSpec, build_backbone
 from backbones.vit import timm_arguments
+from engine.optim import OptimizerSpec, ScheduleSpec
+from interop.export import export
+from methods import DINO, LinearProbe
+from methods.momentum import MomentumSpec
 
 TINY = dict(img_size=32, patch_size=8, depth=4)  # 16 patches, four blocks
 DINO_OPTIONS = dict(init="dino", position_interpolation="dino")
+CONFIG = Path(__file__).parents[1] / "configs/linear_dino_vit_small_imagenet.yaml"
 
 
 def randomised_norms(trunk: torch.nn.Module) -> torch.nn.Module:
@@ -113,3 +122,42 @@ def test_a_bad_features_option_is_one_error_naming_it(features, message):
 def test_the_feature_needs_a_class_token():
     with pytest.raises(ValueError, match="^backbone 'vit_tiny': features {'last_blocks': 2} concatenate class tokens, and this ViT has none"):
         build_backbone("vit_tiny", features={"last_blocks": 2}, class_token=False, global_pool="avg", **TINY)
+
+
+@pytest.fixture(scope="module")
+def dino_checkpoint(tmp_path_factory) -> Path:
+    """A real one-step DINO pretraining checkpoint of a tiny ViT on Digits-M, written by Lightning."""
+    directory = tmp_path_factory.mktemp("dino_vit") / "run"
+    model = DINO(
+        backbone=BackboneSpec("vit_tiny", kwargs=DINO_OPTIONS | TINY), out_dim=20, knn_k=0,
+        projector=MLPSpec(hidden_dim=32, output_dim=16, num_layers=3, batch_norm=False, activation="gelu"),
+        optimizer=OptimizerSpec(lr=0.1), schedule=ScheduleSpec(decay="constant"),
+        momentum=MomentumSpec(base=0.9, schedule="constant", shuffle_bn=False),
+    )  # fmt: skip
+    trainer = cpu_trainer(directory, max_steps=1, limit_val_batches=0)
+    trainer.fit(model, digits({"global1": {"preset": "mocov2"}, "global2": {"preset": "mocov2"}}, batch_size=8))
+    path = directory / "checkpoints" / "last.ckpt"
+    trainer.save_checkpoint(path)
+    student, teacher = model.backbone.blocks[0].attn.qkv.weight, model.target_backbone.blocks[0].attn.qkv.weight
+    assert not torch.equal(student, teacher)  # so that a probe of the wrong one shows
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("encoder", ["online", "momentum"])
+def test_the_config_probes_a_tiny_dino_vit_on_its_last_four_class_tokens_and_trains_a_step(encoder, dino_checkpoint, tmp_path):
+    """The config's model settings and views, with a Digits-M-size ViT-Tiny; the teacher (momentum) through its export."""
+    config = yaml.safe_load(CONFIG.read_text())
+    settings, views = config["model"]["init_args"], config["data"]["init_args"]["views"]
+    backbone = settings["backbone"] | {"name": "vit_tiny", "kwargs": settings["backbone"]["kwargs"] | TINY}
+    pretrained = dino_checkpoint if encoder == "online" else export(dino_checkpoint, "timm", tmp_path / "teacher", encoder)[0]
+    probe = LinearProbe(**(settings | {"backbone": backbone, "pretrained_ckpt": str(pretrained), "knn_k": 0}))
+    prefix = {"online": "backbone.", "momentum": "target_backbone."}[encoder]
+    saved = torch.load(dino_checkpoint, weights_only=True)["state_dict"]
+    pretrained_trunk = {key.removeprefix(prefix): value for key, value in saved.items() if key.startswith(prefix)}
+    assert probe.feature_dim == 4 * 192 and probe.probe.in_features == 4 * 192
+    assert probe.probe.weight.std().item() == pytest.approx(0.01, rel=0.1) and not probe.probe.bias.any()
+    probe_before = probe.probe.weight.clone()
+    cpu_trainer(tmp_path, max_steps=1, limit_val_batches=0).fit(probe, digits(views, batch_size=16))
+    assert all(torch.equal(value, pretrained_trunk[key]) for key, value in probe.backbone.state_dict().items())
+    assert not torch.equal(probe.probe.weight, probe_before)
