@@ -144,15 +144,21 @@ def dino_checkpoint(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("encoder", ["online", "momentum"])
+@pytest.mark.parametrize("encoder", ["momentum", "exported-momentum", "online"])
 def test_the_config_probes_a_tiny_dino_vit_on_its_last_four_class_tokens_and_trains_a_step(encoder, dino_checkpoint, tmp_path):
-    """The config's model settings and views, with a Digits-M-size ViT-Tiny; the teacher (momentum) through its export."""
+    """The config's model settings and views, with a Digits-M-size ViT-Tiny: the teacher (momentum), as the config and
+    eval_linear.py probe it, straight from the checkpoint or through its export; the student on request."""
     config = yaml.safe_load(CONFIG.read_text())
     settings, views = config["model"]["init_args"], config["data"]["init_args"]["views"]
+    assert settings["pretrained_encoder"] == "momentum"
     backbone = settings["backbone"] | {"name": "vit_tiny", "kwargs": settings["backbone"]["kwargs"] | TINY}
-    pretrained = dino_checkpoint if encoder == "online" else export(dino_checkpoint, "timm", tmp_path / "teacher", encoder)[0]
-    probe = LinearProbe(**(settings | {"backbone": backbone, "pretrained_ckpt": str(pretrained), "knn_k": 0}))
-    prefix = {"online": "backbone.", "momentum": "target_backbone."}[encoder]
+    if encoder == "exported-momentum":
+        exported = export(dino_checkpoint, "timm", tmp_path / "teacher", "momentum")[0]
+        settings = settings | {"pretrained_ckpt": str(exported), "pretrained_encoder": "online"}
+    else:
+        settings = settings | {"pretrained_ckpt": str(dino_checkpoint), "pretrained_encoder": encoder}
+    probe = LinearProbe(**(settings | {"backbone": backbone, "knn_k": 0}))
+    prefix = "backbone." if encoder == "online" else "target_backbone."
     saved = torch.load(dino_checkpoint, weights_only=True)["state_dict"]
     pretrained_trunk = {key.removeprefix(prefix): value for key, value in saved.items() if key.startswith(prefix)}
     assert probe.feature_dim == 4 * 192 and probe.probe.in_features == 4 * 192
