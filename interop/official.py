@@ -67,6 +67,7 @@ LAYOUTS = {
     "swav": Layout(None, ("module.",), not_trunk=("projection_head.", "prototypes.")),
     "dino": Layout("teacher", ("module.backbone.", "backbone."), heads={"projector": ("module.head.mlp.", "head.mlp.")}),
 }
+MOMENTUM_TRUNK_FORMATS = ("dino",)  # whose trunk read is the momentum copy (DINO's teacher, as eval_linear.py reads it)
 
 
 @dataclass
@@ -196,13 +197,20 @@ def official_weights(checkpoint: Any, format: str | None, backbone_name: str | N
     return None if format == "contrastlab" else convert(checkpoint, format, backbone_name, source)
 
 
-def official_trunk(checkpoint: Any, format: str | None, backbone: BackboneSpec | dict | None, source: str) -> tuple[dict, BackboneSpec] | None:
+def official_trunk(
+    checkpoint: Any, format: str | None, backbone: BackboneSpec | dict | None, source: str, encoder: str = "online"
+) -> tuple[dict, BackboneSpec] | None:
     """The linear stage's trunk weights and spec (`backbone`, else inferred from the weights) from a loaded official
-    checkpoint; None when it is a contrastlab checkpoint, which the linear stage reads itself."""
+    checkpoint; None when it is a contrastlab checkpoint, which the linear stage reads itself. `encoder: momentum` is
+    refused for a file without a momentum trunk (every format but DINO's, whose teacher is read either way, as
+    eval_linear.py reads it; an export holds the one trunk it was exported from): it would probe another trunk than
+    the one asked for."""
     check_format(format, "model.pretrained_format")
     weights = official_weights(checkpoint, format, _name(backbone), source)
     if weights is None:
         return None
+    if encoder == "momentum" and weights.format not in MOMENTUM_TRUNK_FORMATS:
+        raise ValueError(f"{source} (format {weights.format}) holds no momentum trunk, only the one it is read as: give --model.pretrained_encoder online")
     return weights.trunk, backbone if backbone is not None else infer_backbone(weights.trunk, source)
 
 

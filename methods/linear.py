@@ -43,15 +43,15 @@ def probed_trunk(
     weights show) and what the checkpoint says about its pretraining, from one read of the file: an official
     release (`interop.official`) or a contrastlab pretraining checkpoint's online (`backbone.*`) or momentum
     (`target_backbone.*`) trunk."""
+    if encoder not in ENCODER_PREFIXES:
+        raise ValueError(f"model.pretrained_encoder {encoder!r} is none of {list(ENCODER_PREFIXES)}")
     source = f"model.pretrained_ckpt {path!r}"
     checkpoint = read_checkpoint(path, source)
-    official = official_trunk(checkpoint, format, backbone, source)
+    official = official_trunk(checkpoint, format, backbone, source, encoder)
     if official is not None:
         return *official, pretraining_summary(checkpoint)
     needs = "the linear stage probes the trunk of a pretraining method (methods.PretrainMethod, e.g. methods.MoCoV2)"
     require_method(checkpoint, source, PretrainMethod, needs, class_required=False)
-    if encoder not in ENCODER_PREFIXES:
-        raise ValueError(f"model.pretrained_encoder {encoder!r} is none of {list(ENCODER_PREFIXES)}")
     prefix = ENCODER_PREFIXES[encoder]
     state = {key.removeprefix(prefix): value for key, value in checkpoint["state_dict"].items() if key.startswith(prefix)}
     if not state:

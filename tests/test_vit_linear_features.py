@@ -167,3 +167,13 @@ def test_the_config_probes_a_tiny_dino_vit_on_its_last_four_class_tokens_and_tra
     cpu_trainer(tmp_path, max_steps=1, limit_val_batches=0).fit(probe, digits(views, batch_size=16))
     assert all(torch.equal(value, pretrained_trunk[key]) for key, value in probe.backbone.state_dict().items())
     assert not torch.equal(probe.probe.weight, probe_before)
+
+
+@pytest.mark.slow
+def test_the_momentum_trunk_of_a_file_that_holds_none_is_refused_in_one_line(dino_checkpoint, tmp_path):
+    """An export holds one trunk: the config's `pretrained_encoder: momentum` on it would probe another trunk than asked."""
+    exported = export(dino_checkpoint, "timm", tmp_path / "student")[0]
+    backbone = {"name": "vit_tiny", "kwargs": DINO_OPTIONS | TINY}
+    with pytest.raises(ValueError, match=r"\(format \w+\) holds no momentum trunk, only the one it is read as: give --model.pretrained_encoder online"):
+        LinearProbe(pretrained_ckpt=str(exported), backbone=backbone, pretrained_encoder="momentum", knn_k=0)
+    assert LinearProbe(pretrained_ckpt=str(exported), backbone=backbone, pretrained_encoder="online", knn_k=0).feature_dim == 192
