@@ -78,10 +78,11 @@ def pytest_configure(config):
         config.option.dist = "no"
 
 
-@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """On parallel workers, the tests marked slow are handed out first: the many short tests then fill the time that
-    is left at the end, instead of one long test running alone while the other worker waits. (Each worker collects
-    the tests and sorts them the same way.)"""
+    """On parallel workers, the modules that hold tests marked slow come first, each module's tests together and in
+    order (a module-scoped run is made once): the modules of short tests then fill the time that is left at the end,
+    instead of one long test running alone while the other worker waits. (Each worker sorts its collection the
+    same way.)"""
     if "PYTEST_XDIST_WORKER" in os.environ:
-        items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+        with_slow_tests = {item.path for item in items if item.get_closest_marker("slow")}
+        items.sort(key=lambda item: item.path not in with_slow_tests)

@@ -148,7 +148,6 @@ def two_process_states(tmp_path_factory) -> dict:
 
 
 @pytest.mark.parametrize("method", EQUIVALENT)
-@pytest.mark.xdist_group("two_process_states")  # with the other tests of its run: on one worker
 def test_one_ddp_step_on_two_processes_equals_one_step_on_the_concatenated_batch(method, two_process_states, tmp_path):
     trainer = cpu_trainer(tmp_path, **trainer_options(tmp_path))
     expected = one_step(method, trainer, world_size=1)
@@ -171,7 +170,6 @@ def test_one_ddp_step_on_two_processes_equals_one_step_on_the_concatenated_batch
         assert int(expected["queue.pointer"]) == GLOBAL_BATCH
 
 
-@pytest.mark.xdist_group("two_process_states")  # with the other tests of its run: on one worker
 def test_paco_with_the_official_per_process_contrast_enqueues_the_same_keys_but_trains_differently(two_process_states, tmp_path):
     expected = one_step("paco_local", cpu_trainer(tmp_path, **trainer_options(tmp_path)), world_size=1)  # 1 process: local = global
     local = two_process_states["paco_local", 0]
@@ -205,7 +203,6 @@ def test_sigterm_at_different_steps_stops_every_process_at_the_same_step_with_a_
 
 
 @pytest.mark.parametrize("method", ["barlow_twins", "vicreg"])
-@pytest.mark.xdist_group("two_process_states")  # with the other tests of its run: on one worker
 def test_barlow_twins_and_vicreg_gradients_on_two_processes_are_the_global_batch_gradients_not_a_world_size_fraction(method, two_process_states, tmp_path):
     """The bugs of lightly's losses (lightly issue #1977, PR #979's review): a cross-correlation all-reduced without
     autograd gives each process 1/W of the gradient; embeddings summed where they should be gathered give another
@@ -226,7 +223,6 @@ def test_barlow_twins_and_vicreg_gradients_on_two_processes_are_the_global_batch
                 assert not torch.allclose(found, tensor / WORLD, rtol=1e-3, atol=1e-7)
 
 
-@pytest.mark.xdist_group("two_process_states")  # with the other tests of its run: on one worker
 def test_swav_queue_and_dino_centre_on_two_processes_hold_the_global_batch(two_process_states, tmp_path):
     swav = one_step("swav", cpu_trainer(tmp_path / "swav", **trainer_options(tmp_path / "swav")), world_size=1)
     dino = one_step("dino", cpu_trainer(tmp_path / "dino", **trainer_options(tmp_path / "dino")), world_size=1)

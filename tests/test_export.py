@@ -266,7 +266,6 @@ def digits_run(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("digits_run")  # with the other tests of its run: on one worker
 def test_the_record_beside_the_export_says_where_it_came_from(digits_run, capsys):
     assert export_command([str(digits_run), "--format", "timm"]) == 0
     written = [Path(line) for line in capsys.readouterr().out.split()]
@@ -294,7 +293,6 @@ def test_the_record_beside_the_export_says_where_it_came_from(digits_run, capsys
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("digits_run")  # with the other tests of its run: on one worker
 def test_the_linear_stage_on_an_exported_trunk_gives_the_probe_result_of_the_original_checkpoint(digits_run, tmp_path):
     safetensors = export(digits_run, "timm", tmp_path / "trunk")[1]
     results = []
@@ -311,7 +309,6 @@ def test_the_linear_stage_on_an_exported_trunk_gives_the_probe_result_of_the_ori
     assert {"val/probe_top1", "val/knn_top1", "train/loss"} <= set(results[0]) and results[0] == results[1]
 
 
-@pytest.mark.xdist_group("digits_run")  # with the other tests of its run: on one worker
 def test_the_command_lists_the_formats_and_ends_bad_input_with_one_error_line(digits_run, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         export_command(["--help"])

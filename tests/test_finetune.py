@@ -112,7 +112,6 @@ def test_a_subset_list_for_a_dataset_without_image_files_is_refused_naming_it(tm
 
 
 # ---------------------------------------------------------------- the model
-@pytest.mark.xdist_group("pretrained")  # with the other tests of its run: on one worker
 def test_fine_tuning_starts_from_the_checkpoint_trunk_with_a_zero_head_and_trains_the_trunk(pretrained):
     path, weights = pretrained
     model = FineTune(pretrained_ckpt=str(path))
@@ -124,7 +123,6 @@ def test_fine_tuning_starts_from_the_checkpoint_trunk_with_a_zero_head_and_train
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("pretrained")  # with the other tests of its run: on one worker
 def test_fine_tuning_loads_the_same_trunk_from_a_pretraining_checkpoint_and_from_its_export(pretrained, tmp_path):
     path, weights = pretrained
     exported = export(path, "torchvision", tmp_path / "trunk")[0]
@@ -134,7 +132,6 @@ def test_fine_tuning_loads_the_same_trunk_from_a_pretraining_checkpoint_and_from
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("pretrained")  # with the other tests of its run: on one worker
 def test_a_fine_tuning_run_trains_the_whole_trunk_and_its_checkpoint_exports_the_fine_tuned_trunk(pretrained, tmp_path, capsys):
     path, weights = pretrained
     run_dir = tmp_path / "finetune"

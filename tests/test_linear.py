@@ -26,7 +26,6 @@ def pretrained_checkpoint(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("pretrained_checkpoint")  # with the other tests of its run: on one worker
 def test_backbone_is_loaded_from_the_checkpoint_with_its_recorded_spec(pretrained_checkpoint):
     path, weights = pretrained_checkpoint
     probe = LinearProbe(pretrained_ckpt=str(path))
@@ -41,7 +40,6 @@ def test_backbone_is_loaded_from_the_checkpoint_with_its_recorded_spec(pretraine
         (BackboneSpec("resnet18", small_input=True), "does not fit backbone 'resnet18'"),
     ],
 )
-@pytest.mark.xdist_group("pretrained_checkpoint")  # with the other tests of its run: on one worker
 def test_a_checkpoint_with_mismatched_backbone_keys_is_refused(pretrained_checkpoint, backbone, message):
     with pytest.raises(ValueError, match=message):
         LinearProbe(pretrained_ckpt=str(pretrained_checkpoint[0]), backbone=backbone)
@@ -63,7 +61,6 @@ def test_exactly_one_of_checkpoint_or_random_init():
     assert not any(p.requires_grad for p in probe.backbone.parameters())
 
 
-@pytest.mark.xdist_group("pretrained_checkpoint")  # with the other tests of its run: on one worker
 def test_frozen_backbone_is_bit_identical_after_a_linear_probe_epoch(pretrained_checkpoint, tmp_path):
     path, weights = pretrained_checkpoint
     probe = LinearProbe(
@@ -91,7 +88,6 @@ def test_frozen_backbone_is_bit_identical_after_a_linear_probe_epoch(pretrained_
     ],
     ids=["same-dataset", "other-dataset", "other-dataset-and-image-size"],
 )
-@pytest.mark.xdist_group("pretrained_checkpoint")  # with the other tests of its run: on one worker
 def test_the_probe_says_what_it_loaded_and_warns_when_the_pretraining_dataset_or_image_size_differs(pretraining_data, warning, pretrained_checkpoint, tmp_path, caplog):
     checkpoint = torch.load(pretrained_checkpoint[0], weights_only=True)
     image_size = {"datamodules.ImageNet100DataModule": {"image_size": 224}}.get(pretraining_data, {})

@@ -89,7 +89,6 @@ def test_the_lock_of_a_run_that_ended_or_died_is_taken_over(tmp_path):
     ],
 )
 @pytest.mark.slow
-@pytest.mark.xdist_group("finished_run")  # with the other tests of its run: on one worker
 def test_resuming_with_a_changed_setting_is_refused_in_one_line_before_anything_is_written(finished_run, override, changed, capsys):
     before = files_in(finished_run)
     for ckpt_path in ("last", str(finished_run / "checkpoints" / "last.ckpt")):
@@ -101,7 +100,6 @@ def test_resuming_with_a_changed_setting_is_refused_in_one_line_before_anything_
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("finished_run")  # with the other tests of its run: on one worker
 def test_resuming_with_another_number_of_processes_is_refused(finished_run, capsys):
     checkpoint = torch.load(finished_run / "checkpoints" / "last.ckpt", weights_only=True)
     assert checkpoint["contrastlab"]["world_size"] == 1
@@ -113,7 +111,6 @@ def test_resuming_with_another_number_of_processes_is_refused(finished_run, caps
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("finished_run")  # with the other tests of its run: on one worker
 def test_what_a_resumption_may_change_does_not_stop_it(finished_run):
     cli = pretrain(finished_run, "--ckpt_path=last", "--trainer.max_steps=3", "--trainer.limit_val_batches=1", "--data.init_args.num_workers=1",
                    "--trainer.max_epochs=1")

@@ -343,7 +343,6 @@ def uninterrupted_two_epochs(tmp_path_factory) -> dict:
 
 @pytest.mark.parametrize("resume", ["ckpt_path-last", "requeued-slurm-job"])
 @pytest.mark.slow
-@pytest.mark.xdist_group("uninterrupted_two_epochs")  # with the other tests of its run: on one worker
 def test_a_truncated_last_ckpt_resumes_from_the_newest_readable_checkpoint_with_a_warning_and_ends_as_an_uninterrupted_run(
         resume, uninterrupted_two_epochs, tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
@@ -545,7 +544,6 @@ def with_record(source: Path, target: Path, **record) -> Path:
     return target
 
 
-@pytest.mark.xdist_group("cli_checkpoint")  # with the other tests of its run: on one worker
 def test_every_checkpoint_records_the_version_the_method_and_the_resolved_config(cli_checkpoint):
     record = torch.load(cli_checkpoint, weights_only=True)["contrastlab"]
     assert record["version"] == re.search(r'^version = "(.+)"', (ROOT / "pyproject.toml").read_text(), re.MULTILINE).group(1)
@@ -563,7 +561,6 @@ def test_compatible_versions_follow_semantic_versioning(saved, current, loads):
     assert compatible(saved, current) == loads
 
 
-@pytest.mark.xdist_group("cli_checkpoint")  # with the other tests of its run: on one worker
 def test_loading_a_checkpoint_of_an_incompatible_version_says_so(cli_checkpoint, tmp_path):
     major, minor = map(int, VERSION.split(".")[:2])
     MoCoV2.load_from_checkpoint(with_record(cli_checkpoint, tmp_path / "patch.ckpt", version=f"{major}.{minor}.99"))
@@ -572,7 +569,6 @@ def test_loading_a_checkpoint_of_an_incompatible_version_says_so(cli_checkpoint,
         MoCoV2.load_from_checkpoint(newer)
 
 
-@pytest.mark.xdist_group("cli_checkpoint")  # with the other tests of its run: on one worker
 def test_resuming_from_an_incompatible_or_foreign_checkpoint_is_one_error_line(cli_checkpoint, tmp_path, capsys):
     incompatible = with_record(cli_checkpoint, tmp_path / "old.ckpt", version="0.0.3")
     foreign = tmp_path / "foreign.ckpt"
@@ -583,7 +579,6 @@ def test_resuming_from_an_incompatible_or_foreign_checkpoint_is_one_error_line(c
         assert line.startswith(f"error: ckpt_path '{path}' {expected}")
 
 
-@pytest.mark.xdist_group("cli_checkpoint")  # with the other tests of its run: on one worker
 def test_a_checkpoint_written_before_the_record_existed_loads_with_a_warning(cli_checkpoint, tmp_path):
     checkpoint = torch.load(cli_checkpoint, weights_only=True)
     del checkpoint["contrastlab"]  # as every checkpoint of the runs measured before issue 12
@@ -615,7 +610,6 @@ def test_the_linear_stage_refuses_a_checkpoint_of_another_method_family_in_one_l
                         "probes the trunk of a pretraining method (methods.PretrainMethod, e.g. methods.MoCoV2)")
 
 
-@pytest.mark.xdist_group("cli_checkpoint")  # with the other tests of its run: on one worker
 def test_main_linear_given_a_pretraining_checkpoint_as_ckpt_path_points_to_model_pretrained_ckpt(cli_checkpoint, tmp_path, capsys):
     run_dir = tmp_path / "run"
     line = run_failing(main_linear, ["fit", "--config", LINEAR_DIGITS, f"--ckpt_path={cli_checkpoint}", f"--trainer.default_root_dir={run_dir}"], capsys)
@@ -629,7 +623,6 @@ TINY_PROBE = ["--trainer.max_epochs=1", "--trainer.limit_train_batches=2", "--tr
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("cli_checkpoint")  # with the other tests of its run: on one worker
 def test_a_probe_runs_under_its_pretraining_run_and_resuming_it_with_another_pretrained_ckpt_is_refused(cli_checkpoint, tmp_path, capsys):
     pretrained, other = tmp_path / "moco" / "checkpoints" / "last.ckpt", tmp_path / "other" / "last.ckpt"
     for copy in (pretrained, other):

@@ -119,7 +119,6 @@ def offline_runs(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("offline_runs")  # with the other tests of its run: on one worker
 def test_an_offline_run_keeps_its_id_when_restarted_and_holds_the_resolved_config(offline_runs):
     root, _, _ = offline_runs
     run_id = (root / "seed0" / RUN_ID_FILE).read_text()
@@ -135,7 +134,6 @@ def test_an_offline_run_keeps_its_id_when_restarted_and_holds_the_resolved_confi
     assert [step for step, _ in compare.curves_from_rows(log.history, "trainer/global_step")["train/loss"]] == [0, 1]
 
 
-@pytest.mark.xdist_group("offline_runs")  # with the other tests of its run: on one worker
 def test_training_throughput_counts_the_images_and_carries_over_a_restart(offline_runs):
     root, first, restarted = offline_runs
     (throughput,) = [callback for callback in first.trainer.callbacks if isinstance(callback, TrainingThroughput)]
@@ -147,7 +145,6 @@ def test_training_throughput_counts_the_images_and_carries_over_a_restart(offlin
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("offline_runs")  # with the other tests of its run: on one worker
 def test_compare_tables_the_two_seeds_of_the_offline_runs_and_plots_their_curves(offline_runs, tmp_path):
     root, _, _ = offline_runs
     markdown = compare.main([str(root), "--out", str(tmp_path)])
