@@ -8,8 +8,8 @@ import sys
 # Threads that wait for work sleep instead of spinning (read by torch's OpenMP runtime when it loads, so set before
 # torch is imported; the workers and every process a test starts inherit it). Two workers on two cores each run
 # torch's default intra-op threads, as a single process does, so every number is the same as without workers; a
-# spinning thread takes the core from the other worker's threads: a training test took 6 times as long beside a
-# busy process (123 s instead of 21 s).
+# spinning thread takes the core from the other worker's threads: two training tests took 123 s instead of 21 s
+# while other jobs kept the cores busy.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import lightning as L  # noqa: E402
