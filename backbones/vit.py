@@ -24,8 +24,17 @@ Options of the official code that change results, each a keyword of the backbone
   after casting to float32, which gives other tables (vision_transformer.py `_pos_embed`, layers/pos_embed.py).
 DINO's ViT-S/16 is `{name: vit_small, kwargs: {init: dino, position_interpolation: dino, drop_path_rate: 0.1}}`,
 ViT-S/8 adds `patch_size: 8` (main_dino.py `--arch vit_small --patch_size 8 --drop_path_rate 0.1`).
+
+The feature the trunk gives, `features: {last_blocks: n, average_patch_tokens: bool}` (default: the class token of
+the last block, the above): DINO's linear evaluation (facebookresearch/dino eval_linear.py, `get_intermediate_layers`
+of its vision_transformer.py) applies the final LayerNorm to the tokens of each of the last n blocks and concatenates
+their class tokens, n x D wide (n = 4 for ViT-S: 1,536); with `average_patch_tokens` (its ViT-B protocol, n = 1) the
+class token and the mean of the patch tokens of that block, 2 x D wide, interleaved as eval_linear.py flattens them
+(class_0, mean_0, class_1, mean_1, ...), so that its released linear weights fit. It changes no weight: a trunk
+pretrained without it is probed with it.
 """
 
+import dataclasses
 import functools
 import math
 from functools import partial
@@ -43,7 +52,7 @@ VIT_SIZES = {
 # LayerNorm eps 1e-6 and qkv biases as moco-v3 vits.py and timm's ViTs
 LAYER_NORM_EPS = 1e-6
 BLOCK_OPTIONS = dict(mlp_ratio=4.0, qkv_bias=True)
-OWN_OPTIONS = ("init", "position_embedding", "stop_grad_conv1")  # applied here to timm's model, not timm arguments
+OWN_OPTIONS = ("init", "position_embedding", "stop_grad_conv1", "features")  # applied here to timm's model, not timm arguments
 
 
 def timm_arguments(name: str, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -58,9 +67,11 @@ def build_vit(
     position_embedding: Literal["learned", "sincos_2d"] = "learned",
     stop_grad_conv1: bool = False,
     position_interpolation: Literal["timm", "dino"] = "timm",
+    features: dict[str, Any] | None = None,
     **timm_kwargs: Any,
 ) -> tuple[nn.Module, int]:
-    """A `VisionTransformer` of size `name` without classifier, and its feature size (the embedding dimension)."""
+    """A `VisionTransformer` of size `name` without classifier, and its feature size (the embedding dimension, or
+    that of the `features` option's concatenation)."""
     from timm.models.vision_transformer import VisionTransformer  # lazily: timm is only needed for ViTs
 
     if init not in ("timm", "mocov3", "dino"):
@@ -74,6 +85,10 @@ def build_vit(
         raise ValueError(f"backbone {name!r}: position_embedding must be 'learned' or 'sincos_2d', got {position_embedding!r}")
     options = timm_arguments(name, timm_kwargs) | dict(norm_layer=partial(nn.LayerNorm, eps=LAYER_NORM_EPS))
     options |= dict(num_classes=0, weight_init="moco" if init == "mocov3" else "")
+    if features is not None:
+        token_features = TokenFeatures.parse(name, features, options["depth"])
+        VisionTransformer = token_feature_vision_transformer(VisionTransformer)  # noqa: N806
+        options |= dict(token_features=token_features)
     try:
         trunk = VisionTransformer(**options)
     except TypeError as error:
@@ -95,7 +110,37 @@ def build_vit(
         trunk.pos_embed.requires_grad_(False)
     if stop_grad_conv1:
         projection.requires_grad_(False)
-    return trunk, trunk.num_features
+    if features is None:
+        return trunk, trunk.num_features
+    if trunk.cls_token is None:
+        raise ValueError(f"backbone {name!r}: features {features} concatenate class tokens, and this ViT has none (class_token false)")
+    return trunk, trunk.embed_dim * (token_features.last_blocks + token_features.average_patch_tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenFeatures:
+    """The `features` option of a ViT trunk (the module docstring): the class tokens of the last `last_blocks` blocks
+    after the final norm, with the mean of the last block's patch tokens beside its class token if
+    `average_patch_tokens` (facebookresearch/dino eval_linear.py `--n_last_blocks`, `--avgpool_patchtokens`)."""
+
+    last_blocks: int = 1
+    average_patch_tokens: bool = False
+
+    @classmethod
+    def parse(cls, name: str, features: Any, depth: int) -> "TokenFeatures":
+        where = f"backbone {name!r}: features {features!r}"
+        known = {field.name for field in dataclasses.fields(cls)}
+        if not isinstance(features, dict) or not set(features) <= known:
+            raise ValueError(f"{where} must be a mapping of {', '.join(sorted(known))}")
+        parsed = cls(**features)
+        if isinstance(parsed.last_blocks, bool) or not isinstance(parsed.last_blocks, int) or not 1 <= parsed.last_blocks <= depth:
+            raise ValueError(f"{where}: last_blocks must be an integer from 1 to the depth, {depth}")
+        if not isinstance(parsed.average_patch_tokens, bool):
+            raise ValueError(f"{where}: average_patch_tokens must be true or false")
+        if parsed.average_patch_tokens and parsed.last_blocks != 1:
+            # eval_linear.py stacks the class tokens and the patch mean on a new axis, which only fits one block's
+            raise ValueError(f"{where}: average_patch_tokens needs last_blocks 1, the only case DINO's eval_linear.py defines")
+        return parsed
 
 
 def sincos_2d_position_embedding(grid_size: tuple[int, int], dim: int, temperature: float = 10000.0) -> torch.Tensor:
@@ -123,6 +168,29 @@ def dino_position_embedding(table: torch.Tensor, rows: int, columns: int) -> tor
     if grid.shape[-2:] != (rows, columns):
         raise ValueError(f"DINO's position interpolation made a {tuple(grid.shape[-2:])} grid from {side} x {side}, not {rows} x {columns}")
     return torch.cat([table[:, :1], grid.permute(0, 2, 3, 1).reshape(1, rows * columns, -1)], dim=1)
+
+
+@functools.cache
+def token_feature_vision_transformer(base: type) -> type:
+    """`base` (timm's `VisionTransformer` or a subclass) whose forward gives the `TokenFeatures` it is built with;
+    the blocks run once, through timm's `forward_intermediates`, which applies the final norm to every output taken."""
+
+    class TokenFeatureVisionTransformer(base):
+        def __init__(self, token_features: TokenFeatures, **kwargs: Any):
+            super().__init__(**kwargs)
+            self.token_features = token_features
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            taken = self.forward_intermediates(
+                x, indices=self.token_features.last_blocks, return_prefix_tokens=True, norm=True, output_fmt="NLC", intermediates_only=True
+            )  # [(patch tokens, prefix tokens)] of the last blocks, in block order; the class token is the first prefix token
+            class_tokens = torch.cat([prefix[:, 0] for _, prefix in taken], dim=-1)
+            if not self.token_features.average_patch_tokens:
+                return class_tokens
+            patch_mean = taken[-1][0].mean(dim=1)
+            return torch.stack([class_tokens, patch_mean], dim=-1).flatten(1)  # interleaved, as eval_linear.py's reshape
+
+    return TokenFeatureVisionTransformer
 
 
 @functools.cache

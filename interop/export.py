@@ -48,12 +48,10 @@ from engine.files import write_atomically
 from interop.official import layout_of
 from methods import FineTune, LongTailClassifier, PretrainMethod
 from methods.checkpoints import read_method_checkpoint
+from methods.linear import ENCODER_PREFIXES
 from methods.longtail import tau_normalised
 
 EXPORT_FORMATS = ("torchvision", "timm", "detectron2")
-ENCODER_PREFIXES = {"online": "backbone.", "momentum": "target_backbone."}
-
-
 EXPORT_SUFFIXES = (".pth", ".safetensors", ".pkl", ".json")
 
 

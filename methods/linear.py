@@ -1,7 +1,8 @@
 """`LinearProbe`: the second stage, a linear classifier on a frozen pretrained trunk (`main_linear.py`).
 
 The trunk is loaded **strictly** from the `backbone.*` weights of a pretraining checkpoint (the online
-trunk, as MoCo's `main_lincls.py` uses `encoder_q`), frozen and kept in eval mode (BatchNorm
+trunk, as MoCo's `main_lincls.py` uses `encoder_q`; `pretrained_encoder: momentum` takes the EMA trunk, as DINO's
+`eval_linear.py` takes the teacher), frozen and kept in eval mode (BatchNorm
 statistics frozen), and run without gradients; only the linear layer learns. The checkpoint must be a
 `PretrainMethod`'s, written by a compatible contrastlab version (`engine.checkpoint_record`): a long-tail
 classifier's or a linear probe's is refused. The default optimizer is the MoCo / SCE small-dataset
@@ -14,6 +15,7 @@ import contextlib
 import dataclasses
 import importlib
 from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.nn as nn
@@ -31,10 +33,16 @@ from methods.checkpoints import require_method
 from methods.pretrain import PretrainMethod
 
 
-def probed_trunk(path: str, format: str | None, backbone: BackboneSpec | dict | None) -> tuple[dict[str, torch.Tensor], BackboneSpec | dict | None, dict]:
+ENCODER_PREFIXES = {"online": "backbone.", "momentum": "target_backbone."}
+
+
+def probed_trunk(
+    path: str, format: str | None, backbone: BackboneSpec | dict | None, encoder: str = "online"
+) -> tuple[dict[str, torch.Tensor], BackboneSpec | dict | None, dict]:
     """The trunk weights to probe, the backbone spec (`backbone`, else the one the checkpoint records or its
     weights show) and what the checkpoint says about its pretraining, from one read of the file: an official
-    release (`interop.official`) or a contrastlab pretraining checkpoint's `backbone.*` weights."""
+    release (`interop.official`) or a contrastlab pretraining checkpoint's online (`backbone.*`) or momentum
+    (`target_backbone.*`) trunk."""
     source = f"model.pretrained_ckpt {path!r}"
     checkpoint = read_checkpoint(path, source)
     official = official_trunk(checkpoint, format, backbone, source)
@@ -42,9 +50,13 @@ def probed_trunk(path: str, format: str | None, backbone: BackboneSpec | dict | 
         return *official, pretraining_summary(checkpoint)
     needs = "the linear stage probes the trunk of a pretraining method (methods.PretrainMethod, e.g. methods.MoCoV2)"
     require_method(checkpoint, source, PretrainMethod, needs, class_required=False)
-    state = {key.removeprefix("backbone."): value for key, value in checkpoint["state_dict"].items() if key.startswith("backbone.")}
+    if encoder not in ENCODER_PREFIXES:
+        raise ValueError(f"model.pretrained_encoder {encoder!r} is none of {list(ENCODER_PREFIXES)}")
+    prefix = ENCODER_PREFIXES[encoder]
+    state = {key.removeprefix(prefix): value for key, value in checkpoint["state_dict"].items() if key.startswith(prefix)}
     if not state:
-        raise CheckpointMismatch(f"{source} holds no 'backbone.*' weights: not a contrastlab pretraining checkpoint")
+        what = "not a contrastlab pretraining checkpoint" if encoder == "online" else "its method has no momentum encoder (model.pretrained_encoder)"
+        raise CheckpointMismatch(f"{source} holds no '{prefix}*' weights: {what}")
     recorded = checkpoint.get("hyper_parameters", {}).get("backbone")
     return state, backbone if backbone is not None else recorded, pretraining_summary(checkpoint)
 
@@ -60,6 +72,7 @@ class LinearProbe(MethodBase):
         self,
         pretrained_ckpt: str | None = None,
         pretrained_format: str | None = None,
+        pretrained_encoder: Literal["online", "momentum"] = "online",
         backbone: BackboneSpec | None = None,
         random_init: bool = False,
         optimizer: OptimizerSpec = OptimizerSpec(name="sgd", lr=30.0, weight_decay=0.0, momentum=0.9),
@@ -73,6 +86,8 @@ class LinearProbe(MethodBase):
             pretrained_ckpt: the pretraining checkpoint whose `backbone.*` weights are probed.
             pretrained_format: `contrastlab`, or the official layout of a published checkpoint (`moco`, `sce`,
                 `paco`, `supcon`, `jcl`, `npid`, `torchvision`, `timm`; `interop.official`); by default read from its keys.
+            pretrained_encoder: which trunk of a contrastlab checkpoint: `online` (what MoCo's main_lincls.py and most
+                papers probe) or `momentum`, the EMA copy (DINO's eval_linear.py probes the teacher).
             backbone: the trunk; by default the one recorded in the checkpoint.
             random_init: probe a randomly initialised trunk instead (a baseline); needs `backbone`
                 and no checkpoint.
@@ -82,7 +97,7 @@ class LinearProbe(MethodBase):
         """
         if random_init == (pretrained_ckpt is not None):
             raise ValueError("give exactly one of model.pretrained_ckpt (a pretraining checkpoint) or model.random_init: true")
-        state, spec, pretraining = probed_trunk(pretrained_ckpt, pretrained_format, backbone) if pretrained_ckpt else (None, backbone, None)
+        state, spec, pretraining = probed_trunk(pretrained_ckpt, pretrained_format, backbone, pretrained_encoder) if pretrained_ckpt else (None, backbone, None)
         if spec is None:
             raise ValueError("model.backbone is required when the checkpoint does not record its backbone")
         if state is not None:  # the checkpoint's weights replace any initial weights: do not fetch them

@@ -1,6 +1,7 @@
 """A paper's table as data (`tables/*.yaml`, read by `scripts/reproduce.py`): one file per table, one schema.
 
     title: PaCo supplementary, Table 9 -- ImageNet-LT, top-1 (%) by shot group
+    kind: paper              # optional: paper (the default) or baselines, what its rows' sources are
     stand_in: ...            # only in a Digits-M stand-in table: the paper's table it stands in for
     not_covered:             # rows of the paper's table that no config here reproduces, and why
       - {label: "ResNeXt-101, Balanced Softmax", reason: "no config states its recipe"}
@@ -30,6 +31,13 @@ Evaluations and the metrics they give (in %):
 `paper` names some of the row's metrics (their numbers in the paper's units): every row of a paper's table gives at least one number; a stand-in
 table's rows may give none (`null`), and there its numbers are the stood-in table's, for orientation only.
 `load_table` checks a file against this schema; the first problem is one ValueError naming the file and the row.
+
+What a row's `source` names follows the table's `kind`: in a paper's table (`kind: paper`, the default) the paper's
+supplement and its table ("PaCo supplementary, Table 9"); in a baselines' table (`kind: baselines`: the numbers a
+baseline's own repository or a library of baselines reports, not a paper's table) the repository, its README and the
+commit read as `owner/name [path/]README[.md] at <commit>` ("vturrisi/solo-learn README at 9187ea3, table
+CIFAR-10"). A stand-in table's sources are free text (its numbers are the stood-in table's, for orientation).
+tests/test_reproduce.py holds every shipped table file to this.
 """
 
 import re
@@ -41,7 +49,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 ROW_KEYS = ("id", "label", "pretrain", "evaluation", "paper", "source", "seeds")  # each required
 OPTIONAL_ROW_KEYS = ("note",)
-TABLE_KEYS = ("title", "stand_in", "not_covered", "rows")
+TABLE_KEYS = ("title", "kind", "stand_in", "not_covered", "rows")
+KINDS = ("paper", "baselines")  # what the rows' sources are: a paper's supplement table, a repository's README
 ROW_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 SHOT_GROUPS = {"many": "many_top1", "medium": "medium_top1", "few": "few_top1", "all": "top1"}
 
@@ -100,6 +109,7 @@ class Row:
 class Table:
     path: Path
     title: str
+    kind: str  # paper or baselines
     stand_in: str | None
     not_covered: tuple[tuple[str, str], ...]  # (label, reason)
     rows: tuple[Row, ...]
@@ -190,6 +200,9 @@ def load_table(path: Path) -> Table:
         raise ValueError(f"{shown}: a table file is a mapping with a title and a non-empty list of rows")
     if unknown := set(data) - set(TABLE_KEYS):
         raise ValueError(f"{shown}: unknown keys {sorted(unknown)} (a table has {', '.join(TABLE_KEYS)})")
+    kind = data.get("kind", "paper")
+    if kind not in KINDS:
+        raise ValueError(f"{shown}: kind {kind!r} is none of {', '.join(KINDS)}")
     not_covered = data.get("not_covered") or []
     if not isinstance(not_covered, list) or not all(isinstance(item, dict) and set(item) == {"label", "reason"} for item in not_covered):
         raise ValueError(f"{shown}: not_covered is not a list of {{label, reason}}")
@@ -204,4 +217,4 @@ def load_table(path: Path) -> Table:
         if row.id in {other.id for other in rows}:
             raise ValueError(f"{where} repeats the id of an earlier row")
         rows.append(row)
-    return Table(path, data["title"], data.get("stand_in"), tuple((item["label"], item["reason"]) for item in not_covered), tuple(rows))
+    return Table(path, data["title"], kind, data.get("stand_in"), tuple((item["label"], item["reason"]) for item in not_covered), tuple(rows))

@@ -102,3 +102,26 @@ def test_the_probe_says_what_it_loaded_and_warns_when_the_pretraining_dataset_or
     assert (f"probing model.pretrained_ckpt '{path}': methods.moco.MoCoV2, trunk resnet18, pretrained on {dataset} ({size} px), "
             f"epoch {checkpoint['epoch']}, step 1") in caplog.text
     assert [str(warning.message) for warning in caught] == ([f"model.pretrained_ckpt '{path}' {warning}"] if warning else [])
+
+
+@pytest.mark.slow
+def test_the_momentum_encoder_is_probed_on_request(pretrained_checkpoint):
+    """DINO's eval_linear.py probes the teacher (`--checkpoint_key teacher`): `pretrained_encoder: momentum`."""
+    path, online = pretrained_checkpoint
+    saved = torch.load(path, weights_only=True)["state_dict"]
+    probe = LinearProbe(pretrained_ckpt=str(path), pretrained_encoder="momentum")
+    for key, value in probe.backbone.state_dict().items():
+        assert torch.equal(value, saved[f"target_backbone.{key}"]), key
+    assert any(not torch.equal(value, online[key]) for key, value in probe.backbone.state_dict().items())
+
+
+@pytest.mark.slow
+def test_probing_the_momentum_encoder_of_a_method_without_one_is_one_error(pretrained_checkpoint, tmp_path):
+    checkpoint = torch.load(pretrained_checkpoint[0], weights_only=True)
+    checkpoint["state_dict"] = {key: value for key, value in checkpoint["state_dict"].items() if not key.startswith("target_")}
+    path = tmp_path / "without_momentum_encoder.ckpt"
+    torch.save(checkpoint, path)
+    with pytest.raises(ValueError, match=r"holds no 'target_backbone.\*' weights: its method has no momentum encoder \(model.pretrained_encoder\)"):
+        LinearProbe(pretrained_ckpt=str(path), pretrained_encoder="momentum")
+    with pytest.raises(ValueError, match=r"model.pretrained_encoder 'teacher' is none of \['online', 'momentum'\]"):
+        LinearProbe(pretrained_ckpt=str(path), pretrained_encoder="teacher")

@@ -3,8 +3,10 @@ the Slurm chain, and one real reproduction on Digits-M that is interrupted and r
 
 import csv
 import fcntl
+import itertools
 import json
 import os
+import re
 import shlex
 import signal
 import stat
@@ -14,6 +16,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
+import yaml
 from lightning.pytorch.callbacks import Callback
 
 from scripts import reproduce
@@ -21,6 +24,8 @@ from scripts.tables import load_table
 
 ROOT = Path(__file__).resolve().parents[1]
 TABLES = sorted((ROOT / "tables").glob("*.yaml"))
+BASELINES = ("BYOL", "SimSiam", "MoCoV3", "NNCLR", "BarlowTwins", "VICReg", "SwAV", "DINO")  # issues 33 and 34
+README_AT_COMMIT = re.compile(r"\b[\w.-]+/[\w.-]+ (?:[\w.-]+/)*README(?:\.md)? at [0-9a-f]{7,40}\b")  # a baselines table's source
 TINY = ["--trainer.max_epochs=1", "--trainer.limit_train_batches=3", "--trainer.limit_val_batches=2", "--trainer.check_val_every_n_epoch=1",
         "--trainer.num_sanity_val_steps=0", "--trainer.enable_progress_bar=false", "--trainer.precision=32-true",
         "--data.init_args.batch_size=16", "--data.init_args.train_variants=1", "--data.init_args.eval_variants=1"]
@@ -62,14 +67,17 @@ def csv_rows(out: Path) -> list[dict]:
 
 # ----------------------------------------------------------------- table files
 @pytest.mark.parametrize("path", TABLES, ids=[path.stem for path in TABLES])
-def test_every_shipped_table_file_validates_and_cites_a_paper_or_says_it_stands_in(path):
+def test_every_shipped_table_file_validates_and_cites_a_paper_or_a_readme_or_says_it_stands_in(path):
     table = load_table(path)
     assert table.rows
     if path.stem.startswith("digits_"):
         assert table.stand_in, "a Digits-M table says which paper table it stands in for"
     else:
-        assert table.stand_in is None and all(" supplementary, Table " in row.source for row in table.rows)
-        assert all(any(number is not None for number in row.paper.values()) for row in table.rows)
+        assert table.stand_in is None and all(any(number is not None for number in row.paper.values()) for row in table.rows)
+        if table.kind == "paper":
+            assert [row.id for row in table.rows if " supplementary, Table " not in row.source] == []
+        else:  # a baselines' table: the repository's README at the commit read
+            assert [row.id for row in table.rows if not README_AT_COMMIT.search(row.source)] == []
 
 
 def test_the_paper_tables_cover_every_seed_table_with_configs():
@@ -78,6 +86,34 @@ def test_the_paper_tables_cover_every_seed_table_with_configs():
     assert {f"paco_table{number}" for number in range(9, 15)} <= names
     assert len(load_table(ROOT / "tables/sce_table2.yaml").rows) == 4 * 2 * 8  # datasets x tau x tau_m
     assert len(load_table(ROOT / "tables/wang_liu_table2.yaml").rows) == 4 * 12  # datasets x tau
+
+
+def header(config: str) -> str:
+    """The comment lines that open a config: its target, sources and what is UNVERIFIED."""
+    return "\n".join(itertools.takewhile(lambda line: line.startswith("#"), (ROOT / config).read_text().splitlines()))
+
+
+def test_every_baseline_config_is_a_row_of_a_baselines_table_or_named_there_as_not_covered():
+    """A baseline's paper-scale config (the Digits-M stand-ins are tables/digits_baselines.yaml's) added without a
+    row of a `kind: baselines` table, or a not_covered entry naming it with the reason, fails here."""
+    configs = {}
+    for path in sorted((ROOT / "configs").glob("*.yaml")):
+        method = yaml.safe_load(path.read_text())["model"]["class_path"].removeprefix("methods.")
+        if method in BASELINES and not path.stem.endswith("_digits"):
+            configs[f"configs/{path.name}"] = method
+    assert set(configs.values()) == set(BASELINES)
+    tables = [table for table in map(load_table, TABLES) if table.kind == "baselines"]
+    rows = {row.config for table in tables for row in table.rows}
+    not_covered = " ".join(label for table in tables for label, _ in table.not_covered)
+    assert [config for config in configs if config not in rows and config not in not_covered] == []
+
+
+def test_every_baselines_table_row_gives_the_numbers_its_config_header_targets():
+    wrong = [f"{path.name} {row.id}: {metric} {number} is not in the header of {row.config}"
+             for path in TABLES if (table := load_table(path)).kind == "baselines" for row in table.rows
+             for metric, number in row.paper.items()
+             if not re.search(rf"(?<![\d.]){re.escape(f'{number:g}')}0*(?!\d)", header(row.config))]
+    assert wrong == []
 
 
 @pytest.mark.parametrize(
@@ -101,6 +137,12 @@ def test_a_bad_row_is_one_error_line_naming_the_file_and_the_row_before_anything
     message = str(exit_info.value)
     assert message.startswith(f"error: {path}: ") and problem in message and "\n" not in message
     assert not (tmp_path / "out").exists()
+
+
+def test_a_table_of_an_unknown_kind_is_refused(tmp_path):
+    path = write_table(tmp_path / "t.yaml", a_row("a"), head='title: "a test table"\nkind: survey\n')
+    with pytest.raises(SystemExit, match=rf"^error: {re.escape(str(path))}: kind 'survey' is none of paper, baselines$"):
+        reproduce.main([str(path), "--dry-run"])
 
 
 def test_unknown_rows_and_bad_seeds_are_refused(tmp_path):
