@@ -1,10 +1,21 @@
-"""Every test starts from the same seed, with deterministic algorithms, and with W&B disabled."""
+"""Every test starts from the same seed, with deterministic algorithms, and with W&B disabled. The suite runs on
+two parallel workers (pytest-xdist, `-n 2` in pyproject.toml) that share one Digits-M cache; `-n 0` runs it in
+this process."""
 
+import os
 import sys
 
-import lightning as L
-import pytest
-import torch
+# Threads that wait for work sleep instead of spinning (read by torch's OpenMP runtime when it loads, so set before
+# torch is imported; the workers and every process a test starts inherit it). Two workers on two cores each run
+# torch's default intra-op threads, as a single process does, so every number is the same as without workers; a
+# spinning thread takes the core from the other worker's threads: two training tests took 123 s instead of 21 s
+# while other jobs kept the cores busy.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import lightning as L  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from fingerprint import RECORDED_THREADS  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -36,7 +47,42 @@ def _no_pytest_arguments_in_argv():
 @pytest.fixture(autouse=True, scope="session")
 def _cache_of_the_session(tmp_path_factory):
     """Digits-M's arrays are generated once per test session, into a directory of its own (not the user's cache),
-    and read from there by every test and every subprocess a test starts."""
+    and read from there by every test and every subprocess a test starts. The workers of one parallel session share
+    it (the base directory of their temporary directories): the cache writes each file atomically, so two workers
+    that generate the same split at once both read a whole file."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        cache = tmp_path_factory.mktemp("contrastlab-cache")
+    else:
+        cache = tmp_path_factory.getbasetemp().parent / "contrastlab-cache"
+        cache.mkdir(exist_ok=True)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("CONTRASTLAB_CACHE", str(tmp_path_factory.mktemp("contrastlab-cache")))
+        patch.setenv("CONTRASTLAB_CACHE", str(cache))
         yield
+
+
+@pytest.fixture
+def recorded_threads():
+    """The CPU kernels' summation order depends on the number of threads: the numbers of `pinned_steps.json` and
+    `fixtures/checkpoints_6332e42/expected.json` were recorded with `RECORDED_THREADS` (this project's machine),
+    so every machine and every parallel worker computes them with that many, whatever its cores or OMP_NUM_THREADS."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(RECORDED_THREADS)
+    yield
+    torch.set_num_threads(threads)
+
+
+def pytest_configure(config):
+    """CONTRASTLAB_REPIN=1 rewrites the pinned numbers' files from every test that it runs: in one process, so that
+    no worker writes over what another wrote."""
+    if os.environ.get("CONTRASTLAB_REPIN") == "1" and hasattr(config.option, "dist"):
+        config.option.dist = "no"
+
+
+def pytest_collection_modifyitems(config, items):
+    """On parallel workers, the modules that hold tests marked slow come first, each module's tests together and in
+    order (a module-scoped run is made once): the modules of short tests then fill the time that is left at the end,
+    instead of one long test running alone while the other worker waits. (Each worker sorts its collection the
+    same way.)"""
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        with_slow_tests = {item.path for item in items if item.get_closest_marker("slow")}
+        items.sort(key=lambda item: item.path not in with_slow_tests)

@@ -24,6 +24,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 DIRECTIONS = 4
+RECORDED_THREADS = 2  # the intra-op threads of the recording machine: the tests compute with as many (conftest.py)
 
 
 class InitialState(Callback):

@@ -3,7 +3,7 @@ import math
 
 import pytest
 import torch
-from helpers import TINY_BACKBONE, TINY_PROJECTOR, cpu_trainer, digits
+from helpers import SMALL_TRUNK, TINY_BACKBONE, TINY_PROJECTOR, cpu_trainer, digits
 from momentum_steps import RecordEMA
 
 from backbones import MLPSpec
@@ -81,7 +81,7 @@ def test_target_follows_byols_cosine_momentum_at_the_first_middle_and_last_step(
 
 @pytest.mark.slow
 def test_byol_training_steps_lower_the_loss_on_the_embedded_data(tmp_path):
-    model = tiny_byol(optimizer=OptimizerSpec(lr=0.1))
+    model = tiny_byol(backbone=SMALL_TRUNK, optimizer=OptimizerSpec(lr=0.1))
     datamodule = digits(BYOL_VIEWS, batch_size=32)
     batch = first_batch(datamodule)
     before = fixed_batch_loss(model, batch)

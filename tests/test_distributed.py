@@ -16,16 +16,14 @@ no BatchNorm either, and their configs set trainer.sync_batchnorm for GPUs."""
 
 import os
 import signal
-import socket
 import time
-from contextlib import closing
 from types import SimpleNamespace
 
 import lightning as L
 import pytest
 import torch
 import torch.multiprocessing as mp
-from helpers import TINY_PROJECTOR, cpu_trainer
+from helpers import TINY_PROJECTOR, cpu_trainer, free_port
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -139,12 +137,6 @@ def _ddp_worker(rank: int, port: int, directory: str, results) -> None:
         trainer = cpu_trainer(directory, devices=WORLD, strategy=DDPStrategy(process_group_backend="gloo"), **trainer_options(directory))
         results[method, rank] = one_step(method, trainer, WORLD)
         results[method, rank, "loss"] = trainer.callback_metrics["train/loss"].item()  # of this process's half
-
-
-def free_port() -> int:
-    with closing(socket.socket()) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,7 @@ import math
 
 import pytest
 import torch
-from helpers import TINY_BACKBONE, TINY_PROJECTOR, cpu_trainer, digits
+from helpers import SMALL_TRUNK, TINY_BACKBONE, TINY_PROJECTOR, cpu_trainer, digits
 from momentum_steps import RecordEMA
 
 from backbones import BackboneSpec, MLPSpec
@@ -84,9 +84,9 @@ def test_a_vit_keeps_its_random_patch_projection_and_fixed_positions_in_both_enc
 
 @pytest.mark.slow
 def test_mocov3_training_steps_lower_the_loss_on_the_embedded_data(tmp_path):
-    model = tiny_mocov3(optimizer=OptimizerSpec(lr=0.1))
+    model = tiny_mocov3(backbone=SMALL_TRUNK, optimizer=OptimizerSpec(lr=0.1))
     datamodule = digits(MOCOV3_VIEWS, batch_size=32)
     batch = first_batch(datamodule)
     before = fixed_batch_loss(model, batch)
     cpu_trainer(tmp_path, max_steps=10, limit_val_batches=0).fit(model, datamodule)
-    assert fixed_batch_loss(model, batch) < 0.97 * before, before  # 10 steps at batch 32: 2.80 -> 2.65
+    assert fixed_batch_loss(model, batch) < 0.97 * before, before  # 10 steps at batch 32: 2.89 -> 2.48

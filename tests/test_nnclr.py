@@ -2,7 +2,7 @@ import copy
 
 import pytest
 import torch
-from helpers import TINY_BACKBONE, cpu_trainer, digits
+from helpers import SMALL_TRUNK, TINY_BACKBONE, cpu_trainer, digits
 
 from backbones import MLPSpec
 from engine.optim import OptimizerSpec
@@ -60,10 +60,10 @@ def test_a_support_set_smaller_than_the_global_batch_is_refused():
 
 @pytest.mark.slow
 def test_nnclr_training_steps_lower_the_loss_on_the_embedded_data(tmp_path):
-    model = tiny_nnclr(optimizer=OptimizerSpec(lr=0.1))
+    model = tiny_nnclr(backbone=SMALL_TRUNK, optimizer=OptimizerSpec(lr=0.1))
     datamodule = digits(NNCLR_VIEWS, batch_size=32)
     batch = first_batch(datamodule)
     support = model.support_set.read()
     before = fixed_batch_loss(model, batch, support)
     cpu_trainer(tmp_path, max_steps=10, limit_val_batches=0).fit(model, datamodule)
-    assert fixed_batch_loss(model, batch, support) < 0.97 * before, before  # 10 steps at batch 32: 3.70 -> 3.49
+    assert fixed_batch_loss(model, batch, support) < 0.97 * before, before  # 10 steps at batch 32: 3.54 -> 3.17

@@ -27,6 +27,7 @@ ROOT = Path(__file__).parents[1]
 FIXTURES = Path(__file__).parent / "fixtures" / "checkpoints_6332e42"
 EXPECTED = FIXTURES / "expected.json"
 QUIET = ["--trainer.enable_progress_bar=false", "--trainer.precision=32-true"]
+pytestmark = pytest.mark.usefixtures("recorded_threads")  # the recorded numbers are of 2 intra-op threads
 
 
 def old_run(name: str, tmp_path: Path) -> tuple[Path, Path]:

@@ -63,7 +63,6 @@ CASES = {
 }
 
 
-RECORDED_THREADS = 2
 # How far the numbers of another CPU kind may be from the recorded ones, relative to the recorded loss and to the
 # recorded norms (`fingerprint.differences`). Measured on the recording machine (AVX2) by `tests/pinned_spread.py`:
 # with oneDNN held to SSE4.1 and MKL to SSE4.2 (other blockings and summation orders in every convolution and
@@ -108,16 +107,6 @@ def mismatches(found: dict, expected: dict, same_machine: bool) -> list[str]:
         return problems + [f"{name}: differs from the pinned state" for name, module in found["modules"].items() if module != expected["modules"][name]]
     problems = [f"loss {found['loss']!r} instead of {expected['loss']!r}"] if loss_differs(found["loss"], expected["loss"], TOLERANCE["loss"]) else []
     return problems + differences(found["modules"], expected["modules"], TOLERANCE["state"], TOLERANCE["change"])
-
-
-@pytest.fixture
-def recorded_threads():
-    """The CPU kernels' summation order depends on the number of threads: the numbers were recorded with 2 (this
-    project's machine), so every machine computes them with 2, whatever its cores or OMP_NUM_THREADS."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(RECORDED_THREADS)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -2,7 +2,7 @@ import copy
 
 import pytest
 import torch
-from helpers import TINY_BACKBONE, cpu_trainer, digits
+from helpers import SMALL_TRUNK, TINY_BACKBONE, cpu_trainer, digits
 
 from backbones import MLPSpec
 from engine.optim import OptimizerSpec
@@ -68,7 +68,7 @@ def test_the_predictor_keeps_its_learning_rate_while_the_rest_decays(tmp_path):
 
 @pytest.mark.slow
 def test_simsiam_training_steps_lower_the_loss_on_the_embedded_data(tmp_path):
-    model = tiny_simsiam(optimizer=OptimizerSpec(lr=0.1))
+    model = tiny_simsiam(backbone=SMALL_TRUNK, optimizer=OptimizerSpec(lr=0.1))
     datamodule = digits(SIMSIAM_VIEWS, batch_size=32)
     batch = first_batch(datamodule)
     before = fixed_batch_loss(model, batch)

@@ -11,6 +11,7 @@ from unittest import mock
 import pytest
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from datamodules.imagenet import IMAGENET100_WNIDS
 from engine.cli import ContrastlabCLI
@@ -202,11 +203,17 @@ def imagenet100_folders(tmp_path) -> Path:
 
 @contextmanager
 def slurm_task(rank: int):
-    """The environment of task `rank`, restored afterwards (with the MASTER_ADDR / MASTER_PORT that Lightning writes)."""
-    with mock.patch.dict(os.environ, srun_environment(rank)):
-        for name in ("MASTER_ADDR", "MASTER_PORT"):
-            os.environ.pop(name, None)
-        yield
+    """The environment of task `rank`, restored afterwards (with the MASTER_ADDR / MASTER_PORT that Lightning writes),
+    and the process's rank for Lightning's rank-zero-only output, which a DDP trainer sets to its global rank: left
+    at 6, it would silence the rank-zero logging, warnings and loggers of every later test in this process."""
+    rank_zero = rank_zero_only.rank
+    try:
+        with mock.patch.dict(os.environ, srun_environment(rank)):
+            for name in ("MASTER_ADDR", "MASTER_PORT"):
+                os.environ.pop(name, None)
+            yield
+    finally:
+        rank_zero_only.rank = rank_zero
 
 
 @pytest.mark.parametrize("rank", [0, 6])

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import TINY_PROJECTOR, cpu_trainer, digits
+from helpers import TINY_PROJECTOR, cpu_trainer, digits, free_port
 from lightning.pytorch.strategies import DDPStrategy
 
 from backbones import BackboneSpec, MLPSpec
@@ -135,7 +135,7 @@ def test_two_processes_compute_the_loss_and_gradients_of_the_concatenated_batch(
     crops = torch.randn(IMAGES, 2, 3, 16, 16, dtype=torch.float64)
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_gather_worker, args=(29533, crops, results), nprocs=WORLD)
+        mp.spawn(_gather_worker, args=(free_port(), crops, results), nprocs=WORLD)
         results = dict(results)
     whole = {"views": {"crops": crops}, "label": LABELS, "index": torch.arange(IMAGES)}
     for setting in SETTINGS:
