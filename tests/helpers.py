@@ -1,11 +1,13 @@
 """Tiny, deterministic configurations of the real components, shared by the tests."""
 
 import copy
+import multiprocessing
 import socket
 from contextlib import closing
 
 import lightning as L
 import torch
+import torch.multiprocessing as mp
 
 from backbones import BackboneSpec, MLPSpec
 from datamodules import DigitsDataModule
@@ -21,12 +23,27 @@ def digits(views: dict, batch_size: int = 32, **kwargs) -> DigitsDataModule:
     return DigitsDataModule(batch_size=batch_size, num_workers=0, views=views, train_variants=1, eval_variants=1, **kwargs)
 
 
+def first_batch(datamodule: DigitsDataModule) -> dict:
+    """The first training batch of a DataModule, set up here."""
+    datamodule.setup()
+    return next(iter(datamodule.train_dataloader()))
+
+
 def free_port() -> int:
     """A TCP port no other process listens on now, for the rendezvous of a test's processes: a fixed port would
     be taken by the processes of another test running at the same time (the suite runs on parallel workers)."""
     with closing(socket.socket()) as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+def start_processes(worker, args: tuple, nprocs: int = 2, join: bool = True):
+    """`nprocs` processes running `worker(rank, *args)`, forked from Python's fork server, which imports torch,
+    Lightning, the project and the worker's test module once per test process: a spawned process imports them
+    itself (about 9 s on the 2-core test machine) and a process forked from a test process would inherit its
+    OpenMP threads' state."""
+    multiprocessing.set_forkserver_preload(["torch", "lightning.pytorch", "main_pretrain", "helpers", worker.__module__])
+    return mp.start_processes(worker, args=args, nprocs=nprocs, join=join, start_method="forkserver")
 
 
 def cpu_trainer(tmp_path, **kwargs) -> L.Trainer:
@@ -66,9 +83,7 @@ def randomised(module: torch.nn.Module, seed: int = 2) -> torch.nn.Module:
 def loss_before_and_after_training(model, views: dict, tmp_path, steps: int = 10, batch_size: int = 32) -> tuple[float, float]:
     """The method's loss on one fixed Digits-M batch (on a copy, BatchNorm in training mode) before and after
     `steps` training steps on Digits-M: what the lowers-the-loss tests compare."""
-    datamodule = digits(views, batch_size=batch_size)
-    datamodule.setup()
-    batch = next(iter(datamodule.train_dataloader()))
+    batch = first_batch(digits(views, batch_size=batch_size))
 
     def loss() -> float:
         with torch.no_grad():

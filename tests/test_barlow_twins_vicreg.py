@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from helpers import SMALL_TRUNK, TINY_BACKBONE, digits, loss_before_and_after_training
+from helpers import SMALL_TRUNK, TINY_BACKBONE, digits, first_batch, loss_before_and_after_training
 
 from backbones import MLPSpec
 from engine.optim import OptimizerSpec
@@ -23,12 +23,6 @@ def tiny(method, **kwargs):
     return method(**(dict(backbone=TINY_BACKBONE, projector=PROJECTOR, knn_k=0) | kwargs))
 
 
-def first_batch(views: dict, batch_size: int = 8) -> dict:
-    datamodule = digits(views, batch_size=batch_size)
-    datamodule.setup()
-    return next(iter(datamodule.train_dataloader()))
-
-
 def projections_view_by_view(model, crops) -> list[torch.Tensor]:
     """Each crop through trunk and projector in a batch of its own, on a copy."""
     frozen = copy.deepcopy(model).train()
@@ -38,7 +32,7 @@ def projections_view_by_view(model, crops) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("method", [BarlowTwins, VICReg])
 def test_the_loss_is_the_library_loss_of_the_views_encoded_one_by_one(method):
-    model, batch = tiny(method), first_batch(VIEWS)
+    model, batch = tiny(method), first_batch(digits(VIEWS, batch_size=8))
     first, second = projections_view_by_view(model, [batch["views"]["global1"], batch["views"]["global2"]])
     jointly = copy.deepcopy(model).train()
     with torch.no_grad():  # both views in one batch: other BatchNorm statistics, another loss
@@ -50,7 +44,7 @@ def test_the_loss_is_the_library_loss_of_the_views_encoded_one_by_one(method):
 
 
 def test_barlow_twins_scales_its_loss_and_takes_lambda():
-    batch = first_batch(VIEWS)
+    batch = first_batch(digits(VIEWS, batch_size=8))
     plain = tiny(BarlowTwins)
     scaled = tiny(BarlowTwins, loss_scale=0.1, off_diagonal_weight=0.01)
     scaled.load_state_dict(plain.state_dict())
@@ -61,7 +55,7 @@ def test_barlow_twins_scales_its_loss_and_takes_lambda():
 
 @pytest.mark.parametrize("method", [BarlowTwins, VICReg])
 def test_local_crops_add_the_pairs_of_each_global_view_with_every_other_crop(method):
-    model, batch = tiny(method, local_crops=["local"]), first_batch(VIEWS | LOCAL)
+    model, batch = tiny(method, local_crops=["local"]), first_batch(digits(VIEWS | LOCAL, batch_size=8))
     crops = [batch["views"]["global1"], batch["views"]["global2"], *batch["views"]["local"].unbind(1)]
     projections = projections_view_by_view(model, crops)
     pairs = [(0, 1), (0, 2), (0, 3), (1, 2), (1, 3)]

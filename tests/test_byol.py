@@ -3,7 +3,7 @@ import math
 
 import pytest
 import torch
-from helpers import SMALL_TRUNK, TINY_BACKBONE, TINY_PROJECTOR, cpu_trainer, digits
+from helpers import SMALL_TRUNK, TINY_BACKBONE, TINY_PROJECTOR, cpu_trainer, digits, first_batch
 from momentum_steps import RecordEMA
 
 from backbones import MLPSpec
@@ -20,11 +20,6 @@ def tiny_byol(**kwargs) -> BYOL:
     options = dict(backbone=TINY_BACKBONE, projector=TINY_PROJECTOR, predictor=TINY_PREDICTOR, knn_k=0,
                    momentum=MomentumSpec(base=0.9, schedule="cosine_byol", shuffle_bn=False))
     return BYOL(**(options | kwargs))
-
-
-def first_batch(datamodule) -> dict:
-    datamodule.setup()
-    return next(iter(datamodule.train_dataloader()))
 
 
 def fixed_batch_loss(model: BYOL, batch: dict) -> float:

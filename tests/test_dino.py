@@ -8,7 +8,7 @@ import copy
 import numpy as np
 import pytest
 import torch
-from helpers import SMALL_TRUNK, TINY_BACKBONE, cpu_trainer, digits, loss_before_and_after_training
+from helpers import SMALL_TRUNK, TINY_BACKBONE, cpu_trainer, digits, first_batch, loss_before_and_after_training
 from lightning.pytorch.callbacks import Callback
 
 from backbones import MLPSpec
@@ -29,12 +29,6 @@ def tiny_dino(**kwargs) -> DINO:
     return DINO(**(options | kwargs))
 
 
-def first_batch(views: dict, batch_size: int = 8) -> dict:
-    datamodule = digits(views, batch_size=batch_size)
-    datamodule.setup()
-    return next(iter(datamodule.train_dataloader()))
-
-
 def outputs(model: DINO, crops: list[torch.Tensor], teacher: bool) -> torch.Tensor:
     """(V, B, K): the crops through the teacher or the student, batched by resolution, on a copy."""
     copied = copy.deepcopy(model).train()
@@ -47,7 +41,7 @@ def outputs(model: DINO, crops: list[torch.Tensor], teacher: bool) -> torch.Tens
 
 
 def test_the_student_sees_every_crop_the_teacher_the_global_views_and_the_centre_moves_after_the_loss():
-    model, batch = tiny_dino(local_crops=["local"]), first_batch(VIEWS | LOCAL)
+    model, batch = tiny_dino(local_crops=["local"]), first_batch(digits(VIEWS | LOCAL, batch_size=8))
     views = batch["views"]
     crops = [views["global1"], views["global2"], *views["local"].unbind(1)]
     student, teacher = outputs(model, crops, teacher=False), outputs(model, crops[:2], teacher=True)

@@ -23,7 +23,7 @@ import lightning as L
 import pytest
 import torch
 import torch.multiprocessing as mp
-from helpers import TINY_PROJECTOR, cpu_trainer, free_port
+from helpers import TINY_PROJECTOR, cpu_trainer, free_port, start_processes
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -143,7 +143,7 @@ def _ddp_worker(rank: int, port: int, directory: str, results) -> None:
 def two_process_states(tmp_path_factory) -> dict:
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_ddp_worker, args=(free_port(), str(tmp_path_factory.mktemp("ddp")), results), nprocs=WORLD)
+        start_processes(_ddp_worker, (free_port(), str(tmp_path_factory.mktemp("ddp")), results), nprocs=WORLD)
         return dict(results)
 
 
@@ -191,7 +191,7 @@ def _sigterm_worker(rank: int, port: int, directory: str, results) -> None:
 
 
 def test_sigterm_at_different_steps_stops_every_process_at_the_same_step_with_a_last_ckpt(tmp_path):
-    context = mp.start_processes(_sigterm_worker, args=(free_port(), str(tmp_path), results := mp.Manager().dict()), nprocs=WORLD, join=False)
+    context = start_processes(_sigterm_worker, (free_port(), str(tmp_path), results := mp.Manager().dict()), nprocs=WORLD, join=False)
     deadline = time.monotonic() + 600  # a hang (processes waiting on each other) fails instead of blocking CI
     while not context.join(timeout=1):
         if time.monotonic() > deadline:

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 import torch
-from helpers import TINY_BACKBONE, TINY_PROJECTOR, cpu_trainer, digits, fixed_batch_loss
+from helpers import TINY_BACKBONE, TINY_PROJECTOR, cpu_trainer, digits, first_batch, fixed_batch_loss
 
 from engine.optim import RampSpec
 from methods import JCL
@@ -19,11 +19,6 @@ def tiny_jcl(**kwargs) -> JCL:
     options = dict(backbone=TINY_BACKBONE, projector=TINY_PROJECTOR, queue_size=256, temperature=0.2, jcl_lambda=4.0,
                    momentum=MomentumSpec(base=0.99, shuffle_bn=False), knn_k=0)
     return JCL(**(options | kwargs))
-
-
-def first_batch(datamodule):
-    datamodule.setup()
-    return next(iter(datamodule.train_dataloader()))
 
 
 def keys_encoded_view_by_view(model: JCL, key_views: torch.Tensor) -> np.ndarray:

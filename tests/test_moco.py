@@ -7,7 +7,7 @@ import methods.momentum as momentum_module
 from methods import MoCoV2
 from methods.losses import info_nce
 from methods.momentum import MomentumSpec
-from helpers import TINY_BACKBONE, TINY_PROJECTOR, cpu_trainer, digits
+from helpers import TINY_BACKBONE, TINY_PROJECTOR, cpu_trainer, digits, first_batch
 
 MOCO_VIEWS = {"query": {"preset": "mocov2"}, "key": {"preset": "mocov2"}}
 
@@ -22,11 +22,6 @@ def tiny_moco(**kwargs) -> MoCoV2:
         knn_k=0,
     )
     return MoCoV2(**(options | kwargs))
-
-
-def first_batch(datamodule, which="train"):
-    datamodule.setup()
-    return next(iter(datamodule.train_dataloader()))
 
 
 def test_target_encoder_starts_as_a_frozen_copy_of_the_online_encoder():

@@ -3,7 +3,7 @@ import math
 
 import pytest
 import torch
-from helpers import SMALL_TRUNK, TINY_BACKBONE, TINY_PROJECTOR, cpu_trainer, digits
+from helpers import SMALL_TRUNK, TINY_BACKBONE, TINY_PROJECTOR, cpu_trainer, digits, first_batch
 from momentum_steps import RecordEMA
 
 from backbones import BackboneSpec, MLPSpec
@@ -22,11 +22,6 @@ def tiny_mocov3(**kwargs) -> MoCoV3:
     options = dict(backbone=TINY_BACKBONE, projector=TINY_PROJECTOR, predictor=TINY_PREDICTOR, temperature=0.2, knn_k=0,
                    momentum=MomentumSpec(base=0.9, schedule="cosine_mocov3", shuffle_bn=False))
     return MoCoV3(**(options | kwargs))
-
-
-def first_batch(datamodule) -> dict:
-    datamodule.setup()
-    return next(iter(datamodule.train_dataloader()))
 
 
 def fixed_batch_loss(model: MoCoV3, batch: dict) -> float:

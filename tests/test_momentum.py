@@ -12,7 +12,7 @@ from methods import MoCoV2
 from methods.momentum import MomentumSpec, ema_update_, momentum_at
 from methods.queues import KeyQueue, MemoryBank
 from methods.shuffle_bn import SplitBatchNorm2d, convert_to_split_batchnorm, distributed_shuffled_forward
-from helpers import TINY_BACKBONE, TINY_PROJECTOR, free_port
+from helpers import TINY_BACKBONE, TINY_PROJECTOR, free_port, start_processes
 
 
 # ------------------------------------------------------------------ EMA and its schedules
@@ -206,7 +206,7 @@ def _shuffle_worker(rank: int, world: int, port: int, results):
 def test_distributed_shuffle_bn_encodes_a_mixed_batch_and_returns_each_rank_its_own_keys():
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_shuffle_worker, args=(2, free_port(), results), nprocs=2)
+        start_processes(_shuffle_worker, (2, free_port(), results))
         results = dict(results)
     everything = torch.cat([results[rank][1] for rank in (0, 1)]).flatten().sort().values
     assert everything.tolist() == [0.0, 1, 2, 3, 10, 11, 12, 13]  # one permutation shared by both ranks

@@ -2,7 +2,7 @@ import copy
 
 import pytest
 import torch
-from helpers import SMALL_TRUNK, TINY_BACKBONE, cpu_trainer, digits
+from helpers import SMALL_TRUNK, TINY_BACKBONE, cpu_trainer, digits, first_batch
 
 from backbones import MLPSpec
 from engine.optim import OptimizerSpec
@@ -16,11 +16,6 @@ def tiny_nnclr(**kwargs) -> NNCLR:
     options = dict(backbone=TINY_BACKBONE, projector=MLPSpec(hidden_dim=64, output_dim=32, last_batch_norm=True),
                    predictor=MLPSpec(hidden_dim=64, output_dim=32), queue_size=64, temperature=0.2, knn_k=0)
     return NNCLR(**(options | kwargs))
-
-
-def first_batch(datamodule) -> dict:
-    datamodule.setup()
-    return next(iter(datamodule.train_dataloader()))
 
 
 def fixed_batch_loss(model: NNCLR, batch: dict, support: torch.Tensor) -> float:

@@ -5,7 +5,7 @@ import torch.nn.functional as F
 
 from methods import NPID
 from methods.losses import contrastive_loss
-from helpers import TINY_BACKBONE, TINY_PROJECTOR, cpu_trainer, digits
+from helpers import TINY_BACKBONE, TINY_PROJECTOR, cpu_trainer, digits, first_batch
 
 NPID_VIEWS = {"image": {"preset": "npid"}}
 BANK_SIZE = 100
@@ -18,11 +18,9 @@ def tiny_npid(**kwargs) -> NPID:
     return model
 
 
-def first_batch(batch_size: int = 16) -> dict:
+def batch_inside_the_bank(batch_size: int = 16) -> dict:
     """A training batch whose sample indices lie inside the tiny bank."""
-    datamodule = digits(NPID_VIEWS, batch_size=batch_size)
-    datamodule.setup()
-    batch = next(iter(datamodule.train_dataloader()))
+    batch = first_batch(digits(NPID_VIEWS, batch_size=batch_size))
     batch["index"] = torch.randperm(BANK_SIZE)[:batch_size]
     return batch
 
@@ -34,7 +32,7 @@ def embedding_of(model: NPID, batch: dict) -> torch.Tensor:
 
 def test_bank_update_follows_the_momentum_rule_by_sample_index():
     model = tiny_npid(bank_momentum=0.5)
-    batch = first_batch()
+    batch = batch_inside_the_bank()
     before = model.bank.read()
     embedding = embedding_of(model, batch)
     model.step(batch)
@@ -48,7 +46,7 @@ def test_bank_update_follows_the_momentum_rule_by_sample_index():
 
 def test_loss_contrasts_the_own_bank_entry_with_every_other_entry_before_the_update():
     model = tiny_npid()
-    batch = first_batch()
+    batch = batch_inside_the_bank()
     bank = model.bank.read()
     loss, features = model.step(batch)
     index = batch["index"]
@@ -58,7 +56,7 @@ def test_loss_contrasts_the_own_bank_entry_with_every_other_entry_before_the_upd
 
 
 def test_hard_loss_with_num_hard_at_least_the_bank_size_equals_the_ordinary_loss_in_a_training_step():
-    batch = first_batch()
+    batch = batch_inside_the_bank()
     results = {}
     for name, options in {"ordinary": {}, "hard": {"loss": "hard", "num_hard": BANK_SIZE}, "hardest5": {"loss": "hard", "num_hard": 5}}.items():
         L.seed_everything(0, verbose=False)
@@ -84,7 +82,7 @@ def author_code_loss(embedding, bank, index, temperature, n_background=None):
 @pytest.mark.parametrize("loss, temperature, noise", [("ordinary", 0.07, 3.0), ("ordinary", 0.5, 3.0), ("hard", 0.07, 0.05)])
 def test_loss_with_the_author_guard_equals_minus_log_of_p_plus_1e7(loss, temperature, noise):
     model = tiny_npid(temperature=temperature, loss=loss, num_hard=7, log_eps=1e-7).double()
-    batch = first_batch()
+    batch = batch_inside_the_bank()
     batch["views"]["image"] = batch["views"]["image"].double()
     index = batch["index"]
     embedding = embedding_of(model, batch)

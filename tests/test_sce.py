@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from helpers import TINY_BACKBONE, TINY_PROJECTOR, cpu_trainer, digits, fixed_batch_loss
+from helpers import TINY_BACKBONE, TINY_PROJECTOR, cpu_trainer, digits, first_batch, fixed_batch_loss
 
 from backbones import MLPSpec
 from engine.optim import RampSpec
@@ -17,11 +17,6 @@ COMMON = dict(backbone=TINY_BACKBONE, projector=TINY_PROJECTOR, queue_size=256, 
 
 def tiny(method, **kwargs):
     return method(**(COMMON | kwargs))
-
-
-def first_batch(datamodule):
-    datamodule.setup()
-    return next(iter(datamodule.train_dataloader()))
 
 
 def test_sce_with_coeff_one_is_moco_v2_on_the_same_batch_and_state():

@@ -2,7 +2,7 @@ import copy
 
 import pytest
 import torch
-from helpers import TINY_BACKBONE, TINY_PROJECTOR, cpu_trainer, digits
+from helpers import TINY_BACKBONE, TINY_PROJECTOR, cpu_trainer, digits, first_batch
 
 from engine.optim import OptimizerSpec
 from methods import SimCLR
@@ -13,11 +13,6 @@ SIMCLR_VIEWS = {"first": {"preset": "simclr"}, "second": {"preset": "simclr"}}
 
 def tiny_simclr(**kwargs) -> SimCLR:
     return SimCLR(**(dict(backbone=TINY_BACKBONE, projector=TINY_PROJECTOR, temperature=0.5, knn_k=0) | kwargs))
-
-
-def first_batch(datamodule) -> dict:
-    datamodule.setup()
-    return next(iter(datamodule.train_dataloader()))
 
 
 def fixed_batch_loss(model: SimCLR, batch: dict) -> float:

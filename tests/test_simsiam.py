@@ -2,7 +2,7 @@ import copy
 
 import pytest
 import torch
-from helpers import SMALL_TRUNK, TINY_BACKBONE, cpu_trainer, digits
+from helpers import SMALL_TRUNK, TINY_BACKBONE, cpu_trainer, digits, first_batch
 
 from backbones import MLPSpec
 from engine.optim import OptimizerSpec
@@ -17,11 +17,6 @@ OFFICIAL_FORM_PROJECTOR = MLPSpec(hidden_dim=64, output_dim=32, num_layers=3, la
 def tiny_simsiam(**kwargs) -> SimSiam:
     options = dict(backbone=TINY_BACKBONE, projector=OFFICIAL_FORM_PROJECTOR, predictor=MLPSpec(hidden_dim=8, output_dim=32), knn_k=0)
     return SimSiam(**(options | kwargs))
-
-
-def first_batch(datamodule) -> dict:
-    datamodule.setup()
-    return next(iter(datamodule.train_dataloader()))
 
 
 def fixed_batch_loss(model: SimSiam, batch: dict) -> float:

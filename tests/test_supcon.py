@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import TINY_PROJECTOR, cpu_trainer, digits, free_port
+from helpers import TINY_PROJECTOR, cpu_trainer, digits, first_batch, free_port, start_processes
 from lightning.pytorch.strategies import DDPStrategy
 
 from backbones import BackboneSpec, MLPSpec
@@ -28,11 +28,6 @@ SETTINGS = {  # the three configurations the shipped configs use
 
 def tiny_supcon(**kwargs) -> SupCon:
     return SupCon(**(dict(backbone=BACKBONE, projector=TINY_PROJECTOR, temperature=0.1, knn_k=0) | kwargs))
-
-
-def first_batch(datamodule):
-    datamodule.setup()
-    return next(iter(datamodule.train_dataloader()))
 
 
 def loss_of(model: SupCon, projections: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
@@ -135,7 +130,7 @@ def test_two_processes_compute_the_loss_and_gradients_of_the_concatenated_batch(
     crops = torch.randn(IMAGES, 2, 3, 16, 16, dtype=torch.float64)
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_gather_worker, args=(free_port(), crops, results), nprocs=WORLD)
+        start_processes(_gather_worker, (free_port(), crops, results), nprocs=WORLD)
         results = dict(results)
     whole = {"views": {"crops": crops}, "label": LABELS, "index": torch.arange(IMAGES)}
     for setting in SETTINGS:
