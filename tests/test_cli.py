@@ -45,6 +45,25 @@ def test_every_shipped_config_parses(config, capsys):
     assert "class_path" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("subcommand", ["fit", "validate", "test", "predict"])
+def test_each_subcommand_parses_a_config_with_only_its_own_parser_built(subcommand, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main_pretrain.cli_main([subcommand, "--config", PRETRAIN_DIGITS, "--print_config"])
+    assert exit_info.value.code == 0
+    assert "class_path" in capsys.readouterr().out
+
+
+def test_a_command_line_that_does_not_start_with_a_subcommand_is_told_all_four(capsys):
+    with pytest.raises(SystemExit):
+        main_pretrain.cli_main(["--help"])
+    listed = capsys.readouterr().out.split("Available subcommands:")[1]
+    assert [line.split()[0] for line in listed.splitlines() if line.startswith("    ") and not line.startswith("     ")] == [
+        "fit", "validate", "test", "predict"]
+    with pytest.raises(SystemExit):
+        main_pretrain.cli_main(["fitt", "--config", PRETRAIN_DIGITS])
+    assert "invalid choice: 'fitt' (choose from 'fit', 'validate', 'test', 'predict')" in capsys.readouterr().err
+
+
 def fake_dataset_of(config: Path, tmp_path: Path, monkeypatch) -> list[str]:
     """Overrides that point a fine-tuning config at a fake copy of its dataset (and a subset list naming its images)."""
     from test_datasets import write_cifar, write_imagenet_tree  # the dataset writers of the format tests
