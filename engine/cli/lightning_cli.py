@@ -105,8 +105,8 @@ class ContrastlabCLI(LightningCLI):
 
     def subcommands(self) -> dict[str, set[str]]:
         """The subcommand the command line starts with, alone: each subcommand's parser adds every Trainer, model and
-        data argument (about 0.2 s here, three quarters of the parser's set-up for the four). A command line that
-        starts with anything else (`--help`, a misspelt subcommand) gets all four, to list them."""
+        data argument, and building the other three took 0.19 s of a 0.51 s `--print_config` here. A command line
+        that starts with anything else (`--help`, a misspelt subcommand) gets all four, to list them."""
         every = LightningCLI.subcommands()
         return {self.requested_subcommand: every[self.requested_subcommand]} if self.requested_subcommand in every else every
 
