@@ -18,8 +18,10 @@ import lightning as L
 import pytest
 import wandb
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import WandbLogger
 
+import main_pretrain
 from engine.compat import PRIVATE_ATTRIBUTES
 
 ROOT = Path(__file__).parents[1]
@@ -108,3 +110,20 @@ def test_no_file_outside_compat_uses_a_private_lightning_or_wandb_attribute():
         for line, what in private_uses(path.read_text())
     ]
     assert not found, "private Lightning / W&B attributes outside engine/compat.py:\n" + "\n".join(found)
+
+
+def test_the_config_dump_of_the_hyperparameters_is_lightnings_own_and_lightning_keeps_it(tmp_path, monkeypatch):
+    """`dump_config_for_hyperparameters` (which skips the repeated validation) gives the config Lightning's
+    `_dump_config` records with the model and the data, and Lightning uses a `config_dump` it finds instead of
+    dumping again."""
+    monkeypatch.setattr(LightningCLI, "_run_subcommand", lambda cli, subcommand: None)
+    cli = main_pretrain.cli_main(["fit", "--config", str(ROOT / "configs" / "moco_digits.yaml"), "--trainer.logger=false", f"--trainer.default_root_dir={tmp_path}"])
+    ours = cli.config_dump
+    assert ours["model"]["init_args"]["queue_size"] == 1024 and ours["trainer"]["default_root_dir"] == str(tmp_path)
+    del cli.config_dump
+    cli._dump_config()
+    assert cli.config_dump == ours
+    kept = {"model": {}, "data": {}}
+    cli.config_dump = kept
+    cli._dump_config()
+    assert cli.config_dump is kept

@@ -551,6 +551,7 @@ def test_every_checkpoint_records_the_version_the_method_and_the_resolved_config
     config = record["config"]
     assert config["seed_everything"] == 0 and config["model"]["class_path"] == "methods.MoCoV2"
     assert config["model"]["init_args"]["queue_size"] == 64 and config["data"]["init_args"]["batch_size"] == 16  # the overrides
+    assert yaml.safe_load((cli_checkpoint.parents[1] / "config.yaml").read_text()) == config  # the run's config.yaml: the same config
 
 
 @pytest.mark.parametrize(

@@ -57,6 +57,7 @@ from engine.cli.resume import (
 )
 from engine.cli.run_lock import RunDirectoryInUse, RunDirectoryLock
 from engine.cli.results import report_results
+from engine.compat import dump_config_for_hyperparameters
 from engine.devices import cpu_has_bf16_units, cpu_precision
 from engine.files import SameDirectoryCheckpointIO, UnreadableCheckpoint, WriteFailed, read_checkpoint
 from engine.non_finite import NonFiniteLossError, NonFiniteLossGuard
@@ -87,7 +88,7 @@ class ContrastlabCLI(LightningCLI):
                     subclass_mode_data=True,
                     parser_class=ContrastlabArgumentParser,
                     save_config_callback=SaveConfigToRun,
-                    save_config_kwargs={"overwrite": True},
+                    save_config_kwargs={"save_to_log_dir": False},  # SaveConfigToRun writes config.yaml from its one dump
                     trainer_defaults={"callbacks": [
                         RandomStateCheckpoint(), LastCheckpointOnSigterm(), PreemptionSignals(), ResumeInStoppedEpoch(), TrainingThroughput(),
                     ]},  # fmt: skip
@@ -166,7 +167,7 @@ class ContrastlabCLI(LightningCLI):
     def resolved_config(self) -> dict:
         """The resolved config of the subcommand as `config.yaml` and the checkpoints record it (plain YAML types)."""
         subcommand = self.config.get("subcommand")
-        dumped = yaml.safe_load(self.parser.dump(self.config, skip_none=False))
+        dumped = yaml.safe_load(self.parser.dump(self.config, skip_none=False, skip_validation=True))  # as SaveConfigToRun dumps it
         return dumped[subcommand] if subcommand else dumped
 
     def before_instantiate_classes(self) -> None:
@@ -180,6 +181,7 @@ class ContrastlabCLI(LightningCLI):
             directory = class_at(model["class_path"]).default_run_directory(model["init_args"], dataset, config["seed_everything"])
             if directory is not None:
                 config["trainer"]["default_root_dir"] = directory
+        dump_config_for_hyperparameters(self)
 
     def instantiate_classes(self) -> None:
         trainer = (self.config[self.subcommand] if self.subcommand else self.config)["trainer"]
