@@ -25,7 +25,6 @@ import numpy as np
 import torch.nn.functional as F
 from matplotlib import colormaps
 from matplotlib.figure import Figure
-from sklearn.manifold import TSNE
 from threadpoolctl import threadpool_limits  # a dependency of scikit-learn
 from torch import Tensor
 from torch.utils.data import Subset
@@ -69,6 +68,8 @@ def tsne(embeddings: Tensor, seed: int = 0) -> np.ndarray:
     perplexity = min(30.0, (len(embeddings) - 1) / 3)  # scikit-learn's default, lowered below N for small maps
     # One thread: where the cores are shared, t-SNE's OpenMP threads wait on each other (600 Digits-M points took
     # 78 s on 2 threads and 7 s on 1 on this project's 2-core machine, busy with other work).
+    from sklearn.manifold import TSNE  # here, not at import: 0.3 s of every run's start-up, and most runs draw no map
+
     with threadpool_limits(1):
         return TSNE(n_components=2, perplexity=perplexity, init="pca", learning_rate="auto", random_state=seed).fit_transform(embeddings.double().numpy())
 

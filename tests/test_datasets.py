@@ -1,6 +1,8 @@
 """Every dataset read from tiny fake files in its real on-disk format, through its DataModule, and the
 errors a broken or missing dataset produces."""
 
+import copy
+import functools
 import hashlib
 import logging
 import pickle
@@ -496,8 +498,13 @@ FAKE_DATASETS = {
 }
 
 
+@functools.cache  # each config is read once: collection asks for most of them several times
+def read_config(config: Path) -> dict:
+    return yaml.safe_load(config.read_text())
+
+
 def config_data(config: Path) -> tuple[type, dict]:
-    data = yaml.safe_load(config.read_text())["data"]
+    data = copy.deepcopy(read_config(config)["data"])  # a copy: a DataModule may change what it is given
     return getattr(datamodules, data["class_path"].rsplit(".", 1)[-1]), data.get("init_args", {})
 
 
