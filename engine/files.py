@@ -8,7 +8,7 @@
   hyperparameters): every class such a file names besides torch's and Python's plain types is let in as an inert
   `ForeignObject`, which drops what it held and keeps the tensors.
 - `write_atomically(path, write)` writes `<name>.partial` next to `path`, then renames it over `path`.
-- `SameDirectoryCheckpointIO`: Lightning's checkpoint writes, done that way.
+- `SameDirectoryCheckpointIO`: Lightning's checkpoint writes, done that way; `write_run_file`: a run's config.yaml.
 """
 
 import builtins
@@ -167,6 +167,18 @@ class SameDirectoryCheckpointIO(TorchCheckpointIO):
         if storage_options is not None or not isinstance(get_filesystem(path), LocalFileSystem):
             return super().save_checkpoint(checkpoint, path, storage_options)
         write_atomically(Path(path), lambda partial: torch.save(checkpoint, partial), size=tensor_bytes(checkpoint))
+
+
+def write_run_file(path: str, text: str) -> None:
+    """A text file of a run (its config.yaml): written atomically where the run directory is local, as the
+    checkpoints are (`SameDirectoryCheckpointIO`); remote paths through fsspec."""
+    filesystem = get_filesystem(path)
+    if not isinstance(filesystem, LocalFileSystem):
+        filesystem.makedirs(os.path.dirname(path), exist_ok=True)
+        with filesystem.open(path, "w") as file:
+            file.write(text)
+        return
+    write_atomically(Path(path), lambda partial: partial.write_text(text))
 
 
 def tensor_bytes(value: Any) -> int:

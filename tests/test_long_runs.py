@@ -1,6 +1,7 @@
 """The paths a long cluster run takes, each told truthfully (issue 32): a run directory holds one run at a time; a
 resumed run keeps the settings it was trained with, or is refused in one line before anything is written."""
 
+import errno
 import shutil
 import subprocess
 import sys
@@ -214,6 +215,22 @@ def test_a_full_disk_is_one_line_naming_the_path_and_leaves_no_partial_file_and_
     assert "bytes needed, 0 free" in line
     assert not list(run_dir.rglob("*.partial"))
     assert torch.load(last, weights_only=True, map_location="cpu")["epoch"] == 0  # the first epoch's, intact
+
+
+def test_a_full_disk_when_the_config_is_written_is_one_line_naming_it_and_leaves_no_partial_file(tmp_path, capsys, monkeypatch):
+    run_dir = tmp_path / "run"
+    real_write_text = Path.write_text
+
+    def write_text(path, text, *args, **kwargs):
+        if path.name != "config.yaml.partial":
+            return real_write_text(path, text, *args, **kwargs)
+        real_write_text(path, text[:100])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", write_text)
+    line = run_failing(main_pretrain, ["fit", "--config", PRETRAIN_DIGITS, *TINY_RUN, *QUIET, f"--trainer.default_root_dir={run_dir}"], capsys)
+    assert line.startswith(f"error: no space left on device writing {run_dir / 'config.yaml'} (")
+    assert not list(run_dir.rglob("*.partial")) and not (run_dir / "config.yaml").exists()
 
 
 def test_a_run_directory_that_cannot_be_written_is_one_line(tmp_path, capsys):

@@ -7,12 +7,12 @@ from functools import cached_property
 from pathlib import Path
 
 import yaml
-from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.cli import LightningArgumentParser, SaveConfigCallback
 from lightning.pytorch.loggers import WandbLogger
 
 from engine.checkpoint_record import RECORD_KEY
 from engine.cli.errors import condense_parser_error, fail
+from engine.files import write_run_file
 
 
 class ContrastlabArgumentParser(LightningArgumentParser):
@@ -62,10 +62,7 @@ class SaveConfigToRun(SaveConfigCallback):
         if not self.already_saved:
             log_dir = trainer.log_dir  # on every process: it broadcasts the directory of process zero
             if trainer.is_global_zero:
-                filesystem = get_filesystem(log_dir)
-                filesystem.makedirs(log_dir, exist_ok=True)
-                with filesystem.open(os.path.join(log_dir, self.config_filename), "w") as file:
-                    file.write(self.resolved_text)
+                write_run_file(os.path.join(log_dir, self.config_filename), self.resolved_text)
         super().setup(trainer, pl_module, stage)
 
     def save_config(self, trainer, pl_module, stage: str) -> None:
