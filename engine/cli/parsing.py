@@ -45,7 +45,8 @@ class SaveConfigToRun(SaveConfigCallback):
     """Write the resolved config next to the run (`config.yaml`), into every checkpoint and, with W&B, into the
     run's config so that runs can be compared by hyperparameter. The CLI builds it with `save_to_log_dir=False`:
     config.yaml is written here from the one dump of the run that the checkpoints also read (Lightning's own save
-    would dump the config again: 0.3 s a dump under cProfile, for a Digits-M config)."""
+    would dump and validate the config again: 0.12 s for a Digits-M config on this project's 2-core CPU, 0.045 s
+    for the dump alone)."""
 
     @cached_property
     def resolved_text(self) -> str:
