@@ -4,9 +4,9 @@
 
 Round after round, each measurement in a process of its own, started from here with nothing else to do:
 - `import torch`, `import lightning`, `import main_pretrain`: the wall time of `python -c "import ..."`;
-- the config's run for one step (no validation), with the config's own logger and with `--trainer.logger=false`: the
-  seconds from starting the process to the `setup` of its callbacks and to the start of its first training batch,
-  written by `StartupStamps`;
+- the config's run for one step (no validation), with the config's own logger (W&B offline unless WANDB_MODE is
+  set) and with `--trainer.logger=false`: the seconds from starting the process to the `setup` of its callbacks and
+  to the start of its first training batch, written by `StartupStamps`;
 - an empty program (`-c pass`) started through uv's `run --locked`, when uv is on PATH: what uv adds to a command.
 Prints the median and every round of each measurement (and writes the table to `--out`).
 """
@@ -75,7 +75,8 @@ def one_step(config: str, logger: bool) -> dict[str, float]:
                 "--trainer.limit_val_batches=0", "--trainer.num_sanity_val_steps=0", "--trainer.enable_progress_bar=false",
                 f"--trainer.default_root_dir={Path(scratch) / 'run'}", "--trainer.callbacks+=benchmarks.startup.StartupStamps",
                 *([] if logger else ["--trainer.logger=false"])]  # fmt: skip
-        run(argv, env={**os.environ, STARTED: repr(time.time()), STAMPS: str(stamps)})
+        # W&B offline unless WANDB_MODE says otherwise: a benchmark makes no runs in the user's W&B projects
+        run(argv, env={"WANDB_MODE": "offline", **os.environ, STARTED: repr(time.time()), STAMPS: str(stamps)})
         return json.loads(stamps.read_text())
 
 
