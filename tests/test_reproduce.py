@@ -334,10 +334,10 @@ def test_with_wandb_in_use_the_table_is_logged_as_a_wandb_table_in_a_summary_run
 
 
 # ----------------------------------------------------------------- end to end
-@pytest.mark.slow  # six short training processes on Digits-M
+@pytest.mark.slow  # five short training processes on Digits-M (one refused at start)
 def test_a_digits_table_runs_is_interrupted_resumes_and_collects_the_results_files_numbers(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))  # the runs import InterruptOnce from this file
-    path = write_table(tmp_path / "digits.yaml", a_row("a") + a_row("b", overrides="model.init_args.temperature: 0.5")
+    path = write_table(tmp_path / "digits.yaml", a_row("a") + a_row("b", overrides="model.init_args.temperature: 0.5", seeds=1)
                        + a_row("f", overrides="model.init_args.temperature: -1", seeds=1),  # refused at start: a failing row
                        head='title: "a Digits-M test table"\nstand_in: nothing.\n')
     out = tmp_path / "out"
@@ -353,19 +353,19 @@ def test_a_digits_table_runs_is_interrupted_resumes_and_collects_the_results_fil
     assert {row["row_id"]: row["mean"] for row in csv_rows(out)} == {"a": "", "b": "", "f": ""}
 
     assert reproduce.main(argv) == 1  # the same command: skips a/seed0, resumes a/seed1, runs b; f fails
-    logs = {run: (out / run / "log.txt").read_text() for run in ("a/seed0", "a/seed1", "b/seed0", "b/seed1", "f/seed0")}
-    assert {run: log.count("\n$ ") + log.startswith("$ ") for run, log in logs.items()} == {
-        "a/seed0": 1, "a/seed1": 2, "b/seed0": 1, "b/seed1": 1, "f/seed0": 1}
+    logs = {run: (out / run / "log.txt").read_text() for run in ("a/seed0", "a/seed1", "b/seed0", "f/seed0")}
+    assert {run: log.count("\n$ ") + log.startswith("$ ") for run, log in logs.items()} == {"a/seed0": 1, "a/seed1": 2, "b/seed0": 1, "f/seed0": 1}
     assert "Restored all states from the checkpoint" in logs["a/seed1"]
-    results = {run: json.loads((out / run / "results_val.json").read_text()) for run in ("a/seed0", "a/seed1", "b/seed0", "b/seed1")}
+    results = {run: json.loads((out / run / "results_val.json").read_text()) for run in ("a/seed0", "a/seed1", "b/seed0")}
     assert {record["global_step"] for record in results.values()} == {3}  # the resumed run ends where an uninterrupted one does
     expected = defaultdict(list)
     for run, result in results.items():
         for metric, key in (("probe", "val/probe_top1"), ("knn", "val/knn_top1")):
             expected[run.split("/")[0], metric].append(100 * result["metrics"][key])
     rows = csv_rows(out)
-    measured = {(row["row_id"], row["metric"]): (float(row["mean"]), float(row["std"]), int(row["n"])) for row in rows if row["row_id"] != "f"}
-    assert measured == {key: (statistics.mean(values), statistics.stdev(values), 2) for key, values in expected.items()}
+    measured = {(row["row_id"], row["metric"]): (float(row["mean"]), row["std"] and float(row["std"]), int(row["n"])) for row in rows if row["row_id"] != "f"}
+    assert measured == {key: (statistics.mean(values), statistics.stdev(values) if len(values) > 1 else "", len(values)) for key, values in expected.items()}
+    assert {key: len(values) for key, values in expected.items()} == {("a", "probe"): 2, ("a", "knn"): 2, ("b", "probe"): 1, ("b", "knn"): 1}
     failed = [row for row in rows if row["row_id"] == "f"]
     assert [(row["mean"], row["status"]) for row in failed] == [("", f"seed 0: pretrain failed (exit 2, log {out / 'f' / 'seed0' / 'log.txt'})")] * 2
     assert "error: " in logs["f/seed0"]
