@@ -11,11 +11,12 @@ import sys
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # Parallel workers share the cores: each worker (and every process it starts) runs torch with its share of them,
 # one intra-op thread per core in all, instead of each running one per core. The numbers that depend on the count
-# are computed with the recording machine's (`recorded_threads`). Measured on 2 cores, 2 workers: the suite's
-# processes used 805 s of CPU instead of about 880 s, and pytest took 428 s instead of 461 to 472 s.
+# are computed with the recording machine's (`recorded_threads`). Measured on 2 cores, 2 workers, two runs each way:
+# the suite used 805 and 819 s of CPU instead of 856 and 882 s, and pytest took 428 and 445 s instead of 461 to 472 s.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // _WORKERS)))
+    _CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # the cores this process may use (Linux)
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, _CORES // _WORKERS)))
 
 import pytest  # noqa: E402
 
