@@ -38,6 +38,11 @@ from methods.evaluation import EvaluationMixin
 from methods.queues import KeyQueue
 
 
+def several_processes() -> bool:
+    """Whether this run is one of several processes (DDP): what the gathers and shuffle-BN exchange over."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 @dataclass
 class CompileSpec:
     """`torch.compile` of the trunks, online and momentum (nearly all FLOPs and kernel launches of a step),
@@ -187,7 +192,7 @@ class MethodBase(EvaluationMixin, CheckpointRecord, L.LightningModule):
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Concatenate a tensor from all processes in rank order (no gradient), e.g. keys to enqueue."""
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        if not several_processes():
             return tensor
         return self.all_gather(tensor).flatten(0, 1)
 
@@ -196,7 +201,7 @@ class MethodBase(EvaluationMixin, CheckpointRecord, L.LightningModule):
         process's rows (its backward all-reduces), so that in-batch negatives span the global batch
         (SimCLR, SupCon): with DDP's gradient averaging, W processes then compute the gradient of the
         single-process loss on the concatenated batch."""
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        if not several_processes():
             return tensor
         gathered = self.all_gather(tensor, sync_grads=True)
         if gathered.requires_grad:  # gloo's backward scatters a strided gradient in the wrong order
@@ -208,7 +213,7 @@ class MethodBase(EvaluationMixin, CheckpointRecord, L.LightningModule):
         over every process's batch, DINO's; one vector crosses the network, not the rows)."""
         with torch.no_grad():
             total, count = rows.sum(dim=0), rows.shape[0]
-            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            if several_processes():
                 dist.all_reduce(total)
                 count *= dist.get_world_size()
             return total / count

@@ -6,17 +6,17 @@ and the memory bank are in `methods.queues`.
 
 import copy
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
 from engine.config import as_spec
 from engine.optim import schedule_length
-from methods.base import MethodMixin
+from methods.base import MethodMixin, several_processes
 from methods.shuffle_bn import convert_to_split_batchnorm, distributed_shuffled_forward
 
 MomentumSchedule = Literal["constant", "cosine", "cosine_byol", "cosine_mocov3"]
@@ -97,6 +97,14 @@ class MomentumMixin(MethodMixin):
 
     def on_fit_start(self) -> None:
         super().on_fit_start()
+        if self.momentum_spec.shuffle_bn and self.momentum_spec.split_bn == 1 and not several_processes():
+            # a multi-GPU config run on one device: MoCo's shuffle-BN (Sec. 3.3) needs other processes to shuffle with
+            warnings.warn(
+                "momentum.shuffle_bn is true, but this run has one process and momentum.split_bn 1: the keys are encoded "
+                "unshuffled, their BatchNorm statistics taken over the batch they are compared in; give momentum.split_bn N > 1 "
+                "to emulate shuffle-BN on one device, or momentum.shuffle_bn false",
+                stacklevel=2,
+            )
         # Lightning's `trainer.sync_batchnorm` converts every BatchNorm, the split ones too, when it sets up
         if self.momentum_spec.split_bn > 1 and any(isinstance(m, nn.SyncBatchNorm) for m in self.target_backbone.modules()):
             raise ValueError(
@@ -111,7 +119,7 @@ class MomentumMixin(MethodMixin):
         statistics cannot reveal which key belongs to which query: across processes when distributed
         (MoCo's shuffle-BN), on one device only with split-BN (a plain permutation changes nothing)."""
         spec = self.momentum_spec
-        if spec.shuffle_bn and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if spec.shuffle_bn and several_processes():
             output = distributed_shuffled_forward(self.target_encode, images)
         elif spec.shuffle_bn and spec.split_bn > 1:
             order = torch.randperm(images.shape[0], device=images.device)

@@ -4,7 +4,9 @@ Both views of every image go through the same online encoder in one batch (as th
 concatenates them, so BatchNorm sees all 2B images). Each embedding's positive is the other view of
 its image and its negatives are the other 2B_g - 2 embeddings of the global batch, gathered from every
 process with their gradients. `nt_xent` averages over the 2B_g anchors; the official loss sums the two
-directions, i.e. is twice this value (LARS, SimCLR's optimizer, is insensitive to that scale).
+directions, i.e. is twice this value. LARS keeps the steps of the layers it adapts, but their weight decay then
+weighs twice as much against the gradient, and the parameters it excludes take half the official step
+(configs/simclr_cifar10.yaml, "Remaining differences").
 With `num_hard`, Wang & Liu's hard contrastive loss replaces NT-Xent (their SimCLR experiments).
 """
 

@@ -226,10 +226,20 @@ def test_split_batchnorm_gives_the_same_result_on_channels_last_input():
 def test_split_batchnorm_under_sync_batchnorm_is_refused_naming_both(split_bn):
     """`trainer.sync_batchnorm` replaces every BatchNorm by SyncBatchNorm (torch's conversion, which Lightning
     applies before `on_fit_start`): the split groups would silently become the whole global batch."""
-    model = MoCoV2(backbone=TINY_BACKBONE, projector=TINY_PROJECTOR, queue_size=64, momentum=MomentumSpec(split_bn=split_bn), knn_k=0)
+    model = MoCoV2(backbone=TINY_BACKBONE, projector=TINY_PROJECTOR, queue_size=64, momentum=MomentumSpec(shuffle_bn=split_bn > 1, split_bn=split_bn), knn_k=0)
     nn.SyncBatchNorm.convert_sync_batchnorm(model)
     if split_bn == 1:
         model.on_fit_start()  # SCE's ImageNet recipe: SyncBN, no shuffle
     else:
         with pytest.raises(ValueError, match="momentum.split_bn=2 .* trainer.sync_batchnorm=true"):
             model.on_fit_start()
+
+
+@pytest.mark.parametrize("shuffle_bn, split_bn, warned", [(True, 1, True), (True, 8, False), (False, 1, False)])
+def test_shuffle_bn_in_one_process_without_split_bn_is_a_warning_naming_both_settings(shuffle_bn, split_bn, warned, recwarn):
+    """A multi-GPU config run on one device would encode its keys unshuffled, with BatchNorm statistics of the
+    batch they are compared in (MoCo, Sec. 3.3), and nothing would say so."""
+    MoCoV2(backbone=TINY_BACKBONE, projector=TINY_PROJECTOR, queue_size=64, momentum=MomentumSpec(shuffle_bn=shuffle_bn, split_bn=split_bn), knn_k=0).on_fit_start()
+    messages = [str(warning.message) for warning in recwarn if "shuffle_bn" in str(warning.message)]
+    assert len(messages) == warned
+    assert all("momentum.shuffle_bn is true" in message and "momentum.split_bn N > 1" in message for message in messages)
