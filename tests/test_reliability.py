@@ -328,6 +328,24 @@ def test_a_requeued_slurm_job_without_an_hpc_checkpoint_resumes_from_last_ckpt(t
     assert cli.trainer.global_step == 4 and cli.trainer.ckpt_path == str(run_dir / "checkpoints" / "last.ckpt")
 
 
+
+@pytest.mark.parametrize("resume, newer", [("requeued-slurm-job", "last"), ("requeued-slurm-job", "hpc"), ("ckpt_path-last", "hpc")])
+@pytest.mark.slow
+def test_a_resumed_run_restores_the_newer_of_its_last_ckpt_and_its_hpc_checkpoint(resume, newer, tmp_path, monkeypatch):
+    """A SIGUSR1 checkpoint before the time limit and a last.ckpt written after it (an epoch's end, a SIGTERM), or
+    the reverse: the requeued job and `--ckpt_path last` continue from whichever is newer, losing no step."""
+    run_dir = tmp_path / "run"
+    sigterm_at_first_step(run_dir, step=2)  # in epoch 1: last.ckpt holds step 3, epoch=0-step=2.ckpt the end of epoch 0
+    last, hpc = run_dir / "checkpoints" / "last.ckpt", run_dir / "hpc_ckpt_1.ckpt"
+    shutil.copyfile(run_dir / "checkpoints" / "epoch=0-step=2.ckpt", hpc)
+    older, newest = (hpc, last) if newer == "last" else (last, hpc)
+    os.utime(older, (newest.stat().st_mtime - 60,) * 2)
+    for name, value in (SLURM_JOB | {"SLURM_RESTART_COUNT": "2"} if resume == "requeued-slurm-job" else {}).items():
+        monkeypatch.setenv(name, value)
+    cli = main_pretrain.cli_main(["fit", "--config", PRETRAIN_DIGITS, *SIGNALLED_RUN, "--trainer.max_epochs=2", f"--trainer.default_root_dir={run_dir}",
+                                  *(["--ckpt_path=last"] if resume == "ckpt_path-last" else [])])
+    assert cli.trainer.ckpt_path == str(newest) and cli.trainer.global_step == 4
+
 def cut_short(path: Path) -> None:
     """What a copy interrupted half-way, or a full disk, leaves of a checkpoint."""
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])

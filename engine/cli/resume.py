@@ -91,16 +91,16 @@ def run_checkpoints(trainer) -> list[Path]:
 
 
 def checkpoint_to_resume(trainer, ckpt_path: str | None) -> Path | None:
-    """The file `fit` will restore, as Lightning resolves it: for `last` the newest `last.ckpt` of the checkpoint
-    callbacks, for a Slurm job without a ckpt_path (or `hpc`) the highest `hpc_ckpt_<n>.ckpt`; None for a new run
-    and for a path given as such (checked when the arguments are parsed)."""
-    if ckpt_path == "last":
-        found = [last_checkpoint_path(callback) for callback in trainer.checkpoint_callbacks if isinstance(callback, ModelCheckpoint)]
-        return max((path for path in found if path.is_file()), key=lambda path: path.stat().st_mtime, default=None)
-    if ckpt_path == "hpc" or (ckpt_path is None and SLURMEnvironment.detect()):
-        numbered = {int(path.stem.removeprefix("hpc_ckpt_")): path for path in run_checkpoints(trainer) if path.stem.removeprefix("hpc_ckpt_").isdigit()}
-        return numbered[max(numbered)] if numbered else None
-    return None
+    """The file `fit` restores for `last`, `hpc` and a Slurm job without a ckpt_path: the newest, by modification
+    time, of the checkpoint callbacks' `last.ckpt` and the run's `hpc_ckpt_<n>.ckpt` (Lightning would take `last.ckpt`
+    for `last`, the highest hpc number otherwise, passing over a SIGUSR1 checkpoint written after `last.ckpt`, or a
+    `last.ckpt` written after the hpc one: an epoch's end, a SIGTERM). None for a new run and for a path given as
+    such (checked when the arguments are parsed)."""
+    if ckpt_path not in ("last", "hpc") and not (ckpt_path is None and SLURMEnvironment.detect()):
+        return None
+    lasts = [last_checkpoint_path(callback) for callback in trainer.checkpoint_callbacks if isinstance(callback, ModelCheckpoint)]
+    found = [path for path in (*lasts, *Path(trainer.default_root_dir).glob("hpc_ckpt_*.ckpt")) if path.is_file()]
+    return max(found, key=lambda path: path.stat().st_mtime, default=None)
 
 
 def readable_checkpoint_to_resume(trainer, run: dict) -> tuple[Path, dict] | None:
@@ -112,7 +112,9 @@ def readable_checkpoint_to_resume(trainer, run: dict) -> tuple[Path, dict] | Non
     if path is None:
         return None
     try:
-        return path, read_checkpoint(path, str(path))
+        checkpoint = read_checkpoint(path, str(path))
+        run["ckpt_path"] = str(path)  # the file chosen here, not the one Lightning would resolve the name to
+        return path, checkpoint
     except UnreadableCheckpoint as unreadable:
         for candidate in sorted(set(run_checkpoints(trainer)) - {path}, key=lambda other: other.stat().st_mtime, reverse=True):
             try:
@@ -132,7 +134,7 @@ def refuse_to_overwrite_a_run(trainer, ckpt_path: str | None) -> str | None:
         return ckpt_path
     root = Path(trainer.default_root_dir)
     if SLURMEnvironment.detect() and any(root.glob("hpc_ckpt_*.ckpt")):
-        return ckpt_path  # a requeued Slurm job: Lightning resumes it from its hpc checkpoint
+        return ckpt_path  # a requeued Slurm job: resumed from its newest checkpoint (`checkpoint_to_resume`)
     for callback in trainer.checkpoint_callbacks:
         if isinstance(callback, ModelCheckpoint) and last_checkpoint_path(callback).is_file():
             if SLURMEnvironment.detect() and int(os.environ.get("SLURM_RESTART_COUNT", 0)) > 0:

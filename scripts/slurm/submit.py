@@ -19,7 +19,7 @@ job is printed as `submitted job <id>: <job file>`.
 RUN_DIR (`--run-dir`, else the config's trainer.default_root_dir) holds the job file, the Slurm logs
 `slurm.out` / `slurm.err` (appended to across requeues) and the run itself. It contains no job id, so
 the job that Lightning requeues on SIGUSR1 (90 s before the time limit) finds its
-`hpc_ckpt_<n>.ckpt` there and resumes from it.
+`hpc_ckpt_<n>.ckpt` there and resumes from the newest of it and `checkpoints/last.ckpt`.
 
 `--grid key=v1,v2` (repeatable, a product grid as in scripts/sweep.py) submits one job per grid point,
 each in `RUN_DIR/<point>/` (e.g. `runs/sce_imagenet100/temperature0.1/`): separate jobs rather than
