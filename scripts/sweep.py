@@ -17,8 +17,8 @@ On a cluster, `--slurm` writes `OUT/sweep.sbatch`, the job of `scripts/slurm/tem
 one `scripts/slurm/submit.py` writes) as an array with one task per run: each task is this command with
 `--only <index>` on `--nodes` x `--gpus-per-node` (default: the config's trainer.devices), and every run
 gets the matching `--trainer.num_nodes` / `--trainer.devices`. Slurm logs go to `OUT/slurm-<index>.out`
-/ `.err`; a task requeued on SIGUSR1 resumes its run from `last.ckpt`. `--collect` then only rebuilds
-the table.
+/ `.err`; a task requeued on SIGUSR1 resumes its run from `last.ckpt`. The tasks write no table (they end
+together); `--collect` then builds it from the finished runs.
 """
 
 import argparse
@@ -39,6 +39,7 @@ from scipy import stats
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script: make `scripts` importable
 from engine.config import split_overrides  # noqa: E402
+from engine.files import write_atomically  # noqa: E402
 from scripts.slurm import job  # noqa: E402
 
 DEFAULT_METRICS = ("val/knn_top1", "val/probe_top1", "linear:val/probe_top1")
@@ -137,21 +138,26 @@ def summarise(values: list[float]) -> dict[str, float]:
     return {"n": n, "mean": mean, "std": std, "ci95": stats.t.ppf(0.975, n - 1) * std / math.sqrt(n)}
 
 
-def format_summary(summary: dict[str, float], metric: str) -> str:
+def format_summary(summary: dict[str, float], metric: str, planned: int) -> str:
+    """Mean ± std (± 95% CI half-width) in % for accuracies; `(n=k)` when only k of the `planned` seeds finished."""
     scale = 100.0 if "top" in metric else 1.0  # accuracies in %
-    if summary["n"] == 1:
-        return f"{scale * summary['mean']:.2f}"
-    return f"{scale * summary['mean']:.2f} ± {scale * summary['std']:.2f} (±{scale * summary['ci95']:.2f})"
+    text = f"{scale * summary['mean']:.2f}"
+    if summary["n"] > 1:
+        text += f" ± {scale * summary['std']:.2f} (±{scale * summary['ci95']:.2f})"
+    return text + (f" (n={summary['n']})" if summary["n"] < planned else "")
 
 
 def collect(runs: list[Run], metrics: list[str], out: Path) -> str:
     """Write results.csv (one row per run) and results.md (per grid point: mean ± std (95% CI
-    half-width) over the seeds that finished); return the markdown table."""
-    with (out / "results.csv").open("w", newline="") as stream:
-        writer = csv.writer(stream)
-        writer.writerow(["point", "seed", *metrics])
-        for run in runs:
-            writer.writerow([run.point_name, run.seed, *(read_metric(run, metric) for metric in metrics)])
+    half-width) over the seeds that finished), each atomically; return the markdown table."""
+    def write_csv(partial: Path) -> None:
+        with partial.open("w", newline="") as stream:
+            writer = csv.writer(stream)
+            writer.writerow(["point", "seed", *metrics])
+            for run in runs:
+                writer.writerow([run.point_name, run.seed, *(read_metric(run, metric) for metric in metrics)])
+
+    write_atomically(out / "results.csv", write_csv)
     points = list(dict.fromkeys(run.point for run in runs))
     header = ["setting", "seeds", *metrics]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -160,10 +166,10 @@ def collect(runs: list[Run], metrics: list[str], out: Path) -> str:
         cells = []
         for metric in metrics:
             values = [value for value in (read_metric(run, metric) for run in members) if value is not None]
-            cells.append(format_summary(summarise(values), metric) if values else "missing")
+            cells.append(format_summary(summarise(values), metric, len(members)) if values else "missing")
         lines.append(f"| {members[0].point_name} | {len(members)} | " + " | ".join(cells) + " |")
-    table = "\n".join(lines) + "\n\nAccuracies in %; mean ± std over seeds, (± half-width of the 95% CI).\n"
-    (out / "results.md").write_text(table)
+    table = "\n".join(lines) + "\n\nAccuracies in %; mean ± std over seeds, (± half-width of the 95% CI); (n=k): only k of the seeds finished.\n"
+    write_atomically(out / "results.md", lambda partial: partial.write_text(table))
     return table
 
 
@@ -247,7 +253,11 @@ def main(argv: list[str]) -> int:
     defaults = DEFAULT_METRICS[: 2 if not args.linear else 3]
     # A default metric that no run reports (e.g. no kNN monitor on a classifier) is left out of the table.
     metrics = [*(m for m in defaults if any(read_metric(run, m) is not None for run in runs)), *args.metrics]
-    print(collect(runs, metrics, args.out))
+    if args.only is not None and not args.collect:  # the array's tasks end together: one writer of the table, `--collect`
+        print(f"{selected[0].point_name} seed {selected[0].seed}: {'failed' if failed else 'done'}; the table: "
+              f"python scripts/sweep.py --collect {shlex.join(sweep_argv(args))}")
+    else:
+        print(collect(runs, metrics, args.out))
     for run in failed:
         print(f"failed: {run.point_name} seed {run.seed} (log: {run.directory / 'log.txt'})")
     return 1 if failed else 0

@@ -57,6 +57,24 @@ def test_table_aggregates_seeds_per_point_and_marks_missing_runs(tmp_path):
     assert (tmp_path / "results.csv").read_text().splitlines()[1] == "temperature=0.1,0,0.4,0.5"
 
 
+
+def test_a_point_with_fewer_finished_seeds_than_planned_says_how_many_its_numbers_average(tmp_path):
+    runs = sweep.expand(sweep.parse_grid(["model.init_args.temperature=0.1,0.2"]), [0, 1, 2], tmp_path)
+    for run, value in zip(runs[:3], (0.40, 0.50, 0.60)):
+        write_results(run.directory, {"val/knn_top1": value})
+    write_results(runs[3].directory, {"val/knn_top1": 0.70})
+    rows = sweep.collect(runs, ["val/knn_top1"], tmp_path).splitlines()
+    assert rows[2] == "| temperature=0.1 | 3 | 50.00 ± 10.00 (±24.84) |"
+    assert rows[3] == "| temperature=0.2 | 3 | 70.00 (n=1) |"
+
+
+def test_an_array_task_leaves_the_table_to_collect(tmp_path, capsys):
+    runs = sweep.expand(sweep.parse_grid([]), [0, 1], tmp_path)
+    write_results(runs[1].directory, {"val/knn_top1": 0.5})
+    assert sweep.main(["--config", PRETRAIN_DIGITS, "--out", str(tmp_path), "--seeds", "0", "1", "--only", "1"]) == 0
+    assert "base seed 1: done; the table: python scripts/sweep.py --collect" in capsys.readouterr().out
+    assert not (tmp_path / "results.md").exists() and not (tmp_path / "results.csv").exists()
+
 def test_slurm_mode_writes_the_job_template_as_an_array_of_one_task_per_run_and_runs_nothing(tmp_path, capsys):
     out = tmp_path / "sweep"
     code = sweep.main(["--config", PRETRAIN_DIGITS, "--out", str(out), "--grid", "model.init_args.temperature=0.1,0.2",
