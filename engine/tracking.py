@@ -100,11 +100,11 @@ def wandb_mode() -> str | None:
     return mode or None
 
 
-def stored_run_id(root: Path) -> str:
-    """The W&B run id of the run directory `root`: read back when a previous start wrote it, otherwise a new
-    one, written (by the main process, atomically) for every later start of the same run."""
+def stored_run_id(root: Path, new: bool = False) -> str:
+    """The W&B run id of the run directory `root`: the one a previous start wrote, or with `new` (or none written)
+    a new one, written (by the main process, atomically) for every later start of the same run."""
     path = root / RUN_ID_FILE
-    if path.is_file():
+    if path.is_file() and not new:
         return path.read_text().strip()
     run_id = new_wandb_run_id()
     if rank_zero_only.rank == 0:
@@ -138,15 +138,19 @@ class WandbRun(WandbLogger):
         self.name_keys = name_keys or {}
         self.run_dir: Path | None = None
 
-    def start(self, root_dir: str | Path, config: dict, mode: str | None) -> None:
+    def start(self, root_dir: str | Path, config: dict, mode: str | None, stage: str = "fit", resumed: bool = False) -> None:
         """Bind the run to its directory and resolved config before its W&B run is created (which happens when
-        the trainer sets up): name, `<root_dir>/wandb`, the stored id and the mode (`wandb_mode()`)."""
+        the trainer sets up): name, `<root_dir>/wandb`, the id and the mode (`wandb_mode()`). A `fit` that resumes
+        a checkpoint continues the W&B run whose id the directory stores; a new `fit` starts and stores a new one
+        (an earlier start there that wrote no checkpoint was another run); `validate` and `test` are W&B runs of
+        their own, which change neither the training run's config nor its history."""
         if wandb_run_of(self) is not None:
             raise RuntimeError("WandbRun.start() came after its W&B run was created: its name, directory and id would be ignored")
         name = configured_run_name(self) or run_name(config, self.name_keys)  # a bad name key fails before anything is written
         self.run_dir = Path(root_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        bind_wandb_run(self, name, str(self.run_dir), stored_run_id(self.run_dir), mode)
+        run_id = stored_run_id(self.run_dir, new=not resumed) if stage == "fit" else new_wandb_run_id()
+        bind_wandb_run(self, name, str(self.run_dir), run_id, mode)
 
     @property
     def experiment(self):

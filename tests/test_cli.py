@@ -139,10 +139,14 @@ def test_pretrain_then_linear_probe_pipeline_with_reruns_and_a_validate_in_the_s
     results = json.loads((run_dir / "results_val.json").read_text())
     assert results["global_step"] == 2 and 0.0 <= results["metrics"]["val/knn_top1"] <= 1.0
     assert "train/time_s" in results["metrics"] and "train/images_per_s" in results["metrics"]
-    main_pretrain.cli_main(["validate", *args[1:], "--trainer.logger=false", f"--ckpt_path={checkpoint}"])  # the README's validate, into the run
+    trained_config = (run_dir / "config.yaml").read_text()
+    main_pretrain.cli_main(["validate", *args[1:], "--trainer.logger=false", f"--ckpt_path={checkpoint}", "--data.init_args.num_workers=1"])  # the README's validate, into the run
     assert json.loads((run_dir / "results_val.json").read_text()) == results  # the training's results stay
+    assert (run_dir / "config.yaml").read_text() == trained_config  # and the config it was trained with
+    assert "num_workers: 1" in (run_dir / "config_validate.yaml").read_text()
     validated = json.loads((run_dir / "results_validate.json").read_text())
     assert validated["metrics"]["val/knn_top1"] == results["metrics"]["val/knn_top1"]  # the same weights, the same images
+    assert (validated["checkpoint"], validated["global_step"]) == (str(checkpoint), 2) and "epoch" not in validated  # what was evaluated
 
     linear = main_linear.cli_main(
         [

@@ -95,6 +95,22 @@ def test_the_run_is_bound_to_its_directory_before_its_wandb_run_exists_and_not_a
     logger.finalize("success")
 
 
+
+def test_only_a_fit_that_resumes_a_checkpoint_continues_the_wandb_run_its_directory_stores(tmp_path):
+    """A new fit where an earlier start wrote no checkpoint is another run; `validate` and `test` are W&B runs of
+    their own, which neither change the training run's config and history nor replace the stored id."""
+    def started(stage: str, resumed: bool) -> str:
+        logger = WandbRun()
+        logger.start(tmp_path, CONFIG, "disabled", stage, resumed)
+        return logger.version
+
+    first = started("fit", resumed=False)
+    assert started("fit", resumed=True) == first == (tmp_path / RUN_ID_FILE).read_text()
+    evaluations = {started("validate", resumed=False), started("test", resumed=False)}
+    assert first not in evaluations and len(evaluations) == 2 and (tmp_path / RUN_ID_FILE).read_text() == first
+    restarted = started("fit", resumed=False)
+    assert restarted != first and (tmp_path / RUN_ID_FILE).read_text() == restarted
+
 @pytest.fixture(scope="module")
 def offline_runs(tmp_path_factory):
     """Seeds 0 and 1 of the quickstart config, two training steps each: seed 0 with neither credentials nor

@@ -232,7 +232,7 @@ class ContrastlabCLI(LightningCLI):
                 check_unchanged(*self.given_checkpoint, self.resolved_config(), self.trainer.world_size)
         mode = self._tracking_mode()
         self._claim_run_directory()  # the checks above only read: two runs that pass them together meet here
-        self._start_tracking(mode)
+        self._start_tracking(mode, resumed=resumed is not None or self.given_checkpoint is not None)
 
     def _claim_run_directory(self) -> None:
         """One run at a time in a run directory (`engine.cli.run_lock`), claimed before anything is written there."""
@@ -248,12 +248,12 @@ class ContrastlabCLI(LightningCLI):
         with one_error_line(WandbUnavailable):
             return wandb_mode()
 
-    def _start_tracking(self, mode: str | None) -> None:
+    def _start_tracking(self, mode: str | None, resumed: bool = False) -> None:
         """Bind a W&B logger to the run directory and the resolved config before the trainer creates its run."""
         if not isinstance(self.trainer.logger, WandbRun):
             return
         with one_error_line(ValueError):
-            self.trainer.logger.start(self.trainer.default_root_dir, self.config[self.subcommand].as_dict(), mode)
+            self.trainer.logger.start(self.trainer.default_root_dir, self.config[self.subcommand].as_dict(), mode, self.subcommand, resumed)
 
     def _say_precision(self) -> None:
         if self.precision_note is not None:
@@ -280,10 +280,19 @@ class ContrastlabCLI(LightningCLI):
 
     def after_validate(self) -> None:
         # its own file: a `validate` in a run directory keeps the training's results (epoch, step, time, images/s)
-        report_results(self.trainer, "val", "results_validate.json")
+        report_results(self.trainer, "val", "results_validate.json", self._evaluated_position())
 
     def after_test(self) -> None:
-        report_results(self.trainer, "test", "results_test.json")
+        report_results(self.trainer, "test", "results_test.json", self._evaluated_position())
+
+    def _evaluated_position(self) -> dict:
+        """The checkpoint an evaluation restored and its global step (the trainer's epoch and step are 0 in an
+        evaluation); a null step when it restored none (the config's own weights, e.g. a linear probe's trunk)."""
+        path = self.trainer.ckpt_path
+        if path is None or not Path(path).is_file():
+            return {"checkpoint": path, "global_step": None}
+        checkpoint = read_checkpoint(path, f"ckpt_path {str(path)!r}")  # memory-mapped: only the step is read
+        return {"checkpoint": str(path), "global_step": checkpoint.get("global_step")}
 
 
 def instantiate_config(config: str, overrides: Sequence[str] = ()) -> ContrastlabCLI:

@@ -62,8 +62,11 @@ class SaveConfigToRun(SaveConfigCallback):
     def setup(self, trainer, pl_module, stage: str) -> None:
         if not self.already_saved:
             log_dir = trainer.log_dir  # on every process: it broadcasts the directory of process zero
+            # a `validate` or `test` in the training run's directory keeps the config the run was trained with
+            stage = getattr(stage, "value", stage)  # Lightning passes its TrainerFn, a str enum
+            name = self.config_filename if stage == "fit" else f"{Path(self.config_filename).stem}_{stage}.yaml"
             if trainer.is_global_zero:
-                write_run_file(os.path.join(log_dir, self.config_filename), self.resolved_text)
+                write_run_file(os.path.join(log_dir, name), self.resolved_text)
         super().setup(trainer, pl_module, stage)
 
     def save_config(self, trainer, pl_module, stage: str) -> None:
