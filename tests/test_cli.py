@@ -124,6 +124,18 @@ def test_bad_input_ends_with_one_error_line_naming_the_value_and_writes_nothing(
     assert not run_dir.exists()
 
 
+
+@pytest.mark.parametrize("stop", [["--trainer.max_epochs=3", "--trainer.check_val_every_n_epoch=2"], ["--trainer.max_epochs=5", "--trainer.max_steps=3"]],
+                         ids=["last-epoch-off-the-validation-interval", "max-steps-inside-an-epoch"])
+@pytest.mark.slow
+def test_the_results_of_a_fit_are_the_validation_of_the_weights_it_ends_with(stop, tmp_path):
+    """Lightning would validate epoch 2 of 3 (every 2) or no step after step 2 (max_steps 3 in the second epoch) and
+    results_val.json would give those earlier numbers as the run's final ones."""
+    cli = main_pretrain.cli_main(["fit", "--config", PRETRAIN_DIGITS, *TINY_RUN, "--trainer.logger=false", f"--trainer.default_root_dir={tmp_path}", *stop])
+    results = json.loads((tmp_path / "results_val.json").read_text())
+    assert results["global_step"] == results["val_global_step"] == cli.trainer.global_step == {"3": 6, "5": 3}[stop[0][-1]]
+    assert "val/knn_top1" in results["metrics"]
+
 @pytest.mark.slow
 def test_pretrain_then_linear_probe_pipeline_with_reruns_and_a_validate_in_the_same_directory_keeps_each_stages_results(tmp_path, capsys):
     run_dir = tmp_path / "pretrain"

@@ -56,7 +56,7 @@ from engine.cli.resume import (
     refuse_to_overwrite_a_run,
 )
 from engine.cli.run_lock import RunDirectoryInUse, RunDirectoryLock
-from engine.cli.results import report_results
+from engine.cli.results import FinalValidation, evaluated_position, report_results
 from engine.compat import dump_config_for_hyperparameters
 from engine.devices import cpu_has_bf16_units, cpu_precision
 from engine.files import SameDirectoryCheckpointIO, UnreadableCheckpoint, WriteFailed, read_checkpoint
@@ -90,7 +90,7 @@ class ContrastlabCLI(LightningCLI):
                     save_config_callback=SaveConfigToRun,
                     save_config_kwargs={"save_to_log_dir": False},  # SaveConfigToRun writes config.yaml from its one dump
                     trainer_defaults={"callbacks": [
-                        RandomStateCheckpoint(), LastCheckpointOnSigterm(), PreemptionSignals(), ResumeInStoppedEpoch(), TrainingThroughput(),
+                        RandomStateCheckpoint(), LastCheckpointOnSigterm(), PreemptionSignals(), ResumeInStoppedEpoch(), TrainingThroughput(), FinalValidation(),
                     ]},  # fmt: skip
                     auto_configure_optimizers=False,
                     args=args,
@@ -280,19 +280,10 @@ class ContrastlabCLI(LightningCLI):
 
     def after_validate(self) -> None:
         # its own file: a `validate` in a run directory keeps the training's results (epoch, step, time, images/s)
-        report_results(self.trainer, "val", "results_validate.json", self._evaluated_position())
+        report_results(self.trainer, "val", "results_validate.json", evaluated_position(self.trainer))
 
     def after_test(self) -> None:
-        report_results(self.trainer, "test", "results_test.json", self._evaluated_position())
-
-    def _evaluated_position(self) -> dict:
-        """The checkpoint an evaluation restored and its global step (the trainer's epoch and step are 0 in an
-        evaluation); a null step when it restored none (the config's own weights, e.g. a linear probe's trunk)."""
-        path = self.trainer.ckpt_path
-        if path is None or not Path(path).is_file():
-            return {"checkpoint": path, "global_step": None}
-        checkpoint = read_checkpoint(path, f"ckpt_path {str(path)!r}")  # memory-mapped: only the step is read
-        return {"checkpoint": str(path), "global_step": checkpoint.get("global_step")}
+        report_results(self.trainer, "test", "results_test.json", evaluated_position(self.trainer))
 
 
 def instantiate_config(config: str, overrides: Sequence[str] = ()) -> ContrastlabCLI:

@@ -4,9 +4,43 @@
 import json
 from pathlib import Path
 
-from engine.files import write_atomically
+from lightning.pytorch.callbacks import Callback
+
+from engine.files import read_checkpoint, write_atomically
 
 SUMMARY_KEYS = ("probe_top1", "probe_top5", "knn_top1", "knn_top5", "top1", "many_top1", "medium_top1", "few_top1")
+
+
+class FinalValidation(Callback):
+    """A fit validates the weights it ends with, so that its results are theirs. Lightning validates the epochs e
+    with (e + 1) % check_val_every_n_epoch == 0 and not the step where max_steps stops a run inside an epoch: the
+    last of NPID's 201 epochs (validated every 10) or a max_steps run would report an earlier validation as final.
+    Here the last epoch is validated in any case, and so is the step where max_steps stops the run.
+    `validated_step`, the global step of the latest validation (kept in checkpoints), is written with the results."""
+
+    def __init__(self):
+        self.validated_step: int | None = None
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        last_epoch = trainer.max_epochs is not None and trainer.current_epoch == trainer.max_epochs - 1
+        if trainer.enable_validation and isinstance(trainer.check_val_every_n_epoch, int) and last_epoch:
+            trainer.check_val_every_n_epoch = 1
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.enable_validation and 0 < trainer.max_steps <= trainer.global_step:
+            if isinstance(trainer.check_val_every_n_epoch, int):
+                trainer.check_val_every_n_epoch = 1
+            trainer.should_stop = True  # Lightning validates a batch after which the run stops (`_should_check_val_fx`)
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if not trainer.sanity_checking:
+            self.validated_step = trainer.global_step
+
+    def state_dict(self) -> dict:
+        return {"validated_step": self.validated_step}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.validated_step = state_dict.get("validated_step")
 
 
 def write_results(path: Path, position: dict, metrics: dict[str, float]) -> None:
@@ -28,5 +62,17 @@ def report_results(trainer, stage: str, results: str, position: dict | None = No
         print(f"\n{stage} results: " + "  ".join(f"{key} {100 * value:.2f}%" for key, value in found.items()))
     if trainer.fast_dev_run:
         return  # a smoke run's numbers are no run's results
-    position = position or {"epoch": trainer.current_epoch, "global_step": trainer.global_step}
+    if position is None:  # a fit: its epoch and step, and the step of the validation its val/* numbers come from
+        validated = [callback.validated_step for callback in trainer.callbacks if isinstance(callback, FinalValidation)]
+        position = {"epoch": trainer.current_epoch, "global_step": trainer.global_step, "val_global_step": validated[0] if validated else None}
     write_results(Path(trainer.default_root_dir) / results, position, metrics)
+
+
+def evaluated_position(trainer) -> dict:
+    """The checkpoint an evaluation restored and its global step (the trainer's epoch and step are 0 in an
+    evaluation); a null step when it restored none (the config's own weights, e.g. a linear probe's trunk)."""
+    path = trainer.ckpt_path
+    if path is None or not Path(path).is_file():
+        return {"checkpoint": path, "global_step": None}
+    checkpoint = read_checkpoint(path, f"ckpt_path {str(path)!r}")  # memory-mapped: only the step is read
+    return {"checkpoint": str(path), "global_step": checkpoint.get("global_step")}
