@@ -15,7 +15,8 @@ A stage whose results file exists is done and skipped; any other is started agai
 resumes an interrupted run from its last.ckpt (and starts one that has none). Each stage directory keeps
 `log.txt` (the command and its output), `reproduce.json` (launcher, command, pid or Slurm job id, exit code, log)
 and `reproduce.lock`, which the launcher and the training process hold locked (flock) while either lives. The
-status of a stage is the first that applies: done (results file); running (the lock is held; on Slurm: squeue
+status of a stage is the first that applies: done (results file; stale when its record says they are of other
+arguments: other overrides or `--` arguments, another config; it is then neither run nor counted); running (the lock is held; on Slurm: squeue
 lists the job as running; queued while it waits; submitted when squeue is not there to ask); failed (it ended
 with an error, or the Slurm job left the queue without results: exit code and log); interrupted (ended by
 SIGTERM, with the exit status 143 of the saved last.ckpt, by Ctrl-C or another signal, or its launcher vanished;
@@ -90,7 +91,7 @@ class Run:
 
 @dataclass(frozen=True)
 class Status:
-    state: str  # done, running, queued, submitted, failed, interrupted, not started
+    state: str  # done, stale, running, queued, submitted, failed, interrupted, not started
     detail: str = ""
     job_id: str | None = None  # the Slurm job of a stage in progress
 
@@ -169,8 +170,23 @@ def queue_state(job_id: str) -> str | None:
     return (result.stdout.strip().splitlines() or [None])[0] if result.returncode == 0 else None
 
 
+RUN_PATHS = ("--trainer.default_root_dir=", "--model.pretrained_ckpt=", "--ckpt_path=")  # where a run is: they move with --out
+
+
+def stage_arguments(command: list[str]) -> list[str]:
+    """What a stage's results are of: its entry point, subcommand, config and arguments, without the paths of its run."""
+    return [Path(command[1]).name, *(argument for argument in command[2:] if not argument.startswith(RUN_PATHS))]
+
+
 def stage_status(stage: Stage) -> Status:
     if stage.results.is_file():
+        made_with = (read_state(stage.directory) or {}).get("arguments")  # None: recorded before arguments were
+        planned = stage_arguments(stage.command)
+        if made_with is not None and made_with != planned:
+            extra, missing = [a for a in made_with if a not in planned], [a for a in planned if a not in made_with]
+            how = " and ".join([*(["with " + " ".join(extra)] if extra else []), *(["without " + " ".join(missing)] if missing else [])])
+            return Status("stale", f"its results were made {how or 'with these arguments in another order'}: remove "
+                                   f"{shown(stage.directory)} to run it with this command's arguments, or give another --out")
         return Status("done")
     record = read_state(stage.directory)
     if record is None:
@@ -218,7 +234,7 @@ def execute(stage: Stage) -> str:
             # the training process inherits the locked descriptor: the stage counts as running while it lives
             process = subprocess.Popen(stage.command, stdout=stream, stderr=subprocess.STDOUT, cwd=ROOT, pass_fds=(lock.fileno(),))
         record = {"launcher": "local", "host": socket.gethostname(), "pid": process.pid, "command": stage.command,
-                  "log": str(log), "started": time.time(), "exit_code": None}
+                  "arguments": stage_arguments(stage.command), "log": str(log), "started": time.time(), "exit_code": None}
         write_state(stage.directory, record)
         try:
             code, interrupted = process.wait(), False
@@ -239,8 +255,8 @@ def run_locally(runs: list[Run]) -> None:
             if status.state == "done":
                 continue
             name = f"[{run.row.id} seed {run.seed}] {stage.name}"
-            if status.state in IN_PROGRESS:
-                print(f"{name}: {status}, left to it", flush=True)
+            if status.state in (*IN_PROGRESS, "stale"):
+                print(f"{name}: {status}" + (", left to it" if status.state != "stale" else ""), flush=True)
                 break
             print(f"{name}: {shlex.join(stage.command)}", flush=True)
             outcome = execute(stage)
@@ -276,9 +292,9 @@ def submit_runs(runs: list[Run], table: Table, args) -> None:
             status = stage_status(stage)
             if stage.name == "pretrain" and status.state != "done":
                 pretraining_job = status.job_id or DEPENDENCY_PLACEHOLDER
-            if status.state == "done" or status.state in IN_PROGRESS:
+            if status.state in ("done", "stale", *IN_PROGRESS):
                 if status.state != "done":
-                    print(f"[{run.row.id} seed {run.seed}] {stage.name}: {status}, left to it", flush=True)
+                    print(f"[{run.row.id} seed {run.seed}] {stage.name}: {status}" + (", left to it" if status.state != "stale" else ""), flush=True)
                 continue
             after = pretraining_job if stage.name != "pretrain" else None
             if not args.dry_run and after is not None and not after.isdigit():
@@ -288,7 +304,8 @@ def submit_runs(runs: list[Run], table: Table, args) -> None:
             ((script, job_id),) = submit.write_and_submit(render_job(stage, run, table, args, after), args.dry_run)
             if job_id is not None:
                 write_state(stage.directory, {"launcher": "slurm", "job_id": job_id, "job_file": str(script), "after": after,
-                                              "log": str(stage.directory / "slurm.err"), "submitted": time.time()})
+                                              "arguments": stage_arguments(stage.command), "log": str(stage.directory / "slurm.err"),
+                                              "submitted": time.time()})
                 if stage.name == "pretrain":
                     pretraining_job = job_id
 

@@ -179,6 +179,27 @@ def record(directory: Path, **fields) -> None:
     reproduce.write_state(directory, {"launcher": "local", "host": "here", "pid": 1, "log": str(directory / "log.txt"), **fields})
 
 
+
+def test_results_made_with_other_arguments_are_stale_neither_run_again_nor_counted(tmp_path, capsys):
+    """A finished smoke run (`-- --trainer.max_epochs=1`) is not the row's result once the command no longer asks
+    for it, nor is a run of the table's override before it was edited: both are named, and the row shows no number."""
+    path = write_table(tmp_path / "t.yaml", a_row("a", seeds=3, overrides="model.init_args.temperature: 0.5"))
+    runs = reproduce.plan(list(load_table(path).rows), None, tmp_path, [], [])
+    smoke, edited, same = (run.stages[0] for run in runs)
+    planned = [reproduce.stage_arguments(stage.command) for stage in (smoke, edited, same)]
+    assert "--model.init_args.temperature=0.5" in planned[1] and not any(str(tmp_path) in argument for argument in planned[2])
+    made_with = [[*planned[0], "--trainer.max_epochs=1"], [argument.replace("temperature=0.5", "temperature=0.2") for argument in planned[1]], planned[2]]
+    for stage, arguments in zip((smoke, edited, same), made_with):
+        write_results(stage.directory, {"val/probe_top1": 0.5})
+        record(stage.directory, exit_code=0, arguments=arguments)
+    states = [reproduce.stage_status(stage) for stage in (smoke, edited, same)]
+    assert [status.state for status in states] == ["stale", "stale", "done"]
+    assert str(states[0]).startswith("stale (its results were made with --trainer.max_epochs=1: remove ")
+    assert str(states[1]).startswith("stale (its results were made with --model.init_args.temperature=0.2 and without --model.init_args.temperature=0.5: ")
+    reproduce.run_locally(runs)  # runs nothing: a stale stage is named, and its run's later stages wait
+    printed = capsys.readouterr().out
+    assert printed.count(": stale (its results were made with") == 2 and "$ " not in printed and "main_pretrain.py" not in printed
+
 def test_the_status_of_a_stage_comes_from_its_results_lock_and_record(tmp_path):
     path = write_table(tmp_path / "t.yaml", a_row("a", seeds=7))
     runs = reproduce.plan(list(load_table(path).rows), None, tmp_path, [], [])
