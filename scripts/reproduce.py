@@ -26,8 +26,10 @@ also a checkpoint without a record); not started.
 go on; an interrupted one stops the command (rerun it to resume). `--launcher slurm` submits each stage not done,
 queued or running through scripts/slurm/submit.py (its resource options: --nodes, --gpus-per-node, --time, ...),
 each evaluation job `afterok` on its run's pretraining job, and prints the job ids and the `--collect` command.
-`--dry-run` prints every command, resolved, and runs nothing (with Slurm it writes the job files, the
-evaluation's dependency on a placeholder id). `--collect` only assembles the table.
+Before anything runs, every row's stages are resolved as the CLI would (`--print_config`): a misspelt override
+ends the command with one error line naming the row. `--dry-run` prints every command and runs nothing (with
+Slurm it writes the job files, the evaluation's dependency on a placeholder id). `--collect` only assembles the
+table.
 
 The table, printed and written as OUT/table.md and OUT/table.csv: per row and metric the paper's number, the
 measured mean ± sample standard deviation over the row's seeds (n), the difference, the status and the runs
@@ -37,6 +39,7 @@ summary run in OUT/wandb (the runs' W&B project, group = the table file's name).
 """
 
 import argparse
+import contextlib
 import csv
 import fcntl
 import io
@@ -216,6 +219,41 @@ def run_status(run: Run) -> tuple[str, Status]:
         if status.state != "done":
             return stage.name, status
     return "", Status("done")
+
+
+def unresolved(runs: list[Run]) -> str | None:
+    """The first stage whose config and arguments the CLI does not resolve (a misspelt override key, a value of the
+    wrong type), with the CLI's error, as "row R, STAGE: error", found with `--print_config` in this process before
+    any stage runs (an error found inside a run would leave its files and, on Slurm, a queued job behind). The
+    stages of one entry point and subcommand resolve together, in one `--print_config` of `--config C ARGS` after
+    `--config C ARGS` (the CLI checks each argument against the classes of the config it follows); only when that
+    fails is each resolved alone, to name it. A row's seeds differ only in --seed_everything: seed 0 stands for them."""
+    import main_linear  # the CLI: imported only when stages are about to run
+    import main_pretrain
+
+    def resolve(entry: str, arguments: list[str]) -> str | None:
+        errors = io.StringIO()
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(errors):
+            try:
+                (main_linear if entry == "main_linear.py" else main_pretrain).cli_main([*arguments, "--print_config"])
+            except SystemExit as exit:
+                if exit.code not in (0, None):
+                    reasons = [line.removeprefix("error: ") for line in errors.getvalue().splitlines() if line.startswith("error: ")]
+                    return reasons[-1] if reasons else f"exit {exit.code}"
+        return None
+
+    groups: dict[tuple[str, str], list[tuple[Run, Stage, list[str]]]] = {}
+    for run in (run for run in runs if run.seed == 0):
+        for stage in run.stages:  # [python, script, subcommand, --config, CONFIG, arguments...]; the --ckpt_path file comes later
+            arguments = [argument for argument in stage.command[3:] if not argument.startswith("--ckpt_path=")]
+            groups.setdefault((Path(stage.command[1]).name, stage.command[2]), []).append((run, stage, arguments))
+    for (entry, subcommand), members in groups.items():
+        if resolve(entry, [subcommand, *(argument for _, _, arguments in members for argument in arguments)]) is None:
+            continue
+        for run, stage, arguments in members:
+            if (problem := resolve(entry, [subcommand, *arguments])) is not None:
+                return f"row {run.row.id}, {stage.name}: {problem}"
+    return None
 
 
 # ----------------------------------------------------------------- the local launcher
@@ -464,6 +502,8 @@ def main(argv: list[str]) -> int:
     if args.collect:
         print(assemble(table, runs, out))
         return 0
+    if problem := unresolved(runs):
+        raise SystemExit(f"error: {shown(table.path)} {problem}")
     if args.launcher == "slurm":
         try:
             if not args.dry_run:
