@@ -33,7 +33,7 @@ class LastCheckpointOnSigterm(Callback):
             return  # a smoke run (`fast_dev_run`) leaves no checkpoint to resume from
         for callback in trainer.checkpoint_callbacks:
             if isinstance(callback, ModelCheckpoint) and callback.save_last and callback.dirpath:
-                trainer.save_checkpoint(last_checkpoint_path(callback))
+                trainer.save_checkpoint(last_checkpoint_path(callback), weights_only=False)  # the whole state, to resume from
 
 
 class PreemptionSignals(Callback):
