@@ -173,23 +173,12 @@ def queue_state(job_id: str) -> str | None:
     return (result.stdout.strip().splitlines() or [None])[0] if result.returncode == 0 else None
 
 
-RUN_PATHS = ("--trainer.default_root_dir=", "--model.pretrained_ckpt=", "--ckpt_path=")  # where a run is: they move with --out
-
-
-def stage_arguments(command: list[str]) -> list[str]:
-    """What a stage's results are of: its entry point, subcommand, config and arguments, without the paths of its run."""
-    return [Path(command[1]).name, *(argument for argument in command[2:] if not argument.startswith(RUN_PATHS))]
-
-
 def stage_status(stage: Stage) -> Status:
     if stage.results.is_file():
         made_with = (read_state(stage.directory) or {}).get("arguments")  # None: recorded before arguments were
-        planned = stage_arguments(stage.command)
-        if made_with is not None and made_with != planned:
-            extra, missing = [a for a in made_with if a not in planned], [a for a in planned if a not in made_with]
-            how = " and ".join([*(["with " + " ".join(extra)] if extra else []), *(["without " + " ".join(missing)] if missing else [])])
-            return Status("stale", f"its results were made {how or 'with these arguments in another order'}: remove "
-                                   f"{shown(stage.directory)} to run it with this command's arguments, or give another --out")
+        if (how := sweep.other_arguments(made_with, sweep.stage_arguments(stage.command))) is not None:
+            return Status("stale", f"its results were made {how}: remove {shown(stage.directory)} to run it with this "
+                                   "command's arguments, or give another --out")
         return Status("done")
     record = read_state(stage.directory)
     if record is None:
@@ -272,7 +261,7 @@ def execute(stage: Stage) -> str:
             # the training process inherits the locked descriptor: the stage counts as running while it lives
             process = subprocess.Popen(stage.command, stdout=stream, stderr=subprocess.STDOUT, cwd=ROOT, pass_fds=(lock.fileno(),))
         record = {"launcher": "local", "host": socket.gethostname(), "pid": process.pid, "command": stage.command,
-                  "arguments": stage_arguments(stage.command), "log": str(log), "started": time.time(), "exit_code": None}
+                  "arguments": sweep.stage_arguments(stage.command), "log": str(log), "started": time.time(), "exit_code": None}
         write_state(stage.directory, record)
         try:
             code, interrupted = process.wait(), False
@@ -342,7 +331,7 @@ def submit_runs(runs: list[Run], table: Table, args) -> None:
             ((script, job_id),) = submit.write_and_submit(render_job(stage, run, table, args, after), args.dry_run)
             if job_id is not None:
                 write_state(stage.directory, {"launcher": "slurm", "job_id": job_id, "job_file": str(script), "after": after,
-                                              "arguments": stage_arguments(stage.command), "log": str(stage.directory / "slurm.err"),
+                                              "arguments": sweep.stage_arguments(stage.command), "log": str(stage.directory / "slurm.err"),
                                               "submitted": time.time()})
                 if stage.name == "pretrain":
                     pretraining_job = job_id

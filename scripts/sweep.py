@@ -9,7 +9,9 @@ Every (grid point, seed) is one `main_pretrain.py fit` run in `OUT/<point>_seed<
 `log.txt`), followed, with `--linear`, by `main_linear.py fit` on its `last.ckpt` in `.../linear/`.
 Arguments after `--` are passed to every pretraining run. A run whose results file already exists is
 skipped and an interrupted one resumes from its `last.ckpt` (`--ckpt_path last`), so re-running the
-command resumes an interrupted sweep; a failed run is reported and the others go on. The table
+command resumes an interrupted sweep; a failed run is reported and the others go on. Each stage directory
+records the arguments it ran with (`sweep.json`): results made with other ones (an earlier sweep's `--`
+arguments in the same `--out`) are stale, reported and left out of the table, never taken for this sweep's. The table
 `OUT/results.md` gives, per grid point, mean ± std and the 95% confidence interval (Student t) over
 seeds; `OUT/results.csv` has one row per run.
 
@@ -105,22 +107,60 @@ def execute(command: list[str], log: Path) -> bool:
         return subprocess.run(command, stdout=stream, stderr=subprocess.STDOUT, cwd=ROOT).returncode == 0
 
 
-def perform(run: Run, args) -> bool:
-    """Run the stages of one sweep entry that have no results yet; False when one fails."""
-    stages = [(run.directory, pretrain_command(run, args.config, args.extra))]
+RECORD = "sweep.json"  # in each stage directory: the arguments its results are of
+RUN_PATHS = ("--trainer.default_root_dir=", "--model.pretrained_ckpt=", "--ckpt_path=")  # where a run is: they move with --out
+
+
+def stage_arguments(command: list[str]) -> list[str]:
+    """What a stage's results are of: its entry point, subcommand, config and arguments, without the paths of its run."""
+    return [Path(command[1]).name, *(argument for argument in command[2:] if not argument.startswith(RUN_PATHS))]
+
+
+def other_arguments(made_with: list[str] | None, planned: list[str]) -> str | None:
+    """How the arguments results were made with differ from the planned ones ("with A and without B"), or None
+    when they do not (or were not recorded)."""
+    if made_with is None or made_with == planned:
+        return None
+    extra, missing = [a for a in made_with if a not in planned], [a for a in planned if a not in made_with]
+    how = " and ".join([*(["with " + " ".join(extra)] if extra else []), *(["without " + " ".join(missing)] if missing else [])])
+    return how or "with these arguments in another order"
+
+
+def stages(run: Run, args) -> list[tuple[Path, list[str]]]:
+    """The (directory, command) of each stage of a sweep entry: the pretraining, then the linear stage."""
+    commands = [(run.directory, pretrain_command(run, args.config, args.extra))]
     if args.linear:
-        stages.append((run.directory / "linear", linear_command(run, args.linear, args.linear_override)))
-    for directory, command in stages:
+        commands.append((run.directory / "linear", linear_command(run, args.linear, args.linear_override)))
+    return commands
+
+
+def stale(run: Run, args) -> str | None:
+    """Why the results of a sweep entry are not of this sweep's arguments (an earlier sweep's, in the same --out)."""
+    for directory, command in stages(run, args):
+        record = directory / RECORD
+        made_with = json.loads(record.read_text())["arguments"] if record.is_file() else None
+        if (how := other_arguments(made_with, stage_arguments(command))) is not None:
+            return f"{directory.relative_to(run.directory.parent)}'s results were made {how}: remove {run.directory} to run it with these arguments, or give another --out"
+    return None
+
+
+def perform(run: Run, args) -> bool:
+    """Run the stages of one sweep entry that have no results yet; False when one fails or has stale results."""
+    if (why := stale(run, args)) is not None:
+        print(f"[{run.point_name} seed {run.seed}] stale: {why}", flush=True)
+        return False
+    for directory, command in stages(run, args):
         if (directory / "results_val.json").is_file():
             continue
         print(f"[{run.point_name} seed {run.seed}] {shlex.join(command[1:])}", flush=True)
+        write_atomically(directory / RECORD, lambda partial: partial.write_text(json.dumps({"arguments": stage_arguments(command)})))
         if not execute(command, run.directory / "log.txt"):
             print(f"  failed: see {run.directory / 'log.txt'}", flush=True)
             return False
     return True
 
 
-def read_metric(run: Run, metric: str) -> float | None:
+def read_finished_metric(run: Run, metric: str) -> float | None:
     stage, _, key = metric.rpartition(":")
     path = run.directory / stage / "results_val.json" if stage else run.directory / "results_val.json"
     if not path.is_file():
@@ -147,9 +187,13 @@ def format_summary(summary: dict[str, float], metric: str, planned: int) -> str:
     return text + (f" (n={summary['n']})" if summary["n"] < planned else "")
 
 
-def collect(runs: list[Run], metrics: list[str], out: Path) -> str:
+def collect(runs: list[Run], metrics: list[str], out: Path, stale_runs: frozenset[Path] = frozenset()) -> str:
     """Write results.csv (one row per run) and results.md (per grid point: mean ± std (95% CI
-    half-width) over the seeds that finished), each atomically; return the markdown table."""
+    half-width) over the seeds that finished), each atomically; return the markdown table. The runs whose
+    directories are in `stale_runs` (results of other arguments, `stale`) count as not finished."""
+    def read_metric(run: Run, metric: str) -> float | None:
+        return None if run.directory in stale_runs else read_finished_metric(run, metric)
+
     def write_csv(partial: Path) -> None:
         with partial.open("w", newline="") as stream:
             writer = csv.writer(stream)
@@ -252,14 +296,14 @@ def main(argv: list[str]) -> int:
     failed = [] if args.collect else [run for run in selected if not perform(run, args)]
     defaults = DEFAULT_METRICS[: 2 if not args.linear else 3]
     # A default metric that no run reports (e.g. no kNN monitor on a classifier) is left out of the table.
-    metrics = [*(m for m in defaults if any(read_metric(run, m) is not None for run in runs)), *args.metrics]
+    metrics = [*(m for m in defaults if any(read_finished_metric(run, m) is not None for run in runs)), *args.metrics]
     if args.only is not None and not args.collect:  # the array's tasks end together: one writer of the table, `--collect`
         print(f"{selected[0].point_name} seed {selected[0].seed}: {'failed' if failed else 'done'}; the table: "
               f"python scripts/sweep.py --collect {shlex.join(sweep_argv(args))}")
     else:
-        print(collect(runs, metrics, args.out))
+        print(collect(runs, metrics, args.out, frozenset(run.directory for run in runs if stale(run, args) is not None)))
     for run in failed:
-        print(f"failed: {run.point_name} seed {run.seed} (log: {run.directory / 'log.txt'})")
+        print(f"{'stale' if stale(run, args) else 'failed'}: {run.point_name} seed {run.seed} (log: {run.directory / 'log.txt'})")
     return 1 if failed else 0
 
 

@@ -19,7 +19,7 @@ import pytest
 import yaml
 from lightning.pytorch.callbacks import Callback
 
-from scripts import reproduce
+from scripts import reproduce, sweep
 from scripts.tables import load_table
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -198,7 +198,7 @@ def test_results_made_with_other_arguments_are_stale_neither_run_again_nor_count
     path = write_table(tmp_path / "t.yaml", a_row("a", seeds=3, overrides="model.init_args.temperature: 0.5"))
     runs = reproduce.plan(list(load_table(path).rows), None, tmp_path, [], [])
     smoke, edited, same = (run.stages[0] for run in runs)
-    planned = [reproduce.stage_arguments(stage.command) for stage in (smoke, edited, same)]
+    planned = [sweep.stage_arguments(stage.command) for stage in (smoke, edited, same)]
     assert "--model.init_args.temperature=0.5" in planned[1] and not any(str(tmp_path) in argument for argument in planned[2])
     made_with = [[*planned[0], "--trainer.max_epochs=1"], [argument.replace("temperature=0.5", "temperature=0.2") for argument in planned[1]], planned[2]]
     for stage, arguments in zip((smoke, edited, same), made_with):

@@ -75,6 +75,24 @@ def test_an_array_task_leaves_the_table_to_collect(tmp_path, capsys):
     assert "base seed 1: done; the table: python scripts/sweep.py --collect" in capsys.readouterr().out
     assert not (tmp_path / "results.md").exists() and not (tmp_path / "results.csv").exists()
 
+
+def test_results_of_other_arguments_in_the_same_out_are_stale_not_skipped_as_done_nor_tabled(tmp_path, capsys):
+    """A smoke sweep (`-- --trainer.max_epochs=1`) rerun without its `--` arguments in the same --out: its finished
+    runs are named stale and left out of the table instead of standing for the real ones."""
+    smoke = sweep.parse_args(["--config", PRETRAIN_DIGITS, "--out", str(tmp_path), "--seeds", "0", "1", "--", "--trainer.max_epochs=1"])
+    real = sweep.parse_args(["--config", PRETRAIN_DIGITS, "--out", str(tmp_path), "--seeds", "0", "1"])
+    runs = sweep.expand([], [0, 1], tmp_path)
+    for run, args in zip(runs, (smoke, real)):  # seed 0 made by the smoke sweep, seed 1 by the real one
+        ((directory, command),) = sweep.stages(run, args)
+        write_results(directory, {"val/knn_top1": 0.5})
+        (directory / sweep.RECORD).write_text(json.dumps({"arguments": sweep.stage_arguments(command)}))
+    assert sweep.stale(runs[0], real).startswith("base_seed0's results were made with --trainer.max_epochs=1: remove ")
+    assert sweep.stale(runs[1], real) is None and sweep.stale(runs[0], smoke) is None
+    assert sweep.main(["--config", PRETRAIN_DIGITS, "--out", str(tmp_path), "--seeds", "0", "1"]) == 1  # runs nothing
+    printed = capsys.readouterr().out
+    assert "[base seed 0] stale: base_seed0's results were made with --trainer.max_epochs=1" in printed
+    assert "| base | 2 | 50.00 (n=1) |" in printed and "main_pretrain.py fit" not in printed
+
 def test_slurm_mode_writes_the_job_template_as_an_array_of_one_task_per_run_and_runs_nothing(tmp_path, capsys):
     out = tmp_path / "sweep"
     code = sweep.main(["--config", PRETRAIN_DIGITS, "--out", str(out), "--grid", "model.init_args.temperature=0.1,0.2",
