@@ -107,9 +107,10 @@ def run_failing(entry, args, capsys) -> str:
     [
         ("--model.init_args.temprature=0.1", "temprature"),
         ("--model.init_args.backbone.name=resnet19", "unknown backbone name 'resnet19'"),
-        ("--model.init_args.temperature=-0.2", "temperature must be > 0, got -0.2"),
+        ("--model.init_args.temperature=-0.2", "model.init_args.temperature must be > 0, got -0.2 (given on the command line)"),
+        ("--model.init_args.optimizer.lr=-1", "model.init_args.optimizer.lr must be >= 0, got -1 (given on the command line)"),
         ("--model.init_args.queue_size=8", "queue size 8 is smaller than the 16 keys enqueued per step"),
-        ("--data.init_args.root=/no/such/folder", "data.root '/no/such/folder' is not an existing directory"),
+        ("--data.init_args.root=/no/such/folder", "data.init_args.root '/no/such/folder' is not an existing directory (given on the command line)"),
         ("--data.init_args.views.key.preset=mocov3", "view 'key': unknown preset 'mocov3'"),
     ],
 )
@@ -135,6 +136,14 @@ def test_the_results_of_a_fit_are_the_validation_of_the_weights_it_ends_with(sto
     results = json.loads((tmp_path / "results_val.json").read_text())
     assert results["global_step"] == results["val_global_step"] == cli.trainer.global_step == {"3": 6, "5": 3}[stop[0][-1]]
     assert "val/knn_top1" in results["metrics"]
+
+
+def test_a_bad_value_from_a_config_file_is_named_by_its_key_and_its_file(tmp_path, capsys):
+    overlay = tmp_path / "overlay.yaml"
+    overlay.write_text("model:\n  init_args:\n    optimizer: {lr: -0.5}\n")
+    line = run_failing(main_pretrain, ["fit", "--config", PRETRAIN_DIGITS, "--config", str(overlay), *TINY_RUN, f"--trainer.default_root_dir={tmp_path / 'run'}"], capsys)
+    assert line == f"error: model.init_args.optimizer.lr must be >= 0, got -0.5 (from {overlay})"
+    assert not (tmp_path / "run").exists()
 
 @pytest.mark.slow
 def test_pretrain_then_linear_probe_pipeline_with_reruns_and_a_validate_in_the_same_directory_keeps_each_stages_results(tmp_path, capsys):

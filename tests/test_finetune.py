@@ -87,9 +87,9 @@ def test_a_simclr_subset_list_selects_the_listed_training_images_of_a_folder(tmp
 @pytest.mark.parametrize(
     "override, expected",
     [
-        (["--data.init_args.label_subset.fraction=0"], "error: data.label_subset.fraction must lie in (0, 1], got 0.0"),
-        (["--data.init_args.label_subset.fraction=1.5"], "error: data.label_subset.fraction must lie in (0, 1], got 1.5"),
-        ([], "error: data.label_subset.list_file '/no/such/1percent.txt' is not an existing file"),
+        (["--data.init_args.label_subset.fraction=0"], "error: data.init_args.label_subset.fraction must lie in (0, 1], got 0.0 (given on the command line)"),
+        (["--data.init_args.label_subset.fraction=1.5"], "error: data.init_args.label_subset.fraction must lie in (0, 1], got 1.5 (given on the command line)"),
+        ([], "error: data.init_args.label_subset.list_file '/no/such/1percent.txt' is not an existing file"),
         (["--data.init_args.label_subset.list_file=/no/such/1percent.txt"], "error: data.label_subset needs exactly one of fraction"),
     ],
     ids=["fraction-0", "fraction-above-1", "missing-list-file", "fraction-and-list-file"],

@@ -418,7 +418,7 @@ def test_the_linear_stage_command_ends_a_partial_file_with_one_error_line(tmp_pa
         main_linear.cli_main(["fit", "--config", str(ROOT / "configs/linear_digits.yaml"), f"--model.pretrained_ckpt={path}",
                               "--model.pretrained_format=moco", f"--trainer.default_root_dir={tmp_path / 'run'}"])  # fmt: skip
     lines = capsys.readouterr().err.strip().splitlines()
-    assert lines[-1].startswith("error: model.pretrained_ckpt") and "missing keys ['layer4.1.bn2.running_var']" in lines[-1]
+    assert lines[-1].startswith("error: model.init_args.pretrained_ckpt") and "missing keys ['layer4.1.bn2.running_var']" in lines[-1]
     assert not (tmp_path / "run").exists()
 
 

@@ -626,8 +626,8 @@ def test_the_linear_stage_refuses_a_checkpoint_of_another_method_family_in_one_l
     }
     for module, path in checkpoints.items():
         line = run_failing(main_linear, ["fit", "--config", LINEAR_DIGITS, f"--model.pretrained_ckpt={path}", f"--trainer.default_root_dir={tmp_path / 'run'}"], capsys)
-        assert line == (f"error: model.pretrained_ckpt '{path}' is a {module} checkpoint: the linear stage "
-                        "probes the trunk of a pretraining method (methods.PretrainMethod, e.g. methods.MoCoV2)")
+        assert line == (f"error: model.init_args.pretrained_ckpt '{path}' is a {module} checkpoint: the linear stage "
+                        "probes the trunk of a pretraining method (methods.PretrainMethod, e.g. methods.MoCoV2) (given on the command line)")
 
 
 def test_main_linear_given_a_pretraining_checkpoint_as_ckpt_path_points_to_model_pretrained_ckpt(cli_checkpoint, tmp_path, capsys):
@@ -667,12 +667,12 @@ def test_a_probe_runs_under_its_pretraining_run_and_resuming_it_with_another_pre
     "config, override, expected",
     [
         ("moco_digits", "--model.init_args.queue_size=many", 'Parser key "model.init_args.queue_size": Expected a <class \'int\'>. Got value: many'),
-        ("moco_digits", "--model.init_args.temperature=0", "temperature must be > 0, got 0.0"),
-        ("sce_digits", "--model.init_args.coeff=1.5", "coeff must lie in [0, 1], got 1.5"),
-        ("tcl_digits", "--model.init_args.k1=-1", "model.k1 must be >= 0, got -1.0"),
-        ("paco_digits_lt", "--model.init_args.temperature=-0.1", "model.temperature must be > 0, got -0.1"),
-        ("moco_digits", "--model.init_args.optimizer.lr=-1", "optimizer.lr must be >= 0, got -1"),  # as given, not scaled to -0.5
-        ("ce_digits_lt", "--model.init_args.optimizer.weight_decay=-1e-4", "optimizer.weight_decay must be >= 0, got -0.0001"),
+        ("moco_digits", "--model.init_args.temperature=0", "model.init_args.temperature must be > 0, got 0.0 (given on the command line)"),
+        ("sce_digits", "--model.init_args.coeff=1.5", "model.init_args.coeff must lie in [0, 1], got 1.5 (given on the command line)"),
+        ("tcl_digits", "--model.init_args.k1=-1", "model.init_args.k1 must be >= 0, got -1.0 (given on the command line)"),
+        ("paco_digits_lt", "--model.init_args.temperature=-0.1", "model.init_args.temperature must be > 0, got -0.1 (given on the command line)"),
+        ("moco_digits", "--model.init_args.optimizer.lr=-1", "model.init_args.optimizer.lr must be >= 0, got -1 (given on the command line)"),  # as given, not scaled to -0.5
+        ("ce_digits_lt", "--model.init_args.optimizer.weight_decay=-1e-4", "model.init_args.optimizer.weight_decay must be >= 0, got -0.0001 (given on the command line)"),
     ],
 )
 def test_an_out_of_range_or_mistyped_value_ends_with_one_error_line_naming_it(config, override, expected, tmp_path, capsys):

@@ -54,3 +54,48 @@ def root_cause(error: BaseException) -> BaseException:
     while error.__cause__ is not None:
         error = error.__cause__
     return error
+
+
+def located(message: str, config: dict, command_line: list[str]) -> str:
+    """A constructor names a bad value by its place in its class ("optimizer.lr must be >= 0", "model.temperature
+    must be > 0"): name it by its key in the run's config ("model.init_args.optimizer.lr") and say where the value
+    came from: the command line, a config file (`--config`), or the class's default. A message that names no key
+    of the config is kept as it is."""
+    name, _, rest = message.partition(" ")
+    parts = name.split(".")
+    parts = parts[1:] if parts[0] in ("model", "data") else parts  # "model.temperature": an argument of the model itself
+    keys = [key for key in flat_keys(config) if key.split(".")[:2] in (["model", "init_args"], ["data", "init_args"])
+            and key.split(".")[2:] == parts]
+    if len(keys) != 1 or not rest:
+        return message
+    key = keys[0]
+    given = [argument for argument in command_line if isinstance(argument, str) and argument.startswith("--")]
+    if any(plain(argument.removeprefix("--").partition("=")[0]) == plain(key) for argument in given):
+        source = "given on the command line"
+    else:
+        files = [path for flag, path in zip(command_line, command_line[1:]) if flag == "--config"]
+        files += [argument.partition("=")[2] for argument in given if argument.startswith("--config=")]
+        setting = [path for path in files if plain(key) in {plain(k) for k in flat_keys(read_yaml(path))}]
+        source = f"from {setting[-1]}" if setting else "the default of its class"
+    return f"{key} {rest} ({source})"
+
+
+def plain(key: str) -> str:
+    """A config key without its `init_args` levels (`--model.temperature` and `--model.init_args.temperature` name the same value)."""
+    return key.replace(".init_args.", ".")
+
+
+def flat_keys(value, prefix: str = "") -> list[str]:
+    if isinstance(value, dict) and value:
+        return [key for name, item in value.items() for key in flat_keys(item, f"{prefix}{name}.")]
+    return [prefix.rstrip(".")]
+
+
+def read_yaml(path: str) -> dict:
+    import yaml
+
+    try:
+        with open(path) as file:
+            return yaml.safe_load(file) or {}
+    except (OSError, yaml.YAMLError):
+        return {}

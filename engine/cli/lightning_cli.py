@@ -45,7 +45,7 @@ from analysis.monitors import CollapseMonitor, EmbeddingMap
 from datamodules.base import ContrastiveDataModule
 from datamodules.folders import TooManyUnreadableImages
 from engine.checkpoint_record import CheckpointMismatch
-from engine.cli.errors import condense_parser_error, fail, last_line, one_error_line, root_cause
+from engine.cli.errors import condense_parser_error, fail, last_line, located, one_error_line, root_cause
 from engine.cli.parsing import ContrastlabArgumentParser, SaveConfigToRun
 from engine.cli.quiet import quiet_run
 from engine.cli.resume import (
@@ -78,7 +78,8 @@ class ContrastlabCLI(LightningCLI):
         self.precision_note: str | None = None  # the CPU precision rule's choice, printed at the start of the run
         self.run_lock: RunDirectoryLock | None = None
         command_line = sys.argv[1:] if args is None else args
-        self.requested_subcommand = command_line[0] if isinstance(command_line, Sequence) and command_line else None
+        self.command_line = list(command_line) if isinstance(command_line, Sequence) else []  # where values came from, for errors
+        self.requested_subcommand = self.command_line[0] if self.command_line else None
         try:
             with quiet_run(), one_error_line(NonFiniteLossError, CheckpointMismatch, UnreadableCheckpoint, TooManyUnreadableImages, WriteFailed, describe=last_line):
                 super().__init__(
@@ -188,7 +189,7 @@ class ContrastlabCLI(LightningCLI):
         accelerator, devices = trainer.get("accelerator"), trainer.get("devices")
         if accelerator in ("gpu", "cuda") and not (CUDAAccelerator.is_available() or MPSAccelerator.is_available()):
             fail(f"trainer.accelerator {accelerator!r}, but this machine has no GPU: give --trainer.accelerator cpu (and --trainer.devices N for N CPU processes)")
-        with one_error_line(ValueError, describe=lambda error: condense_parser_error(str(root_cause(error)))):
+        with one_error_line(ValueError, describe=lambda error: located(condense_parser_error(str(root_cause(error))), self.resolved_config(), self.command_line)):
             super().instantiate_classes()
         self.run_lock = RunDirectoryLock(self.trainer.default_root_dir)
         max_time = trainer.get("max_time")
