@@ -222,7 +222,7 @@ def unresolved(runs: list[Run]) -> str | None:
 
     def resolve(entry: str, arguments: list[str]) -> str | None:
         errors = io.StringIO()
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(errors):
+        with contextlib.chdir(ROOT), contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(errors):  # where stages run
             try:
                 (main_linear if entry == "main_linear.py" else main_pretrain).cli_main([*arguments, "--print_config"])
             except SystemExit as exit:
@@ -471,7 +471,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def collect_command(args, table: Table, out: Path) -> str:
     rows = ["--rows", *args.rows] if args.rows else []
     seeds = [f"--seeds={args.seeds}"] if args.seeds else []
-    return shlex.join(["uv", "run", "python", "scripts/reproduce.py", shown(table.path), "--out", shown(out), *rows, *seeds, "--collect"])
+    overrides = [f"--evaluation-override={override}" for override in args.evaluation_override]  # the results are of them
+    extra = ["--", *args.extra] if args.extra else []
+    return shlex.join(["uv", "run", "python", "scripts/reproduce.py", shown(table.path), "--out", shown(out), *rows, *seeds, *overrides, "--collect", *extra])
 
 
 def main(argv: list[str]) -> int:

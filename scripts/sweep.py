@@ -19,7 +19,7 @@ On a cluster, `--slurm` writes `OUT/sweep.sbatch`, the job of `scripts/slurm/tem
 one `scripts/slurm/submit.py` writes) as an array with one task per run: each task is this command with
 `--only <index>` on `--nodes` x `--gpus-per-node` (default: the config's trainer.devices), and every run
 gets the matching `--trainer.num_nodes` / `--trainer.devices`. Slurm logs go to `OUT/slurm-<index>.out`
-/ `.err`; a task requeued on SIGUSR1 resumes its run from `last.ckpt`. The tasks write no table (they end
+/ `.err`; a task requeued on SIGUSR1 resumes its run from the newer of its hpc checkpoint and `last.ckpt`. The tasks write no table (they end
 together); `--collect` then builds it from the finished runs.
 """
 
@@ -108,12 +108,17 @@ def execute(command: list[str], log: Path) -> bool:
 
 
 RECORD = "sweep.json"  # in each stage directory: the arguments its results are of
-RUN_PATHS = ("--trainer.default_root_dir=", "--model.pretrained_ckpt=", "--ckpt_path=")  # where a run is: they move with --out
+# where a run is and on what it runs: paths that move with --out, and the processes a Slurm job adds (--slurm)
+RUN_PLACEMENT = ("--trainer.default_root_dir=", "--model.pretrained_ckpt=", "--ckpt_path=", "--trainer.num_nodes=", "--trainer.devices=")
 
 
 def stage_arguments(command: list[str]) -> list[str]:
-    """What a stage's results are of: its entry point, subcommand, config and arguments, without the paths of its run."""
-    return [Path(command[1]).name, *(argument for argument in command[2:] if not argument.startswith(RUN_PATHS))]
+    """What a stage's results are of: its entry point, subcommand, config (relative to the project when inside it)
+    and arguments, without where the run is and on how many processes ([python, script, subcommand, --config,
+    CONFIG, arguments...])."""
+    config = Path(command[4]).resolve()
+    config_name = str(config.relative_to(ROOT)) if config.is_relative_to(ROOT) else str(config)
+    return [Path(command[1]).name, command[2], command[3], config_name, *(argument for argument in command[5:] if not argument.startswith(RUN_PLACEMENT))]
 
 
 def other_arguments(made_with: list[str] | None, planned: list[str]) -> str | None:
@@ -138,6 +143,8 @@ def stale(run: Run, args) -> str | None:
     """Why the results of a sweep entry are not of this sweep's arguments (an earlier sweep's, in the same --out)."""
     for directory, command in stages(run, args):
         record = directory / RECORD
+        if not (directory / "results_val.json").is_file():
+            continue  # no results to mistake (a failed run's record is rewritten when it runs again)
         made_with = json.loads(record.read_text())["arguments"] if record.is_file() else None
         if (how := other_arguments(made_with, stage_arguments(command))) is not None:
             return f"{directory.relative_to(run.directory.parent)}'s results were made {how}: remove {run.directory} to run it with these arguments, or give another --out"

@@ -144,6 +144,13 @@ def test_a_bad_value_from_a_config_file_is_named_by_its_key_and_its_file(tmp_pat
     line = run_failing(main_pretrain, ["fit", "--config", PRETRAIN_DIGITS, "--config", str(overlay), *TINY_RUN, f"--trainer.default_root_dir={tmp_path / 'run'}"], capsys)
     assert line == f"error: model.init_args.optimizer.lr must be >= 0, got -0.5 (from {overlay})"
     assert not (tmp_path / "run").exists()
+    run = [*TINY_RUN, f"--trainer.default_root_dir={tmp_path / 'run'}"]
+    line = run_failing(main_pretrain, ["fit", "-c", PRETRAIN_DIGITS, "--model.init_args.optimizer.lr=0.1", "-c", str(overlay), *run], capsys)
+    assert line.endswith(f"got -0.5 (from {overlay})")  # the later source wins
+    line = run_failing(main_pretrain, ["fit", "--config", PRETRAIN_DIGITS, "--model.init_args.optimizer={name: sgd, lr: -1}", *run], capsys)
+    assert line == "error: model.init_args.optimizer.lr must be >= 0, got -1 (given on the command line)"  # in a dict above it
+    line = run_failing(main_pretrain, ["fit", "--config", PRETRAIN_DIGITS, "--model.init_args.knn_temperature=0", *run], capsys)
+    assert line == "error: knn_k must be >= 0 and knn_temperature > 0, got 200, 0.0"  # two values: kept as the class says it
 
 @pytest.mark.slow
 def test_pretrain_then_linear_probe_pipeline_with_reruns_and_a_validate_in_the_same_directory_keeps_each_stages_results(tmp_path, capsys):

@@ -347,6 +347,23 @@ def test_a_resumed_run_restores_the_newer_of_its_last_ckpt_and_its_hpc_checkpoin
                                   *(["--ckpt_path=last"] if resume == "ckpt_path-last" else [])])
     assert cli.trainer.ckpt_path == str(newest) and cli.trainer.global_step == 4
 
+
+def test_shuffle_bn_without_effect_in_one_process_is_no_changed_setting_but_is_with_split_bn_or_several_processes():
+    """The one-device PaCo configs said `shuffle_bn: true` before they said `false`: the same computation in one
+    process without split-BN, so their runs resume; with split-BN, or on several processes, it is another run."""
+    from engine.cli.resume import changed_setting
+
+    def config(shuffle_bn: bool, split_bn: int = 1) -> dict:
+        return {"model": {"class_path": "methods.PaCo", "init_args": {"momentum": {"shuffle_bn": shuffle_bn, "split_bn": split_bn}}}}
+
+    def checkpoint(shuffle_bn: bool, split_bn: int = 1, world_size: int = 1) -> dict:
+        return {"contrastlab": {"config": config(shuffle_bn, split_bn), "world_size": world_size}}
+
+    assert changed_setting(checkpoint(True), config(False), 1) is None
+    assert changed_setting(checkpoint(True), config(False), None) is None  # before the processes are known
+    assert changed_setting(checkpoint(True, split_bn=8), config(False, split_bn=8), 1).startswith("model.init_args.momentum.shuffle_bn False")
+    assert changed_setting(checkpoint(True, world_size=4), config(False), 4).startswith("model.init_args.momentum.shuffle_bn False")
+
 def cut_short(path: Path) -> None:
     """What a copy interrupted half-way, or a full disk, leaves of a checkpoint."""
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])

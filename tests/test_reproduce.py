@@ -181,15 +181,16 @@ def record(directory: Path, **fields) -> None:
 
 
 
-def test_a_misspelt_override_in_a_table_is_one_error_line_naming_the_row_before_anything_is_written(tmp_path, monkeypatch):
-    monkeypatch.chdir(ROOT)
+def test_a_misspelt_override_in_a_table_is_one_error_line_naming_the_row_before_anything_is_written(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # the tables' config paths are the project's, wherever the command starts
+    assert reproduce.main([str(write_table(tmp_path / "ok.yaml", a_row("good"))), "--out", str(tmp_path / "ok"), "--dry-run"]) == 0
     path = write_table(tmp_path / "t.yaml", a_row("good") + a_row("typo", overrides="model.init_args.temprature: 0.1"))
     out = tmp_path / "out"
     for launcher in ("local", "slurm"):
         with pytest.raises(SystemExit) as stopped:
             reproduce.main([str(path), "--out", str(out), "--launcher", launcher, "--dry-run"])
         message = str(stopped.value)
-        assert message.startswith(f"error: {path} row typo, pretrain: ") and "temprature" in message and "\n" not in message
+        assert message.startswith("error: t.yaml row typo, pretrain: ") and "temprature" in message  # shown from the working directory and "\n" not in message
     assert not out.exists()
 
 def test_results_made_with_other_arguments_are_stale_neither_run_again_nor_counted(tmp_path, capsys):
@@ -211,6 +212,14 @@ def test_results_made_with_other_arguments_are_stale_neither_run_again_nor_count
     reproduce.run_locally(runs)  # runs nothing: a stale stage is named, and its run's later stages wait
     printed = capsys.readouterr().out
     assert printed.count(": stale (its results were made with") == 2 and "$ " not in printed and "main_pretrain.py" not in printed
+
+
+def test_the_collect_command_printed_after_a_submission_names_the_arguments_the_results_are_of(tmp_path):
+    table = load_table(write_table(tmp_path / "t.yaml", a_row("a")))
+    args = reproduce.parse_args([str(table.path), "--rows", "a", "--evaluation-override=--trainer.max_epochs=2", "--", "--trainer.max_epochs=1"])
+    command = shlex.split(reproduce.collect_command(args, table, tmp_path / "out"))
+    assert command[-4:] == ["--evaluation-override=--trainer.max_epochs=2", "--collect", "--", "--trainer.max_epochs=1"]
+    assert reproduce.parse_args(command[4:]).extra == args.extra
 
 def test_the_status_of_a_stage_comes_from_its_results_lock_and_record(tmp_path):
     path = write_table(tmp_path / "t.yaml", a_row("a", seeds=7))
@@ -317,7 +326,7 @@ def test_a_slurm_dry_run_writes_one_job_per_stage_the_evaluation_after_the_pretr
         assert srun[-1] == f"--trainer.default_root_dir={evaluation.directory}"
     printed = capsys.readouterr().out
     assert f"wrote {out / 'lin' / 'seed1' / 'linear' / 'job.sbatch'}" in printed
-    assert "then, at any time: uv run python scripts/reproduce.py" in printed and printed.rstrip().endswith("--collect")
+    assert "then, at any time: uv run python scripts/reproduce.py" in printed and printed.rstrip().endswith("--collect -- --trainer.max_epochs=3")  # the arguments its results are of
     assert not list(out.rglob(reproduce.STATE))  # nothing submitted
 
 

@@ -88,6 +88,13 @@ def test_results_of_other_arguments_in_the_same_out_are_stale_not_skipped_as_don
         (directory / sweep.RECORD).write_text(json.dumps({"arguments": sweep.stage_arguments(command)}))
     assert sweep.stale(runs[0], real).startswith("base_seed0's results were made with --trainer.max_epochs=1: remove ")
     assert sweep.stale(runs[1], real) is None and sweep.stale(runs[0], smoke) is None
+    ((directory, command),) = sweep.stages(runs[1], real)
+    assert sweep.stage_arguments([*command, "--trainer.num_nodes=2", "--trainer.devices=4"]) == sweep.stage_arguments(command)  # a Slurm task's
+    (directory / "results_val.json").unlink()  # a run that failed: its record is of no results, and it runs again
+    (directory / sweep.RECORD).write_text(json.dumps({"arguments": [*sweep.stage_arguments(command), "--trainer.max_epcohs=1"]}))
+    assert sweep.stale(runs[1], real) is None
+    write_results(directory, {"val/knn_top1": 0.5})
+    (directory / sweep.RECORD).write_text(json.dumps({"arguments": sweep.stage_arguments(command)}))
     assert sweep.main(["--config", PRETRAIN_DIGITS, "--out", str(tmp_path), "--seeds", "0", "1"]) == 1  # runs nothing
     printed = capsys.readouterr().out
     assert "[base seed 0] stale: base_seed0's results were made with --trainer.max_epochs=1" in printed

@@ -59,25 +59,32 @@ def root_cause(error: BaseException) -> BaseException:
 def located(message: str, config: dict, command_line: list[str]) -> str:
     """A constructor names a bad value by its place in its class ("optimizer.lr must be >= 0", "model.temperature
     must be > 0"): name it by its key in the run's config ("model.init_args.optimizer.lr") and say where the value
-    came from: the command line, a config file (`--config`), or the class's default. A message that names no key
-    of the config is kept as it is."""
+    came from: the last of the command line's `--config`/`-c` files and arguments that sets it (or a dict above
+    it), else the class's default. A message about several values, or that names no key of the config, is kept."""
     name, _, rest = message.partition(" ")
     parts = name.split(".")
     parts = parts[1:] if parts[0] in ("model", "data") else parts  # "model.temperature": an argument of the model itself
     keys = [key for key in flat_keys(config) if key.split(".")[:2] in (["model", "init_args"], ["data", "init_args"])
             and key.split(".")[2:] == parts]
-    if len(keys) != 1 or not rest:
+    several_values = " got " in rest and ", " in rest.rpartition(" got ")[2]  # e.g. "a must ... and b ..., got 1, 2"
+    if len(keys) != 1 or not rest or several_values:
         return message
-    key = keys[0]
-    given = [argument for argument in command_line if isinstance(argument, str) and argument.startswith("--")]
-    if any(plain(argument.removeprefix("--").partition("=")[0]) == plain(key) for argument in given):
-        source = "given on the command line"
-    else:
-        files = [path for flag, path in zip(command_line, command_line[1:]) if flag == "--config"]
-        files += [argument.partition("=")[2] for argument in given if argument.startswith("--config=")]
-        setting = [path for path in files if plain(key) in {plain(k) for k in flat_keys(read_yaml(path))}]
-        source = f"from {setting[-1]}" if setting else "the default of its class"
+    key, source = keys[0], "the default of its class"
+    tokens = [token for token in command_line if isinstance(token, str)]
+    for position, token in enumerate(tokens):
+        flag, has_value, value = token.partition("=")
+        if flag in ("--config", "-c"):
+            path = value if has_value else (tokens[position + 1] if position + 1 < len(tokens) else "")
+            if any(sets(plain(set_key), plain(key)) for set_key in flat_keys(read_yaml(path))):
+                source = f"from {path}"
+        elif flag.startswith("--") and sets(plain(flag.removeprefix("--")), plain(key)):
+            source = "given on the command line"
     return f"{key} {rest} ({source})"
+
+
+def sets(given: str, key: str) -> bool:
+    """Whether giving the config key `given` sets `key`: the key itself or a dict above it."""
+    return given == key or key.startswith(given + ".")
 
 
 def plain(key: str) -> str:

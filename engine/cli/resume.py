@@ -67,11 +67,23 @@ def changed_setting(checkpoint: dict, config: dict, world_size: int | None = Non
         return None
     before, now = training_settings(record["config"]), training_settings(config)
     for key in sorted(before.keys() & now.keys()):  # a setting added since the checkpoint defaults to what it trained
-        if before[key] != now[key]:
+        if before[key] != now[key] and not without_effect(key, before, now, record.get("world_size"), world_size):
             return f"{key} {now[key]!r} (the run was trained with {before[key]!r})"
     if world_size is not None and record.get("world_size") not in (None, world_size):
         return f"{world_size} processes (the run was trained with {record['world_size']}: another global batch)"
     return None
+
+
+SHUFFLE_BN, SPLIT_BN = "model.init_args.momentum.shuffle_bn", "model.init_args.momentum.split_bn"
+
+
+def without_effect(key: str, before: dict, now: dict, trained_on: int | None, world_size: int | None) -> bool:
+    """A changed setting that changes no computation of this run: shuffle-BN in one process without split-BN
+    encodes the keys unshuffled either way (`MomentumMixin.target_embed`), so a run trained with the one-device
+    PaCo configs' former `shuffle_bn: true` resumes under their `false` (world_size None: not yet known, checked
+    again once the processes are)."""
+    one_process = trained_on in (None, 1) and world_size in (None, 1)
+    return key == SHUFFLE_BN and one_process and before.get(SPLIT_BN, 1) == now.get(SPLIT_BN, 1) == 1
 
 
 def check_unchanged(checkpoint: dict, source: str, config: dict, world_size: int | None = None) -> None:
