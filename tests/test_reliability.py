@@ -1,6 +1,7 @@
 """Issue 12's guarantees: exact resume, nothing lost on interruption, seeds, non-finite losses, bad
 inputs, checkpoint compatibility (engine/, the CLI, the DataModule's resumable order)."""
 
+import json
 import os
 import re
 import shutil
@@ -146,6 +147,28 @@ class SignalAtStep(Callback):
         if trainer.global_step == self.step:
             os.kill(os.getpid(), self.signum)
 
+
+
+class SigtermInLastValidation(Callback):
+    """Sends this process SIGTERM at the first batch of the last epoch's validation, as a scheduler may."""
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        if not trainer.sanity_checking and trainer.current_epoch == trainer.max_epochs - 1 and batch_idx == 0 and dataloader_idx == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+@pytest.mark.slow
+def test_a_run_stopped_during_its_last_validation_resumes_to_the_results_of_its_final_weights(tmp_path):
+    """Lightning counts the stopped epoch as done: the resumed run trains nothing and would validate nothing."""
+    run_dir = tmp_path / "run"
+    command = ["fit", "--config", PRETRAIN_DIGITS, *TINY_RUN, "--trainer.max_epochs=2", "--trainer.logger=false", f"--trainer.default_root_dir={run_dir}"]
+    with pytest.raises(SystemExit) as stopped:
+        main_pretrain.cli_main([*command, "--trainer.callbacks+=test_reliability.SigtermInLastValidation"])
+    assert stopped.value.code == 143 and not (run_dir / "results_val.json").exists()
+    cli = main_pretrain.cli_main([*command, "--ckpt_path=last"])
+    results = json.loads((run_dir / "results_val.json").read_text())
+    assert results["global_step"] == results["val_global_step"] == cli.trainer.global_step == 4
+    assert {"val/knn_top1", "val/probe_top1", "train/time_s"} <= results["metrics"].keys()
 
 @pytest.mark.parametrize("signal_step", [2, 3], ids=["mid-epoch", "last-step-of-an-epoch"])
 @pytest.mark.slow

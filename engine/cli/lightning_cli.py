@@ -56,7 +56,7 @@ from engine.cli.resume import (
     refuse_to_overwrite_a_run,
 )
 from engine.cli.run_lock import RunDirectoryInUse, RunDirectoryLock
-from engine.cli.results import FinalValidation, evaluated_position, report_results
+from engine.cli.results import FinalValidation, evaluated_position, report_results, validate_the_end_if_missed
 from engine.compat import dump_config_for_hyperparameters
 from engine.devices import cpu_has_bf16_units, cpu_precision
 from engine.files import SameDirectoryCheckpointIO, UnreadableCheckpoint, WriteFailed, read_checkpoint
@@ -277,6 +277,7 @@ class ContrastlabCLI(LightningCLI):
                 f"global step {self.trainer.global_step} (checkpoints/last.ckpt): resume with --ckpt_path last\n"
             )
             sys.exit(128 + signal.SIGTERM)
+        validate_the_end_if_missed(self.trainer, self.model, self.datamodule)
         report_results(self.trainer, "val", "results_val.json")
 
     def after_validate(self) -> None:

@@ -43,6 +43,23 @@ class FinalValidation(Callback):
         self.validated_step = state_dict.get("validated_step")
 
 
+
+def validate_the_end_if_missed(trainer, model, datamodule) -> None:
+    """After a fit: validate the final weights if no validation of the final step ran. Lightning counts an epoch
+    stopped by SIGTERM during its validation as done, so a run stopped during its very last validation resumes as
+    finished and validates nothing (FinalValidation cannot reach it). Its W&B run has ended with the fit: the
+    numbers go to the results file only."""
+    final = [callback for callback in trainer.callbacks if isinstance(callback, FinalValidation)]
+    if not final or not trainer.enable_validation or trainer.fast_dev_run or final[0].validated_step == trainer.global_step:
+        return
+    trained = dict(trainer.callback_metrics)
+    loggers, trainer.loggers = trainer.loggers, []
+    try:
+        trainer.validate(model, datamodule=datamodule, verbose=False)
+    finally:
+        trainer.loggers = loggers
+    trainer.callback_metrics.update({name: value for name, value in trained.items() if name not in trainer.callback_metrics})
+
 def write_results(path: Path, position: dict, metrics: dict[str, float]) -> None:
     """Write the final metrics and what they are of (`position`) atomically (a reader never sees half a file)."""
     record = {**position, "metrics": metrics}
