@@ -26,3 +26,10 @@ def save_plain_hyperparameters(module: L.LightningModule) -> None:
 def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
     """A script's own arguments and the CLI overrides after `--` (`script.py --out x -- --data.init_args.root y`)."""
     return (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+
+
+def flattened(value, prefix: str = "") -> dict[str, object]:
+    """A nested config as `{"a.b.c": leaf}`."""
+    if isinstance(value, dict) and value:
+        return {key: leaf for name, item in value.items() for key, leaf in flattened(item, f"{prefix}{name}.").items()}
+    return {prefix.rstrip("."): value}

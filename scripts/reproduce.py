@@ -16,11 +16,11 @@ resumes an interrupted run from its last.ckpt (and starts one that has none). Ea
 `log.txt` (the command and its output), `reproduce.json` (launcher, command, pid or Slurm job id, exit code, log)
 and `reproduce.lock`, which the launcher and the training process hold locked (flock) while either lives. The
 status of a stage is the first that applies: done (results file; stale when its record says they are of other
-arguments: other overrides or `--` arguments, another config; it is then neither run nor counted); running (the lock is held; on Slurm: squeue
-lists the job as running; queued while it waits; submitted when squeue is not there to ask); failed (it ended
-with an error, or the Slurm job left the queue without results: exit code and log); interrupted (ended by
-SIGTERM, with the exit status 143 of the saved last.ckpt, by Ctrl-C or another signal, or its launcher vanished;
-also a checkpoint without a record); not started.
+arguments: other overrides or `--` arguments, another config; it is then neither run nor counted); running (the
+lock is held; on Slurm: squeue lists the job as running; queued while it waits; submitted when squeue is not there
+to ask); failed (it ended with an error, or the Slurm job left the queue without results: exit code and log);
+interrupted (ended by SIGTERM, with the exit status 143 of the saved last.ckpt, by Ctrl-C or another signal, or its
+launcher vanished; also a checkpoint without a record); not started.
 
 `--launcher local` (default) runs the stages here one after another: a failed stage is reported and the others
 go on; an interrupted one stops the command (rerun it to resume). `--launcher slurm` submits each stage not done,

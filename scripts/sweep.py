@@ -11,16 +11,16 @@ Arguments after `--` are passed to every pretraining run. A run whose results fi
 skipped and an interrupted one resumes from its `last.ckpt` (`--ckpt_path last`), so re-running the
 command resumes an interrupted sweep; a failed run is reported and the others go on. Each stage directory
 records the arguments it ran with (`sweep.json`): results made with other ones (an earlier sweep's `--`
-arguments in the same `--out`) are stale, reported and left out of the table, never taken for this sweep's. The table
-`OUT/results.md` gives, per grid point, mean ± std and the 95% confidence interval (Student t) over
+arguments in the same `--out`) are stale, reported and left out of the table, never taken for this sweep's.
+The table `OUT/results.md` gives, per grid point, mean ± std and the 95% confidence interval (Student t) over
 seeds; `OUT/results.csv` has one row per run.
 
 On a cluster, `--slurm` writes `OUT/sweep.sbatch`, the job of `scripts/slurm/template.sbatch` (the
 one `scripts/slurm/submit.py` writes) as an array with one task per run: each task is this command with
 `--only <index>` on `--nodes` x `--gpus-per-node` (default: the config's trainer.devices), and every run
 gets the matching `--trainer.num_nodes` / `--trainer.devices`. Slurm logs go to `OUT/slurm-<index>.out`
-/ `.err`; a task requeued on SIGUSR1 resumes its run from the newer of its hpc checkpoint and `last.ckpt`. The tasks write no table (they end
-together); `--collect` then builds it from the finished runs.
+/ `.err`; a task requeued on SIGUSR1 resumes its run from the newer of its hpc checkpoint and `last.ckpt`.
+The tasks write no table (they end together); `--collect` then builds it from the finished runs.
 """
 
 import argparse

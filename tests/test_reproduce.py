@@ -190,7 +190,7 @@ def test_a_misspelt_override_in_a_table_is_one_error_line_naming_the_row_before_
         with pytest.raises(SystemExit) as stopped:
             reproduce.main([str(path), "--out", str(out), "--launcher", launcher, "--dry-run"])
         message = str(stopped.value)
-        assert message.startswith("error: t.yaml row typo, pretrain: ") and "temprature" in message  # shown from the working directory and "\n" not in message
+        assert message.startswith("error: t.yaml row typo, pretrain: ") and "temprature" in message and "\n" not in message  # the table shown from the working directory
     assert not out.exists()
 
 def test_results_made_with_other_arguments_are_stale_neither_run_again_nor_counted(tmp_path, capsys):

@@ -7,6 +7,8 @@ import sys
 from contextlib import contextmanager
 from typing import Callable
 
+from engine.config import flattened
+
 
 def fail(message: str) -> None:
     sys.stderr.write(f"error: {message}\n")
@@ -64,7 +66,7 @@ def located(message: str, config: dict, command_line: list[str]) -> str:
     name, _, rest = message.partition(" ")
     parts = name.split(".")
     parts = parts[1:] if parts[0] in ("model", "data") else parts  # "model.temperature": an argument of the model itself
-    keys = [key for key in flat_keys(config) if key.split(".")[:2] in (["model", "init_args"], ["data", "init_args"])
+    keys = [key for key in flattened(config) if key.split(".")[:2] in (["model", "init_args"], ["data", "init_args"])
             and key.split(".")[2:] == parts]
     several_values = " got " in rest and ", " in rest.rpartition(" got ")[2]  # e.g. "a must ... and b ..., got 1, 2"
     if len(keys) != 1 or not rest or several_values:
@@ -75,7 +77,7 @@ def located(message: str, config: dict, command_line: list[str]) -> str:
         flag, has_value, value = token.partition("=")
         if flag in ("--config", "-c"):
             path = value if has_value else (tokens[position + 1] if position + 1 < len(tokens) else "")
-            if any(sets(plain(set_key), plain(key)) for set_key in flat_keys(read_yaml(path))):
+            if any(sets(plain(set_key), plain(key)) for set_key in flattened(read_yaml(path))):
                 source = f"from {path}"
         elif flag.startswith("--") and sets(plain(flag.removeprefix("--")), plain(key)):
             source = "given on the command line"
@@ -90,12 +92,6 @@ def sets(given: str, key: str) -> bool:
 def plain(key: str) -> str:
     """A config key without its `init_args` levels (`--model.temperature` and `--model.init_args.temperature` name the same value)."""
     return key.replace(".init_args.", ".")
-
-
-def flat_keys(value, prefix: str = "") -> list[str]:
-    if isinstance(value, dict) and value:
-        return [key for name, item in value.items() for key in flat_keys(item, f"{prefix}{name}.")]
-    return [prefix.rstrip(".")]
 
 
 def read_yaml(path: str) -> dict:

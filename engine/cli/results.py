@@ -43,7 +43,6 @@ class FinalValidation(Callback):
         self.validated_step = state_dict.get("validated_step")
 
 
-
 def validate_the_end_if_missed(trainer, model, datamodule) -> None:
     """After a fit: validate the final weights if no validation of the final step ran. Lightning counts an epoch
     stopped by SIGTERM during its validation as done, so a run stopped during its very last validation resumes as
@@ -59,6 +58,7 @@ def validate_the_end_if_missed(trainer, model, datamodule) -> None:
     finally:
         trainer.loggers = loggers
     trainer.callback_metrics.update({name: value for name, value in trained.items() if name not in trainer.callback_metrics})
+
 
 def write_results(path: Path, position: dict, metrics: dict[str, float]) -> None:
     """Write the final metrics and what they are of (`position`) atomically (a reader never sees half a file)."""

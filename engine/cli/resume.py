@@ -14,6 +14,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from engine.checkpoint_record import RECORD_KEY, CheckpointMismatch
 from engine.cli.errors import fail
+from engine.config import flattened
 from engine.files import UnreadableCheckpoint, last_checkpoint_path, read_checkpoint
 from methods.checkpoints import class_at, method_class
 
@@ -42,13 +43,6 @@ def check_resumable(checkpoint: dict, source: str, config) -> None:
 # max_time, validation, logging, checkpoints) and how the data is loaded (workers).
 RUN_CONTROL_DATA_KEYS = ("num_workers", "persistent_workers", "pin_memory", "root")
 TRAINING_TRAINER_KEYS = ("max_epochs", "accumulate_grad_batches", "precision", "gradient_clip_val", "gradient_clip_algorithm", "sync_batchnorm")
-
-
-def flattened(value, prefix: str = "") -> dict[str, object]:
-    """A nested config as `{"a.b.c": leaf}`."""
-    if isinstance(value, dict) and value:
-        return {key: leaf for name, item in value.items() for key, leaf in flattened(item, f"{prefix}{name}.").items()}
-    return {prefix.rstrip("."): value}
 
 
 def training_settings(config: dict) -> dict[str, object]:
