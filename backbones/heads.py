@@ -25,6 +25,9 @@ class MLPSpec:
     batch_norm: bool = True  # BN after every hidden Linear
     last_batch_norm: bool = False  # BN after the output Linear (SCE/BYOL-style ImageNet projectors)
     last_batch_norm_affine: bool = True
+    # False: that BN scales but does not shift, its bias held at 0 (SimCLR's projection head ends in a BN with
+    # center=False, scale=True: google-research/simclr model_util.py linear_layer, resnet.py batch_norm_relu)
+    last_batch_norm_shift: bool = True
     last_bias: bool | None = None  # None: a bias exactly when no BN follows (eztorch's predictor has none)
     activation: Literal["relu", "gelu"] = "relu"  # between the layers (GELU: DINO's head, facebookresearch/dino)
 
@@ -50,6 +53,10 @@ def build_mlp(input_dim: int, spec: MLPSpec) -> nn.Sequential:
         in_dim = spec.hidden_dim
     last_bias = not spec.last_batch_norm if spec.last_bias is None else spec.last_bias
     layers.append(nn.Linear(in_dim, spec.output_dim, bias=last_bias))
+    if not spec.last_batch_norm_shift and not (spec.last_batch_norm and spec.last_batch_norm_affine):
+        raise ValueError("MLP head last_batch_norm_shift: false needs last_batch_norm: true and last_batch_norm_affine: true (a shift to hold at 0)")
     if spec.last_batch_norm:
         layers.append(nn.BatchNorm1d(spec.output_dim, affine=spec.last_batch_norm_affine))
+        if not spec.last_batch_norm_shift:
+            layers[-1].bias.requires_grad_(False)  # stays at its initial 0: no gradient, no weight decay, no step
     return nn.Sequential(*layers)

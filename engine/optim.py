@@ -34,6 +34,10 @@ class OptimizerSpec:
     # and caps it at 1 (solo-learn's clip_lr), so a layer's step rate is min(ratio, lr).
     lars_trust_denominator: Literal["update_norm", "norm_sum"] = "update_norm"
     lars_clip_lr: bool = False
+    # LARS's learning rate inside the momentum (v = m v + lr trust (g + wd p), p -= v: google-research/simclr
+    # lars_optimizer.py `classic_momentum`, its default) instead of after it (p -= lr v: SCE, BYOL, solo-learn);
+    # the two differ only while the lr changes (warm-up, decay).
+    lars_lr_in_momentum: bool = False
     # No weight decay, and no LARS adaptation, for biases and normalisation parameters (ndim <= 1). Off by
     # default, as torch's optimizers and the official runs that build `SGD(model.parameters(), ...)`
     # (MoCo, PaCo, SupCon); each config states its grouping in its header (tests/test_configs.py).
@@ -163,7 +167,7 @@ def build_optimizer(groups: list[dict], spec: OptimizerSpec, lr: float) -> Optim
             raise ValueError("optimizer.fused: true, but LARS has no fused kernel (it runs multi-tensor); set optimizer.fused: null")
         return LARS(
             groups, lr=lr, momentum=spec.momentum, trust_coefficient=spec.trust_coefficient,
-            trust_denominator=spec.lars_trust_denominator, clip_lr=spec.lars_clip_lr,
+            trust_denominator=spec.lars_trust_denominator, clip_lr=spec.lars_clip_lr, lr_in_momentum=spec.lars_lr_in_momentum,
         )
     on_cuda = all(param.is_cuda for group in groups for param in group["params"])
     fused = spec.fused if spec.fused is not None else on_cuda

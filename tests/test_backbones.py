@@ -227,6 +227,22 @@ def test_mlp_heads_follow_each_papers_layout():
     assert len(npid) == 1 and npid[0].in_features == 512 and npid[0].out_features == 128
 
 
+def test_an_output_batch_norm_without_shift_learns_its_scale_and_keeps_a_zero_shift_under_sgd_with_weight_decay():
+    """SimCLR's projection head ends in a BN with center=False, scale=True (google-research/simclr model_util.py)."""
+    torch.manual_seed(0)
+    head = build_mlp(6, MLPSpec(8, 4, num_layers=2, last_batch_norm=True, last_batch_norm_shift=False))
+    norm = head[-1]
+    optimizer = torch.optim.SGD(head.parameters(), lr=0.5, momentum=0.9, weight_decay=0.1)
+    for _ in range(3):
+        optimizer.zero_grad()
+        (head(torch.randn(16, 6)) * torch.arange(4.0)).sum().backward()
+        optimizer.step()
+    assert torch.equal(norm.bias, torch.zeros(4)) and not norm.bias.requires_grad
+    assert not torch.equal(norm.weight, torch.ones(4))  # the scale trains
+    with pytest.raises(ValueError, match="last_batch_norm_shift: false needs last_batch_norm: true and last_batch_norm_affine: true"):
+        build_mlp(6, MLPSpec(8, 4, last_batch_norm=True, last_batch_norm_affine=False, last_batch_norm_shift=False))
+
+
 def test_mlp_refuses_zero_layers():
     with pytest.raises(ValueError, match="num_layers >= 1"):
         build_mlp(8, MLPSpec(num_layers=0))

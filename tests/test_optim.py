@@ -216,6 +216,46 @@ def test_lars_with_norm_sum_and_clipped_rate_is_solo_learns_optimizer():
         torch.testing.assert_close(param.detach(), reference)
 
 
+def simclr_lars_step(params, grads, buffers, lr, momentum, weight_decay, eta, excluded):
+    """google-research/simclr lars_optimizer.py with classic_momentum, one parameter at a time as written there:
+    the excluded parameters (biases, BN) have neither weight decay nor adaptation; v = m v + lr trust g; p -= v."""
+    for param, grad, buffer, exclude in zip(params, grads, buffers, excluded):
+        update = grad if exclude else grad + weight_decay * param
+        trust = 1.0 if exclude or param.norm() == 0 or update.norm() == 0 else eta * param.norm() / update.norm()
+        buffer.mul_(momentum).add_(lr * trust * update)
+        param.sub_(buffer)
+
+
+def test_lars_with_the_lr_in_the_momentum_is_simclrs_optimizer_and_differs_only_while_the_lr_changes():
+    generator = torch.Generator().manual_seed(2)
+    shapes = [(4, 3), (5,), (2, 2, 3)]
+    start = [torch.randn(shape, generator=generator, dtype=torch.float64) for shape in shapes]
+    grads = [[torch.randn(shape, generator=generator, dtype=torch.float64) for shape in shapes] for _ in range(3)]
+
+    def train(lr_in_momentum: bool, lrs: tuple[float, ...]) -> list[torch.Tensor]:
+        params = [nn.Parameter(tensor.clone()) for tensor in start]
+        spec = OptimizerSpec(name="lars", weight_decay=0.1, momentum=0.9, trust_coefficient=0.02, exclude_bias_and_norm=True,
+                             lars_lr_in_momentum=lr_in_momentum)
+        optimizer = build_optimizer(parameter_groups([(str(i), p) for i, p in enumerate(params)], spec), spec, lr=lrs[0])
+        for lr, step_grads in zip(lrs, grads):
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            for param, grad in zip(params, step_grads):
+                param.grad = grad.clone()
+            optimizer.step()
+        return [param.detach() for param in params]
+
+    warming_up = (0.1, 0.2, 0.3)
+    expected, buffers = [tensor.clone() for tensor in start], [torch.zeros_like(tensor) for tensor in start]
+    for lr, step_grads in zip(warming_up, grads):
+        simclr_lars_step(expected, step_grads, buffers, lr, 0.9, 0.1, 0.02, [tensor.ndim <= 1 for tensor in start])
+    for param, reference in zip(train(True, warming_up), expected):
+        torch.testing.assert_close(param, reference, rtol=1e-13, atol=1e-15)
+    assert not torch.allclose(train(False, warming_up)[0], expected[0], rtol=1e-6)  # the lr after the momentum: other steps
+    for inside, after in zip(train(True, (0.2, 0.2, 0.2)), train(False, (0.2, 0.2, 0.2))):  # at a constant lr: one rule
+        torch.testing.assert_close(inside, after, rtol=1e-13, atol=1e-15)
+
+
 @pytest.mark.parametrize("name", ["sgd", "adamw"])
 def test_fused_optimizers_take_the_same_steps_and_are_chosen_only_for_cuda_parameters_by_default(name):
     def train(fused):

@@ -35,6 +35,23 @@ def test_loss_is_nt_xent_of_the_two_views_encoded_in_one_batch():
     torch.testing.assert_close(features.detach(), first_view_features)  # the probe sees the first view's features
 
 
+@pytest.mark.parametrize("num_hard", [None, 8])
+def test_the_sum_of_directions_is_twice_the_mean_loss_with_twice_its_gradients(num_hard):
+    """google-research/simclr objective.py sums the means of the two directions (tests/test_losses.py checks that
+    this is twice NT-Xent's mean over the 2B anchors)."""
+    torch.manual_seed(0)
+    mean, summed = tiny_simclr(num_hard=num_hard), tiny_simclr(num_hard=num_hard, sum_of_directions=True)
+    summed.load_state_dict(mean.state_dict())
+    batch = first_batch(digits(SIMCLR_VIEWS, batch_size=8))
+    losses = []
+    for model in (mean, summed):
+        loss, _ = model.step(batch)
+        loss.backward()
+        losses.append(loss)
+    assert losses[1].item() == pytest.approx(2 * losses[0].item(), rel=1e-6)
+    torch.testing.assert_close(summed.backbone.conv1.weight.grad, 2 * mean.backbone.conv1.weight.grad)
+
+
 def test_gradient_reaches_the_encoder_from_both_views():
     model = tiny_simclr()
     batch = first_batch(digits(SIMCLR_VIEWS, batch_size=8))
