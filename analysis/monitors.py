@@ -120,7 +120,7 @@ class CollapseMonitor(Callback):
         """
         Args:
             every_n_epochs: measure at the validations that end epochs n, 2n, ... (a validation must run then:
-                `trainer.check_val_every_n_epoch`).
+                `trainer.check_val_every_n_epoch`) and at the run's last validation, whose numbers are its results.
             split: the DataModule split measured.
             max_samples: size of the fixed random subset of that split (RankMe is at most min(N, D)).
             views: the two training views of each image (default: the method's first two, or its one view twice).
@@ -141,7 +141,8 @@ class CollapseMonitor(Callback):
         )
 
     def on_validation_epoch_end(self, trainer, pl_module) -> None:
-        if trainer.sanity_checking or not trainer.is_global_zero or not self.active or (trainer.current_epoch + 1) % self.every_n_epochs:
+        last = trainer.should_stop or (trainer.max_epochs is not None and trainer.current_epoch == trainer.max_epochs - 1)
+        if trainer.sanity_checking or not trainer.is_global_zero or not self.active or ((trainer.current_epoch + 1) % self.every_n_epochs and not last):
             return
         samples = validation_samples(trainer, trainer.datamodule, self.split, self.max_samples)
         if samples < 2:

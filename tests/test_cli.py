@@ -10,6 +10,7 @@ import torch
 import torchvision
 import yaml
 from lightning.pytorch.accelerators import CUDAAccelerator, MPSAccelerator
+from lightning.pytorch.callbacks import Callback
 
 import main_linear
 import main_pretrain
@@ -132,10 +133,25 @@ def test_bad_input_ends_with_one_error_line_naming_the_value_and_writes_nothing(
 def test_the_results_of_a_fit_are_the_validation_of_the_weights_it_ends_with(stop, tmp_path):
     """Lightning would validate epoch 2 of 3 (every 2) or no step after step 2 (max_steps 3 in the second epoch) and
     results_val.json would give those earlier numbers as the run's final ones."""
-    cli = main_pretrain.cli_main(["fit", "--config", PRETRAIN_DIGITS, *TINY_RUN, "--trainer.logger=false", f"--trainer.default_root_dir={tmp_path}", *stop])
+    cli = main_pretrain.cli_main(["fit", "--config", PRETRAIN_DIGITS, *TINY_RUN, "--trainer.logger=false", f"--trainer.default_root_dir={tmp_path}", *stop,
+                                  "--trainer.callbacks+=test_cli.LoggedAtTheFirstValidationOnly"])
     results = json.loads((tmp_path / "results_val.json").read_text())
     assert results["global_step"] == results["val_global_step"] == cli.trainer.global_step == {"3": 6, "5": 3}[stop[0][-1]]
     assert "val/knn_top1" in results["metrics"]
+    assert "val/first_validation_only" in cli.trainer.callback_metrics and "val/first_validation_only" not in results["metrics"]  # not of these weights
+
+
+class LoggedAtTheFirstValidationOnly(Callback):
+    """A metric measured at some validations only, as the collapse monitor's every n epochs."""
+
+    def __init__(self):
+        self.validations = 0
+
+    def on_validation_epoch_end(self, trainer, pl_module) -> None:
+        if not trainer.sanity_checking:
+            self.validations += 1
+            if self.validations == 1:
+                pl_module.log("val/first_validation_only", 1.0)
 
 
 def test_a_bad_value_from_a_config_file_is_named_by_its_key_and_its_file(tmp_path, capsys):

@@ -30,7 +30,7 @@ def tiny_moco() -> MoCoV2:
 
 def fake_trainer(datamodule, tmp_path, **kwargs) -> SimpleNamespace:
     options = dict(sanity_checking=False, is_global_zero=True, datamodule=datamodule, default_root_dir=str(tmp_path), current_epoch=4,
-                   global_step=50, loggers=[], callbacks=[], limit_val_batches=1.0, fast_dev_run=False)
+                   global_step=50, loggers=[], callbacks=[], limit_val_batches=1.0, fast_dev_run=False, max_epochs=100, should_stop=False)
     return SimpleNamespace(**(options | kwargs))
 
 
@@ -60,7 +60,7 @@ def test_the_two_views_of_a_one_view_method_are_two_draws_of_its_view():
         collapse_metrics(model, datamodule, views=["image", "weak"], max_samples=16)
 
 
-def test_the_monitor_logs_at_the_end_of_every_nth_epoch_and_leaves_uniformity_to_the_representation_analysis(tmp_path, monkeypatch):
+def test_the_monitor_logs_at_the_end_of_every_nth_and_of_the_last_epoch_and_leaves_uniformity_to_the_representation_analysis(tmp_path, monkeypatch):
     model, datamodule = tiny_moco(), digits(MOCO_VIEWS, batch_size=16)
     names = logged_names(monkeypatch, model)
     monitor = CollapseMonitor(every_n_epochs=5, max_samples=16)
@@ -70,6 +70,10 @@ def test_the_monitor_logs_at_the_end_of_every_nth_epoch_and_leaves_uniformity_to
     assert names == []
     monitor.on_validation_epoch_end(fake_trainer(datamodule, tmp_path, current_epoch=9), model)
     assert names == [f"val/{name}" for name in ("rankme_trunk", "rankme_projector", "projector_std", "uniformity", "alignment")]
+    for last in (dict(current_epoch=11, max_epochs=12), dict(current_epoch=6, should_stop=True)):  # the results' validation: max_epochs, max_steps
+        names.clear()
+        monitor.on_validation_epoch_end(fake_trainer(datamodule, tmp_path, **last), model)
+        assert len(names) == 5
 
     names.clear()
     with_analysis = fake_trainer(datamodule, tmp_path, callbacks=[RepresentationAnalysis(), monitor])

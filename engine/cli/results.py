@@ -16,10 +16,15 @@ class FinalValidation(Callback):
     with (e + 1) % check_val_every_n_epoch == 0 and not the step where max_steps stops a run inside an epoch: the
     last of NPID's 201 epochs (validated every 10) or a max_steps run would report an earlier validation as final.
     Here the last epoch is validated in any case, and so is the step where max_steps stops the run.
-    `validated_step`, the global step of the latest validation (kept in checkpoints), is written with the results."""
+    `validated_step`, the global step of the latest validation (kept in checkpoints), is written with the results,
+    and `validated_metrics`, the names that validation logged: Lightning keeps every metric ever logged in
+    `callback_metrics`, so a monitor that measures every n epochs would otherwise leave an earlier epoch's value
+    beside the final ones."""
 
     def __init__(self):
         self.validated_step: int | None = None
+        self.validated_metrics: set[str] | None = None
+        self._metrics_before: dict = {}
 
     def on_train_epoch_start(self, trainer, pl_module) -> None:
         last_epoch = trainer.max_epochs is not None and trainer.current_epoch == trainer.max_epochs - 1
@@ -32,9 +37,14 @@ class FinalValidation(Callback):
                 trainer.check_val_every_n_epoch = 1
             trainer.should_stop = True  # Lightning validates a batch after which the run stops (`_should_check_val_fx`)
 
+    def on_validation_start(self, trainer, pl_module) -> None:
+        self._metrics_before = dict(trainer.callback_metrics)
+
     def on_validation_end(self, trainer, pl_module) -> None:
         if not trainer.sanity_checking:
             self.validated_step = trainer.global_step
+            # a value logged by this validation is a new tensor (Lightning computes each epoch's anew)
+            self.validated_metrics = {name for name, value in trainer.callback_metrics.items() if self._metrics_before.get(name) is not value}
 
     def state_dict(self) -> dict:
         return {"validated_step": self.validated_step}
@@ -74,14 +84,16 @@ def report_results(trainer, stage: str, results: str, position: dict | None = No
     metrics = {name: float(value) for name, value in trainer.callback_metrics.items() if value.numel() == 1}
     if not metrics:  # nothing ran (e.g. a finished run resumed): keep the results it wrote
         return
+    final = [callback for callback in trainer.callbacks if isinstance(callback, FinalValidation)]
+    if position is None and final and final[0].validated_metrics is not None:  # a fit: its val/* of the last validation only
+        metrics = {name: value for name, value in metrics.items() if not name.startswith("val/") or name in final[0].validated_metrics}
     found = {key: metrics[f"{stage}/{key}"] for key in SUMMARY_KEYS if f"{stage}/{key}" in metrics}
     if found:
         print(f"\n{stage} results: " + "  ".join(f"{key} {100 * value:.2f}%" for key, value in found.items()))
     if trainer.fast_dev_run:
         return  # a smoke run's numbers are no run's results
     if position is None:  # a fit: its epoch and step, and the step of the validation its val/* numbers come from
-        validated = [callback.validated_step for callback in trainer.callbacks if isinstance(callback, FinalValidation)]
-        position = {"epoch": trainer.current_epoch, "global_step": trainer.global_step, "val_global_step": validated[0] if validated else None}
+        position = {"epoch": trainer.current_epoch, "global_step": trainer.global_step, "val_global_step": final[0].validated_step if final else None}
     write_results(Path(trainer.default_root_dir) / results, position, metrics)
 
 
