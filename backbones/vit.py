@@ -52,7 +52,7 @@ VIT_SIZES = {
 # LayerNorm eps 1e-6 and qkv biases as moco-v3 vits.py and timm's ViTs
 LAYER_NORM_EPS = 1e-6
 BLOCK_OPTIONS = dict(mlp_ratio=4.0, qkv_bias=True)
-OWN_OPTIONS = ("init", "position_embedding", "stop_grad_conv1", "features")  # applied here to timm's model, not timm arguments
+OWN_OPTIONS = ("init", "position_embedding", "position_interpolation", "stop_grad_conv1", "features")  # applied here to timm's model, not timm arguments
 
 
 def timm_arguments(name: str, kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -18,9 +18,10 @@ formats:
                convN.norm, the projection shortcut as shortcut / shortcut.norm), "__author__",
                "matching_heuristics": True}; torchvision ResNets / ResNeXts with the ImageNet stem only.
 
-The online encoder is exported by default: it is the one every paper's own evaluation uses (MoCo's and
-JCL's main_lincls.py load `encoder_q`, SCE's linear evaluation `trunk`, ReSSL's linear_eval.py
-`encoder_q`, PaCo predicts with `encoder_q` and its centres). `--encoder momentum` exports the EMA copy.
+The trunk the method's paper evaluates is exported by default (`MethodBase.evaluated_encoder`): the online one
+(MoCo's and JCL's main_lincls.py load `encoder_q`, SCE's linear evaluation `trunk`, ReSSL's linear_eval.py
+`encoder_q`, PaCo predicts with `encoder_q` and its centres), DINO's teacher (eval_linear.py `--checkpoint_key
+teacher`). `--encoder online` or `--encoder momentum` chooses.
 A long-tail classifier's classifier is exported as `validate` predicts with it: PaCo's centres (bias
 included), and the tau-normalised weights without bias when the model's `tau_norm` (or `--tau-norm`) is > 0.
 """
@@ -30,6 +31,7 @@ import dataclasses
 import hashlib
 import importlib
 import json
+import math
 import os
 import pickle
 import re
@@ -56,13 +58,17 @@ EXPORT_SUFFIXES = (".pth", ".safetensors", ".pkl", ".json")
 
 
 def export(
-    checkpoint_path: Path, format: str, out: Path | None = None, encoder: str = "online", tau_norm: float | None = None, force: bool = False
+    checkpoint_path: Path, format: str, out: Path | None = None, encoder: str | None = None, tau_norm: float | None = None, force: bool = False
 ) -> list[Path]:
     """Write the export files of `checkpoint_path` (a pretraining, fine-tuned or long-tail checkpoint) and the JSON record; return
-    their paths. `out` names the files without suffix (a suffix of theirs is dropped: `model.pth` writes `model.pth`,
-    not `model.pth.pth`); files that exist are overwritten only with `force`."""
+    their paths. `encoder` None: the one the method's paper evaluates. `out` names the files without suffix (a suffix
+    of theirs is dropped: `model.pth` writes `model.pth`, not `model.pth.pth`); files that exist are overwritten only
+    with `force`."""
     source = f"checkpoint {str(checkpoint_path)!r}"
+    if tau_norm is not None and not (math.isfinite(tau_norm) and tau_norm >= 0):
+        raise ValueError(f"--tau-norm must be a finite number >= 0, got {tau_norm}")
     checkpoint, method_class = _read_contrastlab(checkpoint_path, source)
+    encoder = encoder or method_class.evaluated_encoder
     hyperparameters = checkpoint.get("hyper_parameters", {})
     spec = as_spec(BackboneSpec, hyperparameters["backbone"])
     _check_exportable(spec, format, source)
@@ -75,7 +81,7 @@ def export(
     tau = (tau_norm if tau_norm is not None else hyperparameters.get("tau_norm", 0.0)) if is_classifier else None
     classifier = _classifier(checkpoint["state_dict"], tau) if is_classifier and format != "detectron2" else None
 
-    out = out or checkpoint_path.resolve().parent.parent / "export" / f"{checkpoint_path.stem}_{format}{'' if encoder == 'online' else '_' + encoder}"
+    out = out or checkpoint_path.resolve().parent.parent / "export" / f"{checkpoint_path.stem}_{format}{'' if encoder == method_class.evaluated_encoder else '_' + encoder}"
     out = out.with_suffix("") if out.suffix in EXPORT_SUFFIXES else out
     classifier_prefix = _classifier_prefix(spec, format, source) if classifier else None
     suffixes = (".pkl",) if format == "detectron2" else (".pth", ".safetensors")
@@ -146,12 +152,13 @@ def _checked_trunk(state: dict, spec: BackboneSpec, encoder: str, source: str) -
         raise ValueError(f"{source} has no {encoder} encoder ('{prefix}*'): only the methods with a momentum encoder have one")
     module, feature_dim = dataclasses.replace(spec, weights=None).build()
     load_state_strictly(module, trunk, source, f"backbone {spec.name!r} (small_input={spec.small_input})")
-    return {key: value.detach().contiguous().clone() for key, value in trunk.items()}, feature_dim  # channels-last runs too
+    # contiguous: channels-last runs too; float32: a bf16-true run's weights (detectron2's numpy has no bf16)
+    return {key: value.detach().contiguous().clone().to(torch.float32 if value.is_floating_point() else value.dtype) for key, value in trunk.items()}, feature_dim
 
 
 def _classifier(state: dict, tau: float) -> dict[str, torch.Tensor]:
     """The prediction layer of `LongTailClassifier.classify` / `CrossEntropy.classify` as an nn.Linear's weights."""
-    weight, bias = state["classifier.weight"], state["classifier.bias"]
+    weight, bias = state["classifier.weight"].float(), state["classifier.bias"].float()  # float32 as the trunk
     if tau:
         weight, bias = tau_normalised(weight, tau), torch.zeros_like(bias)
     return {"weight": weight.contiguous().clone(), "bias": bias.clone()}
@@ -243,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m interop.export", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", type=Path, help="a main_pretrain.py checkpoint (pretraining or long-tail) or a fine-tuned one (main_linear.py, methods.FineTune)")
     parser.add_argument("--format", required=True, choices=EXPORT_FORMATS, help="what to write (see formats above)")
-    parser.add_argument("--encoder", choices=tuple(ENCODER_PREFIXES), default="online", help="which trunk (default: online, the one the papers evaluate)")
+    parser.add_argument("--encoder", choices=tuple(ENCODER_PREFIXES), help="which trunk (default: the one the method's paper evaluates: online; DINO's teacher, momentum)")
     parser.add_argument("--tau-norm", type=float, help="tau of the classifier's normalisation (default: the model's tau_norm)")
     parser.add_argument("--out", type=Path, help="path of the files without suffix (default: <run>/export/<checkpoint>_<format>)")
     parser.add_argument("--force", action="store_true", help="overwrite export files that exist")

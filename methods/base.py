@@ -70,6 +70,9 @@ class MethodBase(EvaluationMixin, CheckpointRecord, L.LightningModule):
     compiled_modules = ("backbone", "target_backbone")  # those a method has are compiled with `compile`
     wrong_checkpoint_hint = ""  # added to the CLI's error when --ckpt_path holds another model's checkpoint
     monitors_representations = True  # the CLI offers the collapse monitor and the embedding map (analysis.monitors)
+    # The trunk the method's paper evaluates (linear probe, kNN, transfer): `online`, or `momentum` where it is the EMA
+    # teacher's (DINO); what `python -m interop.export` writes unless told otherwise.
+    evaluated_encoder: Literal["online", "momentum"] = "online"
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

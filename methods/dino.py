@@ -32,6 +32,7 @@ class DINO(MomentumMixin, PretrainMethod):
     multi_crop = True
     crop_batching = "by_resolution"
     momentum_modules = ("backbone", "projector", "last_layer")
+    evaluated_encoder = "momentum"  # the teacher: facebookresearch/dino eval_linear.py and eval_knn.py, --checkpoint_key teacher
 
     def __init__(
         self,

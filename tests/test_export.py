@@ -160,6 +160,33 @@ def test_the_trunks_of_barlow_twins_vicreg_swav_and_dino_export_to_timm_and_dino
         exported.load_state_dict(torch.load(pth, weights_only=True), strict=True)
         with torch.no_grad():
             assert torch.equal(exported.eval()(IMAGES), trunk.eval()(IMAGES))
+    evaluated = "momentum" if method == "dino" else "online"  # DINO's papers evaluate the teacher: eval_linear.py --checkpoint_key teacher
+    pth, _, record = export(checkpoint, "timm", tmp_path / "default" / "trunk")
+    assert json.loads(record.read_text())["encoder"] == evaluated
+    assert torch.load(pth, weights_only=True).keys() == torch.load(tmp_path / evaluated / "trunk.pth", weights_only=True).keys()
+    assert all(torch.equal(value, torch.load(tmp_path / evaluated / "trunk.pth", weights_only=True)[key]) for key, value in torch.load(pth, weights_only=True).items())
+
+
+def test_a_dino_vit_exports_its_teacher_with_a_load_line_that_builds_it(tmp_path, monkeypatch):
+    vit = BackboneSpec("vit_small", kwargs=dict(img_size=16, patch_size=8, depth=1, num_heads=6, init="dino", position_interpolation="dino"))
+    model = DINO(backbone=vit, projector=TINY_PROJECTOR, out_dim=10, knn_k=0)
+    randomised(model.target_backbone, seed=3)  # the teacher differs from the student
+    _, safetensors, record = export(saved(model, tmp_path / "last.ckpt"), "timm", tmp_path / "trunk")
+    recipe = {"torch": torch, "timm": timm, "functools": functools, "safetensors": __import__("safetensors.torch")}
+    monkeypatch.chdir(safetensors.parent)
+    exec(json.loads(record.read_text())["load"], recipe)  # the record's own instructions
+    with torch.no_grad():
+        assert torch.equal(recipe["model"].eval()(IMAGES), model.target_backbone.eval()(IMAGES))
+
+
+def test_the_weights_of_a_bf16_run_are_exported_in_float32_to_every_format(tmp_path):
+    model = moco(BackboneSpec("resnet18")).to(torch.bfloat16)  # as trainer.precision bf16-true keeps them
+    checkpoint = saved(model, tmp_path / "last.ckpt")
+    pth = export(checkpoint, "torchvision", tmp_path / "trunk")[0]
+    pkl = export(checkpoint, "detectron2", tmp_path / "d2")[0]
+    exported, converted = torch.load(pth, weights_only=True), pickle.loads(pkl.read_bytes())["model"]
+    assert exported["conv1.weight"].dtype == torch.float32 and converted["stem.conv1.weight"].dtype == np.float32
+    assert torch.equal(exported["conv1.weight"], model.backbone.conv1.weight.float())
 
 
 def moco_converter(state: dict) -> dict:
@@ -325,6 +352,8 @@ def test_the_command_lists_the_formats_and_ends_bad_input_with_one_error_line(di
         ([str(digits_run), "--format", "torchvision"], "backbone 'timm:test_resnet' is not a torchvision ResNet / ResNeXt"),
         ([str(digits_run), "--format", "detectron2"], "backbone 'timm:test_resnet' is not a torchvision ResNet / ResNeXt"),
         ([str(digits_run), "--format", "timm", "--tau-norm", "1"], "--tau-norm applies to a long-tail classifier's classifier"),
+        ([str(digits_run), "--format", "torchvision", "--tau-norm", "-1"], "--tau-norm must be a finite number >= 0, got -1.0"),
+        ([str(digits_run), "--format", "torchvision", "--tau-norm", "nan"], "--tau-norm must be a finite number >= 0, got nan"),
     ]:
         with pytest.raises(SystemExit) as exit_info:
             export_command(arguments)
