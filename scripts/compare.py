@@ -52,14 +52,14 @@ COLUMNS = {  # metric key -> (column, scale)
 }
 LOSS_CURVE = "train/loss"
 VAL_CURVES = ("val/knn_top1", "val/probe_top1", "val/top1")  # the first that a run logged is plotted
-GROUPING_SECTIONS = ("model", "data", "trainer")
-# Run control: where a run writes, what it logs and shows, how much of an epoch it runs and how often it validates.
-# These differ between the repeats of one setting (a smoke run, a shortened sweep) and never set rows apart.
+GROUPING_SECTIONS = ("model", "data", "trainer", "non_finite")
+# Run control: where a run writes, what it logs and shows, and how often it validates (the last epoch is validated
+# in any case: engine.cli.results.FinalValidation). These differ between the repeats of one setting and never set rows
+# apart; how much of each epoch a run trains and validates (`limit_*`, `fast_dev_run`: a smoke run) does.
 RUN_CONTROL = tuple(
     f"trainer.{key}"
     for key in ("default_root_dir", "logger", "callbacks", "enable_progress_bar", "enable_model_summary", "enable_checkpointing",
-                "log_every_n_steps", "limit_", "num_sanity_val_steps", "check_val_every_n_epoch", "val_check_interval",
-                "fast_dev_run", "profiler")
+                "log_every_n_steps", "num_sanity_val_steps", "check_val_every_n_epoch", "val_check_interval", "profiler")
 )
 
 
@@ -301,9 +301,10 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--metrics", nargs="*", default=[], help="more final metrics as columns, e.g. val/top1 val/few_top1")
     args = parser.parse_args(argv)
     try:
-        runs = [run for path in args.paths for run in find_runs(path)]
+        found = [run for path in args.paths for run in find_runs(path)]
     except ValueError as error:
         parser.exit(2, f"error: {error}\n")
+    runs = list({run.path.resolve(): run for run in found}.values())  # a run named twice (or with a folder above it) counts once
     columns = COLUMNS | {metric: (metric, 100.0 if "top" in metric else 1.0) for metric in args.metrics}
     rows = group(runs)
     markdown = write_table(rows, columns, args.out)

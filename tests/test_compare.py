@@ -55,17 +55,28 @@ def test_seeds_of_one_setting_make_one_row_of_mean_and_sample_std_and_missing_me
 
 def test_run_control_settings_set_no_rows_apart_and_runs_of_one_label_get_distinct_legend_entries(tmp_path):
     runs = tmp_path / "runs"
-    shortened = {"limit_train_batches": 40.0, "limit_val_batches": 2, "logger": False, "enable_progress_bar": False}
+    quiet = {"logger": False, "enable_progress_bar": False, "check_val_every_n_epoch": 5}
     write_run(runs / "full", 0, {"val/knn_top1": 0.2})
-    write_run(runs / "smoke", 0, {"val/knn_top1": 0.4}, trainer=shortened)
-    write_run(runs / "tau0.1", 0, {"val/knn_top1": 0.1}, temperature=0.1, trainer=shortened)
+    write_run(runs / "quiet", 0, {"val/knn_top1": 0.4}, trainer=quiet)
+    write_run(runs / "tau0.1", 0, {"val/knn_top1": 0.1}, temperature=0.1, trainer=quiet)
     found = [run for run in compare.find_runs(runs)]
     rows = compare.group(found)
     assert [(setting, [run.path.name for run in members]) for setting, members in rows] == [
-        ("model.temperature=0.2", ["full", "smoke"]), ("model.temperature=0.1", ["tau0.1"])]
+        ("model.temperature=0.2", ["full", "quiet"]), ("model.temperature=0.1", ["tau0.1"])]
     assert [label for label, _ in compare.curve_labels(rows)] == [
-        f"MoCoV2 Digits model.temperature=0.2 s0 [{runs / 'full'}]", f"MoCoV2 Digits model.temperature=0.2 s0 [{runs / 'smoke'}]",
+        f"MoCoV2 Digits model.temperature=0.2 s0 [{runs / 'full'}]", f"MoCoV2 Digits model.temperature=0.2 s0 [{runs / 'quiet'}]",
         "MoCoV2 Digits model.temperature=0.1 s0"]
+
+
+def test_a_smoke_run_is_a_row_of_its_own_and_a_run_named_twice_counts_once(tmp_path):
+    runs = tmp_path / "runs"
+    write_run(runs / "seed0", 0, {"val/knn_top1": 0.30})
+    write_run(runs / "seed1", 1, {"val/knn_top1": 0.32})
+    write_run(runs / "smoke", 2, {"val/knn_top1": 0.05}, trainer={"limit_train_batches": 2, "limit_val_batches": 1})
+    markdown = compare.main([str(runs), str(runs / "seed0"), str(runs / "seed0"), "--out", str(tmp_path / "out")])
+    rows = {line.split(" | ")[2]: line.split(" | ")[3:5] for line in markdown.splitlines() if line.startswith("| MoCoV2")}
+    assert rows == {"–": ["0, 1", "n/a"], "trainer.limit_train_batches=2, trainer.limit_val_batches=1": ["2", "n/a"]}
+    assert "| 31.00 ± 1.41 |" in next(line for line in markdown.splitlines() if line.startswith("| MoCoV2 | Digits | – |"))
 
 
 def test_a_run_with_only_a_csv_log_gives_its_last_logged_values_and_curves(tmp_path):
