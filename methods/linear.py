@@ -58,7 +58,25 @@ def probed_trunk(
         what = "not a contrastlab pretraining checkpoint" if encoder == "online" else "its method has no momentum encoder (model.pretrained_encoder)"
         raise CheckpointMismatch(f"{source} holds no '{prefix}*' weights: {what}")
     recorded = checkpoint.get("hyper_parameters", {}).get("backbone")
-    return state, backbone if backbone is not None else recorded, pretraining_summary(checkpoint)
+    return state, trunk_as_trained(recorded, backbone, source), pretraining_summary(checkpoint)
+
+
+def trunk_as_trained(recorded: BackboneSpec | dict | None, given: BackboneSpec | dict | None, source: str) -> BackboneSpec | dict | None:
+    """The trunk a contrastlab checkpoint is probed with: the one it recorded, with the features the config's
+    `backbone` asks for (`kwargs.features`); anything else the config gives must agree with the recorded trunk, or
+    a ViT of another head count (the same tensor shapes) would load strictly and be probed as another network."""
+    if recorded is None or given is None:
+        return given if given is not None else recorded
+    trained, asked = as_spec(BackboneSpec, recorded), as_spec(BackboneSpec, given)
+    differing = [(name, getattr(asked, name), getattr(trained, name)) for name in ("name", "small_input") if getattr(asked, name) != getattr(trained, name)]
+    differing += [(f"kwargs.{key}", value, trained.kwargs.get(key)) for key, value in asked.kwargs.items() if key != "features" and trained.kwargs.get(key) != value]
+    if differing:
+        key, value, trained_value = differing[0]
+        raise CheckpointMismatch(
+            f"model.backbone.{key} {value!r}, but {source} was trained with {trained_value!r}: the trunk is probed as it was "
+            "trained (drop model.backbone, or give only its kwargs.features)"
+        )
+    return dataclasses.replace(trained, kwargs=trained.kwargs | ({"features": asked.kwargs["features"]} if "features" in asked.kwargs else {}))
 
 
 class LinearProbe(MethodBase):
@@ -88,7 +106,8 @@ class LinearProbe(MethodBase):
                 `paco`, `supcon`, `jcl`, `npid`, `torchvision`, `timm`; `interop.official`); by default read from its keys.
             pretrained_encoder: which trunk of a contrastlab checkpoint: `online` (what MoCo's main_lincls.py and most
                 papers probe) or `momentum`, the EMA copy (DINO's eval_linear.py probes the teacher).
-            backbone: the trunk; by default the one recorded in the checkpoint.
+            backbone: the trunk of an official checkpoint or of a random-init baseline; a contrastlab checkpoint's
+                is the one it recorded, of which `backbone` may choose the features probed (`kwargs.features`).
             random_init: probe a randomly initialised trunk instead (a baseline); needs `backbone`
                 and no checkpoint.
             optimizer, schedule: the linear classifier's optimizer and learning-rate schedule.

@@ -36,13 +36,29 @@ def test_backbone_is_loaded_from_the_checkpoint_with_its_recorded_spec(pretraine
 @pytest.mark.parametrize(
     "backbone, message",
     [
-        (BackboneSpec("resnet34"), r"does not match backbone 'resnet34' \(small_input=False\): missing keys \['layer1.2"),
-        (BackboneSpec("resnet18", small_input=True), "does not fit backbone 'resnet18'"),
+        (BackboneSpec("resnet34"), r"model.backbone.name 'resnet34', but model.pretrained_ckpt '.*' was trained with 'resnet18'"),
+        (BackboneSpec("resnet18", small_input=True), "model.backbone.small_input True, but .* was trained with False"),
+        (BackboneSpec("resnet18", kwargs={"zero_init_residual": True}), r"model.backbone.kwargs.zero_init_residual True, but .* was trained with None: the trunk is probed as it was trained"),
     ],
 )
-def test_a_checkpoint_with_mismatched_backbone_keys_is_refused(pretrained_checkpoint, backbone, message):
+def test_a_backbone_other_than_the_one_the_checkpoint_was_trained_with_is_refused(pretrained_checkpoint, backbone, message):
     with pytest.raises(ValueError, match=message):
         LinearProbe(pretrained_ckpt=str(pretrained_checkpoint[0]), backbone=backbone)
+
+
+def test_a_vit_checkpoint_is_probed_with_its_own_head_count_and_the_configs_features(tmp_path):
+    """A ViT's head count changes no tensor shape: the config's trunk would load strictly into another network."""
+    trained = BackboneSpec("vit_small", kwargs=dict(img_size=16, patch_size=8, depth=1, num_heads=12))
+    model = MoCoV2(backbone=trained, projector=TINY_PROJECTOR, queue_size=64, momentum=MomentumSpec(shuffle_bn=False), knn_k=0)
+    path = tmp_path / "vit.ckpt"
+    trainer = cpu_trainer(tmp_path, max_steps=0)
+    trainer.strategy.connect(model)
+    trainer.save_checkpoint(path)
+    features = {"last_blocks": 1, "average_patch_tokens": True}
+    probe = LinearProbe(pretrained_ckpt=str(path), backbone=BackboneSpec("vit_small", kwargs=dict(img_size=16, patch_size=8, depth=1, features=features)))
+    assert probe.backbone_spec.kwargs == trained.kwargs | {"features": features} and probe.backbone.blocks[0].attn.num_heads == 12
+    with pytest.raises(ValueError, match="model.backbone.kwargs.num_heads 6, but .* was trained with 12"):
+        LinearProbe(pretrained_ckpt=str(path), backbone=BackboneSpec("vit_small", kwargs=dict(img_size=16, patch_size=8, depth=1, num_heads=6)))
 
 
 def test_a_file_without_backbone_weights_is_refused(tmp_path):
