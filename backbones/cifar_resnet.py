@@ -37,6 +37,8 @@ class CifarResNet(nn.Module):
         super().__init__()
         if depth < 8 or (depth - 2) % 6:
             raise ValueError(f"a CIFAR ResNet has depth 6n+2 (20, 32, 44, 56, 110, ...), got {depth}")
+        if base_width < 2 or base_width % 2:  # the option-A shortcut pads half the new channels on each side
+            raise ValueError(f"a CIFAR ResNet's base_width must be an even number >= 2, got {base_width}")
         blocks_per_stage = (depth - 2) // 6
         widths = (base_width, 2 * base_width, 4 * base_width)
         self.conv1 = nn.Conv2d(3, base_width, kernel_size=3, stride=1, padding=1, bias=False)

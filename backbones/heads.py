@@ -43,6 +43,8 @@ def build_mlp(input_dim: int, spec: MLPSpec) -> nn.Sequential:
     for name in ("hidden_dim", "output_dim"):
         if getattr(spec, name) < 1:
             raise ValueError(f"MLP head {name} must be >= 1, got {getattr(spec, name)}")
+    if spec.activation not in ("relu", "gelu"):
+        raise ValueError(f"MLP head activation must be 'relu' or 'gelu', got {spec.activation!r}")
     layers: list[nn.Module] = []
     in_dim = input_dim
     for _ in range(spec.num_layers - 1):

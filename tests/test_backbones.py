@@ -97,6 +97,8 @@ def test_cifar_resnet_base_width_builds_pacos_widened_variant():
     trunk, dim = build_backbone("cifar_resnet32", base_width=32)  # PaCo commit 9afe122: factor = 2
     assert dim == 128
     assert trunk.eval()(torch.randn(2, 3, 32, 32)).shape == (2, 128)
+    with pytest.raises(ValueError, match="a CIFAR ResNet's base_width must be an even number >= 2, got 15"):
+        build_backbone("cifar_resnet20", base_width=15)  # would fail at the first forward: the shortcut pads 7 + 7 channels onto 15
 
 
 def test_small_input_is_refused_for_cifar_resnets():
@@ -243,6 +245,8 @@ def test_an_output_batch_norm_without_shift_learns_its_scale_and_keeps_a_zero_sh
         build_mlp(6, MLPSpec(8, 4, last_batch_norm=True, last_batch_norm_affine=False, last_batch_norm_shift=False))
 
 
-def test_mlp_refuses_zero_layers():
+def test_mlp_refuses_zero_layers_and_an_unknown_activation():
     with pytest.raises(ValueError, match="num_layers >= 1"):
         build_mlp(8, MLPSpec(num_layers=0))
+    with pytest.raises(ValueError, match="MLP head activation must be 'relu' or 'gelu', got 'tanh'"):
+        build_mlp(8, MLPSpec(activation="tanh"))
