@@ -2,6 +2,8 @@
 resumed run keeps the settings it was trained with, or is refused in one line before anything is written."""
 
 import errno
+import json
+import os
 import shutil
 import subprocess
 import sys
@@ -73,7 +75,8 @@ def test_the_lock_of_a_run_that_ended_or_died_is_taken_over(tmp_path):
     (run_dir / "run.lock").write_text("process 1 on elsewhere, started long ago: killed with -9\n")  # nobody holds it
     cli = pretrain(run_dir)
     assert cli.trainer.global_step == 2
-    assert "process" in (run_dir / "run.lock").read_text()
+    holder = (run_dir / "run.lock").read_text()
+    assert f"process {os.getpid()} on " in holder and "elsewhere" not in holder  # this run's own description replaced the stale one
     assert pretrain(run_dir, "--ckpt_path=last", "--trainer.max_epochs=1").trainer.global_step == 2  # released at the end
 
 
@@ -155,23 +158,24 @@ def test_a_run_stopped_by_max_steps_inside_an_epoch_and_extended_trains_as_one_s
 
 @pytest.mark.slow
 def test_a_run_stopped_by_max_time_says_so_writes_no_results_and_resumes_exactly_with_the_same_limit(tmp_path, capsys, monkeypatch):
-    # each training step takes one second of this process's time: a limit of 1 s stops after each step
-    monkeypatch.setattr(ProcessTimeLimit, "time_elapsed", lambda self, stage="train": float(getattr(self, "steps", 0)))
+    # each training step takes one second of this process's time, plus what Lightning's Timer carries over from a
+    # checkpoint (`_offset`): a limit of 2 s stops the first process after step 2
+    monkeypatch.setattr(ProcessTimeLimit, "time_elapsed", lambda self, stage="train": float(getattr(self, "steps", 0)) + self._offset)
     monkeypatch.setattr(ProcessTimeLimit, "on_train_batch_end", lambda self, trainer, *args: (
         setattr(self, "steps", getattr(self, "steps", 0) + 1), Timer.on_train_batch_end(self, trainer, *args)))
-    straight = pretrain(tmp_path / "straight", *STOPPABLE, "--trainer.max_steps=2")
+    straight = pretrain(tmp_path / "straight", *STOPPABLE, "--trainer.max_steps=3")
     run_dir = tmp_path / "timed"
-    for step in (1, 2):  # the second process trains one more step, not none: its own time counts
-        with pytest.raises(SystemExit) as exit_info:
-            pretrain(run_dir, *STOPPABLE, "--trainer.max_steps=2", "--trainer.max_time=00:00:00:01", "--ckpt_path=last")
-        assert exit_info.value.code == 143
-        assert capsys.readouterr().err.strip().splitlines()[-1] == (
-            f"stopped at trainer.max_time 00:00:00:01 (this process's time) after global step {step} (checkpoints/last.ckpt): "
-            "resume with --ckpt_path last")
-        assert not (run_dir / "results_val.json").exists()
-    resumed = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
-    assert resumed["global_step"] == 2
-    assert_same_state(state_after(straight), resumed["state_dict"])
+    timed = [*STOPPABLE, "--trainer.max_steps=3", "--trainer.max_time=00:00:00:02", "--ckpt_path=last"]
+    with pytest.raises(SystemExit) as exit_info:
+        pretrain(run_dir, *timed)
+    assert exit_info.value.code == 143
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "stopped at trainer.max_time 00:00:00:02 (this process's time) after global step 2 (checkpoints/last.ckpt): resume with --ckpt_path last")
+    assert not (run_dir / "results_val.json").exists()
+    # the same command: its own 2 s, not the 2 s of the first process, so it ends the run at max_steps 3
+    resumed = pretrain(run_dir, *timed)
+    assert resumed.trainer.global_step == 3 and json.loads((run_dir / "results_val.json").read_text())["global_step"] == 3
+    assert_same_state(state_after(straight), torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"])
 
 
 @pytest.mark.parametrize("completed", [0, 1])  # the epoch's last.ckpt written at its end (0) or when training ended (1)

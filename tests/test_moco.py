@@ -49,8 +49,7 @@ def test_loss_uses_the_queue_before_the_step_and_the_keys_are_enqueued_after():
 def test_no_gradient_reaches_the_target_branch_or_the_queue():
     model = tiny_moco()
     batch = first_batch(digits(MOCO_VIEWS, batch_size=16))
-    loss, features = model.step(batch)
-    (loss + model.probe_loss(features.detach(), batch["label"])).backward()
+    model.training_step(batch, 0).backward()  # the method's loss and the online probe's, as the trainer runs them
     assert all(p.grad is None for p in model.target_backbone.parameters())
     assert all(p.grad is None for p in model.target_projector.parameters())
     assert model.backbone.conv1.weight.grad is not None
@@ -120,11 +119,16 @@ def test_views_must_match_what_the_method_consumes():
 
 
 def test_the_online_probe_never_changes_the_backbone():
+    """The trunk's gradient of a training step (method loss + probe loss) is that of the method's loss alone."""
     model = tiny_moco()
+    method_only = copy.deepcopy(model)
     batch = first_batch(digits(MOCO_VIEWS, batch_size=16))
-    features = model.backbone(batch["views"]["query"])
-    model.probe_loss(features.detach(), batch["label"]).backward()
-    assert all(p.grad is None for p in model.backbone.parameters())
+    torch.manual_seed(0)  # the same shuffle-BN permutation in both
+    model.training_step(batch, 0).backward()
+    torch.manual_seed(0)
+    method_only.step(batch)[0].backward()
+    for with_probe, without in zip(model.backbone.parameters(), method_only.backbone.parameters()):
+        torch.testing.assert_close(with_probe.grad, without.grad, rtol=0, atol=0)
     assert model.probe.weight.grad is not None and model.probe.weight.grad.abs().sum() > 0
 
 

@@ -53,11 +53,17 @@ def test_the_sum_of_directions_is_twice_the_mean_loss_with_twice_its_gradients(n
 
 
 def test_gradient_reaches_the_encoder_from_both_views():
+    """The trunk's gradient is NT-Xent's with both views' embeddings differentiated, not one view's."""
     model = tiny_simclr()
+    references = {"both views": copy.deepcopy(model), "first view only": copy.deepcopy(model)}
     batch = first_batch(digits(SIMCLR_VIEWS, batch_size=8))
-    loss, _ = model.step(batch)
-    loss.backward()
-    assert model.backbone.conv1.weight.grad.abs().sum() > 0
+    model.step(batch)[0].backward()
+    for name, reference in references.items():
+        _, embeddings = reference.embed(torch.cat([batch["views"]["first"], batch["views"]["second"]]))
+        z1, z2 = embeddings.chunk(2)
+        nt_xent(z1, z2 if name == "both views" else z2.detach(), reference.temperature).backward()
+    torch.testing.assert_close(model.backbone.conv1.weight.grad, references["both views"].backbone.conv1.weight.grad)
+    assert not torch.allclose(model.backbone.conv1.weight.grad, references["first view only"].backbone.conv1.weight.grad, rtol=1e-3)
     assert all(p.grad is not None for p in model.projector.parameters())
 
 

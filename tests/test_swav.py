@@ -91,7 +91,7 @@ def test_the_queue_fills_from_its_start_epoch_and_is_read_once_full(tmp_path):
     assert record.states == [(False, False)] * 2 + [(True, False)] * 2 + [(True, True)] * 2
     empty = torch.zeros(16, 16)
     assert torch.equal(record.queues[0], empty) and torch.equal(record.queues[1], empty)  # epoch 0: not started
-    assert torch.count_nonzero(record.queues[2][:8].norm(dim=1) - 1 < 1e-5) == 8 and torch.equal(record.queues[2][8:], empty[8:])
+    assert torch.count_nonzero((record.queues[2][:8].norm(dim=1) - 1).abs() < 1e-5) == 8 and torch.equal(record.queues[2][8:], empty[8:])
     torch.testing.assert_close(record.queues[3][8:], record.queues[2][:8])  # shifted by one global batch
     torch.testing.assert_close(record.queues[3].norm(dim=1), torch.ones(16))  # full: unit embeddings in every row
 
