@@ -9,6 +9,7 @@ features against the training split under the evaluation view.
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torchmetrics.classification import MulticlassAccuracy, MulticlassStatScores
 from torchmetrics.functional.classification import multiclass_accuracy
 
@@ -137,6 +138,7 @@ class EvaluationMixin:
         if "bank_features" in collected and not self.trainer.sanity_checking:
             gathered = {name: self.all_gather(torch.cat(parts)) for name, parts in collected.items()}
             gathered = {name: tensor.flatten(0, 1) if self.trainer.world_size > 1 else tensor for name, tensor in gathered.items()}
+            self._warn_of_a_partial_bank(stage, len(gathered["bank_labels"]))
             bank_labelled = gathered["bank_labels"] >= 0  # unlabelled bank images cannot vote
             scores = knn_predict(
                 gathered["features"],
@@ -148,6 +150,15 @@ class EvaluationMixin:
             )
             for k in self.top_ks:
                 self.log(f"{stage}/knn_top{k}", topk_accuracy(scores, gathered["labels"], k))
+
+    def _warn_of_a_partial_bank(self, stage: str, banked: int) -> None:
+        """`trainer.limit_{stage}_batches` limits every loader of the stage, the kNN bank's too (a folder dataset's
+        first classes only, its images being sorted by class): the vote then runs among part of the training set."""
+        loaders = self.trainer.val_dataloaders if stage == "val" else self.trainer.test_dataloaders
+        full = len(loaders[1].dataset)
+        if banked < full:
+            rank_zero_warn(f"the kNN bank holds {banked} of the {full} training images (trainer.limit_{stage}_batches limits its loader too): "
+                           f"{stage}/knn_top1 votes among them only")
 
     def on_validation_epoch_end(self) -> None:
         self._finish_evaluation("val")

@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -139,6 +140,17 @@ def test_the_results_of_a_fit_are_the_validation_of_the_weights_it_ends_with(sto
     assert results["global_step"] == results["val_global_step"] == cli.trainer.global_step == {"3": 6, "5": 3}[stop[0][-1]]
     assert "val/knn_top1" in results["metrics"]
     assert "val/first_validation_only" in cli.trainer.callback_metrics and "val/first_validation_only" not in results["metrics"]  # not of these weights
+
+
+@pytest.mark.slow
+def test_a_knn_bank_cut_short_by_limit_val_batches_is_said_and_a_whole_one_is_not(tmp_path):
+    run = ["fit", "--config", PRETRAIN_DIGITS, *TINY_RUN, "--trainer.logger=false", "--embedding_map.enabled=false"]
+    with pytest.warns(UserWarning, match=r"the kNN bank holds 32 of the 1197 training images \(trainer.limit_val_batches limits its loader too\)"):
+        main_pretrain.cli_main([*run, f"--trainer.default_root_dir={tmp_path / 'limited'}"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cli = main_pretrain.cli_main([*run, "--trainer.limit_val_batches=1.0", "--data.init_args.batch_size=64", f"--trainer.default_root_dir={tmp_path / 'whole'}"])
+    assert "val/knn_top1" in cli.trainer.callback_metrics and not [w for w in caught if "kNN bank" in str(w.message)]
 
 
 class LoggedAtTheFirstValidationOnly(Callback):
