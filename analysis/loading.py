@@ -48,6 +48,10 @@ def load_checkpoint_and_data(args: argparse.Namespace, overrides: list[str]) -> 
     checkpoint = read_checkpoint(args.checkpoint, source)  # before the config is built: a missing file is one line
     cli = instantiate_config(args.config, overrides)
     official = load_official_encoder(cli.model, checkpoint, args.format, source)  # None: a contrastlab checkpoint
+    model_overrides = [argument for argument in overrides if argument.startswith("--model")]
+    if not official and model_overrides:  # the method is the one the checkpoint was trained with: they would change nothing
+        raise ValueError(f"{model_overrides[0]}: a contrastlab {source} analyses the method it was trained with; "
+                         "model overrides build the method of a published checkpoint (--format)")
     model = (cli.model if official else load_method(args.checkpoint, checkpoint)).to(args.device)
     return model, cli.datamodule, official or "contrastlab"
 

@@ -149,3 +149,5 @@ def test_pretraining_logs_the_analysis_and_the_command_analyses_its_checkpoint(t
     few_shot = json.loads((out / "few_shot.json").read_text())
     assert few_shot["format"] == "contrastlab" and few_shot["eval_images"] == 300 and list(few_shot["shots"]) == ["1", "2"]
     assert capsys.readouterr().out.splitlines()[0].startswith("  1-shot top-1 ")
+    with pytest.raises(SystemExit, match=r"error: --model.init_args.temperature=0.5: a contrastlab checkpoint '.*' analyses the method it was trained with"):
+        analyse_checkpoint([*command, "--", *data, "--model.init_args.temperature=0.5"])  # it would change nothing: said, not ignored
