@@ -54,6 +54,7 @@ from methods.linear import ENCODER_PREFIXES
 from methods.longtail import tau_normalised
 
 EXPORT_FORMATS = ("torchvision", "timm", "detectron2")
+IMAGENET_RGB_NORMALISATION = {"mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}
 EXPORT_SUFFIXES = (".pth", ".safetensors", ".pkl", ".json")
 
 
@@ -185,16 +186,17 @@ def detectron2_name(key: str) -> str:
 
 def detectron2_config(spec: BackboneSpec, normalisation: dict | None) -> dict:
     """The detectron2 settings these weights need, as MoCo's detection configs set them: torchvision puts the
-    stride in the 3x3 convolution, and the images are RGB normalised as in training (pixel scale 0-255)."""
+    stride in the 3x3 convolution, and the images are RGB normalised as in training (pixel scale 0-255); without a
+    recorded normalisation, ImageNet's RGB statistics, as facebookresearch/moco detection/configs/Base-RCNN-C4-BN.yaml
+    (detectron2's own defaults are BGR means, which an RGB input would take in the wrong order)."""
     depth, groups, width = re.fullmatch(r"res(?:net|next)(\d+)(?:_(\d+)x(\d+)d)?", spec.name).groups()
     settings = {"MODEL.RESNETS.DEPTH": int(depth), "MODEL.RESNETS.STRIDE_IN_1X1": False, "INPUT.FORMAT": "RGB"}
     if groups:
         settings |= {"MODEL.RESNETS.NUM_GROUPS": int(groups), "MODEL.RESNETS.WIDTH_PER_GROUP": int(width)}
     if int(depth) < 50:  # basic blocks: detectron2 requires 64 channels after res2 for R18/R34
         settings["MODEL.RESNETS.RES2_OUT_CHANNELS"] = 64
-    if normalisation:
-        settings |= {"MODEL.PIXEL_MEAN": [round(255 * m, 3) for m in normalisation["mean"]], "MODEL.PIXEL_STD": [round(255 * s, 3) for s in normalisation["std"]]}
-    return settings
+    normalisation = normalisation or IMAGENET_RGB_NORMALISATION
+    return settings | {"MODEL.PIXEL_MEAN": [round(255 * m, 3) for m in normalisation["mean"]], "MODEL.PIXEL_STD": [round(255 * s, 3) for s in normalisation["std"]]}
 
 
 def _how_to_load(spec: BackboneSpec, format: str, file: str, num_classes: int | None) -> str:

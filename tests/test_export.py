@@ -224,6 +224,9 @@ def test_detectron2_export_has_the_keys_and_shapes_that_moco_s_converter_writes_
     assert np.array_equal(exported["model"]["stem.conv1.weight"], online["conv1.weight"].numpy())
     settings = json.loads(record.read_text())["detectron2_config"]
     assert settings["MODEL.RESNETS.DEPTH"] == 50 and settings["MODEL.RESNETS.STRIDE_IN_1X1"] is False and settings["INPUT.FORMAT"] == "RGB"
+    # a checkpoint that records no data normalisation: ImageNet's RGB statistics (moco detection/configs/Base-RCNN-C4-BN.yaml),
+    # not detectron2's BGR defaults, which an RGB input would take in the wrong order
+    assert (settings["MODEL.PIXEL_MEAN"], settings["MODEL.PIXEL_STD"]) == ([123.675, 116.28, 103.53], [58.395, 57.12, 57.375])
 
 
 def spread(classifier: nn.Linear, features: torch.Tensor) -> None:
