@@ -104,6 +104,8 @@ def detect_format(checkpoint: Any, backbone_name: str | None, source: str) -> st
         return "simsiam"
     if LIGHTNING_KEY in entries and any(key.startswith("trunk.") for key in keys):
         return "sce"
+    if "module.prototypes.weight" in keys:  # SwAV's training checkpoint.pth.tar: its model under state_dict
+        return "swav"
     if "module.conv1.weight" in keys:
         return "npid"
     if isinstance(entries.get("model"), dict) and any(key.startswith("encoder.") for key in entries["model"]):
@@ -133,6 +135,8 @@ def convert(checkpoint: Any, format: str, backbone_name: str | None, source: str
     """The parts of a checkpoint in `format`, renamed to contrastlab's names (no tensor is changed)."""
     layout = layout_of(format, backbone_name, source)
     state = checkpoint if layout.container is None else (checkpoint.get(layout.container) if isinstance(checkpoint, dict) else None)
+    if layout.container is None and not is_state_dict(state) and isinstance(checkpoint, dict) and is_state_dict(checkpoint.get("state_dict")):
+        state = checkpoint["state_dict"]  # a training checkpoint of a flat layout ({"epoch", "state_dict", "optimizer"}: SwAV's)
     where = "" if layout.container is None else f" under {layout.container!r}"
     if not is_state_dict(state):
         raise ValueError(f"{source} (format {format}) holds no state dict{where}")

@@ -284,9 +284,9 @@ def official_case(format: str):
     if format == "barlow_twins":  # facebookresearch/barlowtwins main.py and vicreg main_vicreg.py save backbone.state_dict()
         trunk = torchvision_trunk(small_input=False)
         return trunk.state_dict(), trunk, None
-    if format == "swav":
+    if format in ("swav", "swav_training"):  # the released file, or the checkpoint.pth.tar of a training run (main_swav.py)
         trunk = torchvision_trunk(small_input=False)
-        return swav_file(trunk), trunk, None
+        return (swav_file(trunk) if format == "swav" else {"epoch": 400, "state_dict": swav_file(trunk), "optimizer": {}}), trunk, None
     if format == "dino":
         teacher = torchvision_trunk(small_input=False)
         return dino_file(teacher, vit=False), teacher, None
@@ -299,8 +299,9 @@ def official_case(format: str):
 
 
 CASES = ["moco", "sce", "paco", "supcon", "supcon_one_gpu", "npid", "npid_imagenet", "torchvision", "timm", "mocov3", "mocov3_vit", "simsiam",
-         "barlow_twins", "swav", "dino", "dino_vit"]
-DETECTED = {"supcon_one_gpu": "supcon", "npid_imagenet": "npid", "mocov3_vit": "mocov3", "barlow_twins": "torchvision", "dino_vit": "dino"}
+         "barlow_twins", "swav", "swav_training", "dino", "dino_vit"]
+DETECTED = {"supcon_one_gpu": "supcon", "npid_imagenet": "npid", "mocov3_vit": "mocov3", "barlow_twins": "torchvision", "dino_vit": "dino",
+            "swav_training": "swav"}
 
 
 @pytest.mark.parametrize("case", CASES)
