@@ -39,13 +39,16 @@ class UnreadableCheckpoint(ValueError):
 
 
 class ForeignObject:
-    """Stands in for an object of a class named by a checkpoint file; keeps nothing, runs nothing."""
+    """Stands in for an object of a class named by a checkpoint file; runs nothing, and keeps its attributes as
+    attributes where the file gives them as a dict (read under the same weights-only rules: plain data), so that
+    e.g. DINO's `args.arch` (an argparse.Namespace) can be read."""
 
     def __init__(self, *args, **kwargs):
         pass
 
     def __setstate__(self, state) -> None:
-        pass
+        if isinstance(state, dict):
+            self.__dict__.update({key: value for key, value in state.items() if isinstance(key, str) and not key.startswith("__")})
 
 
 def read_checkpoint(path: str | os.PathLike, source: str) -> Any:

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from backbones import BACKBONE_NAMES, BackboneSpec, load_state_strictly
+from backbones.vit import VIT_SIZES, timm_arguments
 from engine.files import is_state_dict, read_checkpoint
 
 FORMATS = ("contrastlab", "moco", "sce", "paco", "supcon", "jcl", "npid", "torchvision", "timm", "mocov3", "simsiam", "swav", "dino")
@@ -215,7 +216,28 @@ def official_trunk(
         return None
     if encoder == "momentum" and weights.format not in MOMENTUM_TRUNK_FORMATS:
         raise ValueError(f"{source} (format {weights.format}) holds no momentum trunk, only the one it is read as: give --model.pretrained_encoder online")
+    if backbone is not None:
+        check_head_count(checkpoint, weights.format, BackboneSpec(**backbone) if isinstance(backbone, dict) else backbone, source)
     return weights.trunk, backbone if backbone is not None else infer_backbone(weights.trunk, source)
+
+
+# The head counts of the official ViTs a checkpoint names in its `arch` (moco-v3 main_moco.py) or `args.arch` (dino
+# main_dino.py): moco-v3 vits.py gives its ViT-S 12 heads where DeiT's and DINO's (vision_transformer.py) have 6. The
+# head count changes no tensor shape, so a strict load cannot tell.
+OFFICIAL_VIT_HEADS = {("mocov3", "vit_small"): 12, ("mocov3", "vit_base"): 12, ("dino", "vit_tiny"): 3, ("dino", "vit_small"): 6, ("dino", "vit_base"): 12}
+
+
+def check_head_count(checkpoint: Any, format: str, spec: BackboneSpec, source: str) -> None:
+    """A ViT trunk given for an official checkpoint must have the heads of the architecture the checkpoint names."""
+    if spec.name not in VIT_SIZES or not isinstance(checkpoint, dict):
+        return
+    arch = checkpoint.get("arch") if format == "mocov3" else getattr(checkpoint.get("args"), "arch", None)
+    expected, given = OFFICIAL_VIT_HEADS.get((format, arch)), timm_arguments(spec.name, spec.kwargs)["num_heads"]
+    if expected is not None and given != expected:
+        raise ValueError(
+            f"{source} is {format}'s {arch}, a ViT of {expected} heads; model.backbone {spec.name!r} builds {given}: give "
+            f"model.backbone.kwargs.num_heads {expected} (the weights would load and be read as another network)"
+        )
 
 
 def load_official_classifier(trunk: torch.nn.Module, classifier: torch.nn.Module, path: str, format: str | None, backbone: BackboneSpec) -> None:
@@ -242,6 +264,7 @@ def load_official_encoder(model, checkpoint: Any, format: str | None, source: st
     weights = official_weights(checkpoint, format, spec.name, source)
     if weights is None:
         return None
+    check_head_count(checkpoint, weights.format, spec, source)
     if "projector" not in weights.heads:
         raise ValueError(f"{source} (format {weights.format}) holds no projection head: the analysis measures the projector's output")
     load_state_strictly(model.backbone, weights.trunk, source, f"backbone {spec.name!r} (small_input={spec.small_input})")

@@ -197,10 +197,13 @@ def simsiam_file(trunk: nn.Module) -> dict:
     }
 
 
+MOCOV3_SMALL_VIT = dict(img_size=16, patch_size=8, embed_dim=96, depth=1, num_heads=12)  # a vit_small of moco-v3's 12 heads, shrunk
+
+
 def timm_vit_trunk() -> nn.Module:
     """moco-v3 vits.py's VisionTransformerMoCo is timm's VisionTransformer under the same names; a small one at 16 px."""
     torch.manual_seed(5)
-    return timm.models.vision_transformer.VisionTransformer(img_size=16, patch_size=8, embed_dim=64, depth=1, num_heads=4, num_classes=0).eval()
+    return timm.models.vision_transformer.VisionTransformer(**MOCOV3_SMALL_VIT, num_classes=0).eval()
 
 
 def swav_file(trunk: nn.Module) -> dict:
@@ -274,7 +277,7 @@ def official_case(format: str):
         return mocov3_file(trunk, "fc", "resnet18"), trunk, None
     if format == "mocov3_vit":
         trunk = timm_vit_trunk()
-        return mocov3_file(trunk, "head", "vit_small"), trunk, BackboneSpec("vit_tiny", kwargs=dict(img_size=16, patch_size=8, embed_dim=64, depth=1, num_heads=4))
+        return mocov3_file(trunk, "head", "vit_small"), trunk, BackboneSpec("vit_small", kwargs=MOCOV3_SMALL_VIT)
     if format == "simsiam":
         trunk = torchvision_trunk(small_input=False)
         return simsiam_file(trunk), trunk, None
@@ -314,6 +317,21 @@ def test_an_official_checkpoint_loads_strictly_and_gives_the_source_trunk_featur
     probe = LinearProbe(pretrained_ckpt=str(path), pretrained_format=format, backbone=backbone)
     with torch.no_grad():
         assert torch.equal(probe.backbone(IMAGES), source(IMAGES))
+
+
+def test_a_vit_of_another_head_count_than_the_official_architecture_s_is_one_error(tmp_path):
+    """moco-v3's vit_small has 12 heads, DINO's 6: the same tensor shapes, so only the checkpoint's arch tells."""
+    checkpoint, _, _ = official_case("mocov3_vit")
+    path = tmp_path / "mocov3.pth.tar"
+    torch.save(checkpoint, path)
+    six_heads = BackboneSpec("vit_small", kwargs={key: value for key, value in MOCOV3_SMALL_VIT.items() if key != "num_heads"} | {"num_heads": 6})
+    with pytest.raises(ValueError, match=r"is mocov3's vit_small, a ViT of 12 heads; model.backbone 'vit_small' builds 6: give model.backbone.kwargs.num_heads 12"):
+        LinearProbe(pretrained_ckpt=str(path), backbone=six_heads)
+    dino, teacher, spec = official_case("dino_vit")  # DINO's vit_tiny: 3 heads, as timm's
+    torch.save(dino, path)
+    LinearProbe(pretrained_ckpt=str(path), pretrained_encoder="momentum", backbone=spec)
+    with pytest.raises(ValueError, match="is dino's vit_tiny, a ViT of 3 heads; model.backbone 'vit_tiny' builds 1"):
+        LinearProbe(pretrained_ckpt=str(path), backbone=BackboneSpec("vit_tiny", kwargs=spec.kwargs | {"num_heads": 1}))
 
 
 @pytest.mark.parametrize("case", ["mocov3", "mocov3_vit", "simsiam"])
