@@ -11,7 +11,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torchmetrics.classification import MulticlassAccuracy, MulticlassStatScores
-from torchmetrics.functional.classification import multiclass_accuracy
 
 
 @torch.no_grad()
@@ -35,9 +34,14 @@ def knn_predict(
     return torch.cat(scores)
 
 
-def topk_accuracy(scores: torch.Tensor, labels: torch.Tensor, k: int) -> torch.Tensor:
-    """Top-k accuracy of class scores (torchmetrics'); images labelled -1 are not scored."""
-    return multiclass_accuracy(scores, labels, num_classes=scores.shape[1], top_k=min(k, scores.shape[1]), average="micro", ignore_index=-1)
+def knn_topk_accuracy(scores: torch.Tensor, labels: torch.Tensor, k: int) -> torch.Tensor:
+    """Top-k accuracy of kNN class scores; images labelled -1 are not scored. A class is among an image's top k only
+    with a vote: where its neighbours hold fewer than k classes, the rest tie at 0 and would be taken in index order
+    (torchmetrics' top-k counts them; DINO's eval_knn.py takes the top min(5, k) classes)."""
+    top = scores.topk(min(k, scores.shape[1]), dim=1)
+    hit = ((top.indices == labels[:, None]) & (top.values > 0)).any(dim=1)
+    scored = labels >= 0
+    return (hit & scored).sum() / scored.sum().clamp(min=1)
 
 
 def shot_accuracies(class_stats: torch.Tensor, train_counts: torch.Tensor, many_above: int = 100, few_below: int = 20) -> dict[str, float]:
@@ -149,7 +153,7 @@ class EvaluationMixin:
                 self.knn_temperature,
             )
             for k in self.top_ks:
-                self.log(f"{stage}/knn_top{k}", topk_accuracy(scores, gathered["labels"], k))
+                self.log(f"{stage}/knn_top{k}", knn_topk_accuracy(scores, gathered["labels"], k))
 
     def _warn_of_a_partial_bank(self, stage: str, banked: int) -> None:
         """`trainer.limit_{stage}_batches` limits every loader of the stage, the kNN bank's too (a folder dataset's

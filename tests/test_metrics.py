@@ -127,3 +127,20 @@ def test_shot_accuracies_leave_out_empty_groups_and_unseen_classes():
     stats = multiclass_stat_scores(torch.tensor([0, 1]), torch.tensor([0, 1]), num_classes=3, average=None)
     result = shot_accuracies(stats, torch.tensor([500, 50, 5]))
     assert result == {"top1": 1.0, "many_top1": 1.0, "medium_top1": 1.0}  # class 2 (few) has no sample
+
+
+def test_knn_top_k_counts_only_classes_that_received_a_vote():
+    """With k = 1 neighbour a query has one class with a vote: its top-5 is that class alone, not four zero-score
+    classes in index order (DINO's eval_knn.py: the top min(5, k))."""
+    from methods.evaluation import knn_predict, knn_topk_accuracy
+
+    bank = F.normalize(torch.eye(8)[:6], dim=1)  # six bank images, one per class 0..5 (classes 6, 7 have none)
+    queries = F.normalize(torch.eye(8)[[0, 1]] + 0.1, dim=1)
+    scores = knn_predict(queries, bank, torch.arange(6), num_classes=8, k=1)
+    assert (scores > 0).sum(dim=1).tolist() == [1, 1]
+    for unvoted in range(2, 8):  # query 0 is right; query 1 (its neighbour: class 1) is labelled with a class without a vote
+        labels = torch.tensor([0, unvoted])
+        assert knn_topk_accuracy(scores, labels, 1).item() == 0.5
+        assert knn_topk_accuracy(scores, labels, 5).item() == 0.5  # a plain top-5 takes 4 of the 7 zero-score classes: some hit
+    assert knn_topk_accuracy(scores, torch.tensor([1, 1]), 5).item() == 0.5
+    assert knn_topk_accuracy(scores, torch.tensor([0, -1]), 5).item() == 1.0  # an unlabelled query is not scored
