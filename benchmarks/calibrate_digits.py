@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from backbones import build_backbone
 from datamodules.digits import DigitsDataModule, composite_digits
-from methods.evaluation import knn_predict, topk_accuracy
+from methods.evaluation import knn_predict, knn_topk_accuracy
 
 
 def linear_probe_top1(train_x, train_y, test_x, test_y, weight_decay: float = 1e-4) -> float:
@@ -43,7 +43,7 @@ def knn_top1(train_x, train_y, test_x, test_y) -> float:
     bank = F.normalize(torch.as_tensor(train_x, dtype=torch.float32), dim=1)
     queries = F.normalize(torch.as_tensor(test_x, dtype=torch.float32), dim=1)
     scores = knn_predict(queries, bank, torch.as_tensor(train_y), 10)
-    return float(topk_accuracy(scores, torch.as_tensor(test_y), 1))
+    return float(knn_topk_accuracy(scores, torch.as_tensor(test_y), 1))
 
 
 @torch.no_grad()
