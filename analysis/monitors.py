@@ -141,7 +141,9 @@ class CollapseMonitor(Callback):
         )
 
     def on_validation_epoch_end(self, trainer, pl_module) -> None:
-        last = trainer.should_stop or (trainer.max_epochs is not None and trainer.current_epoch == trainer.max_epochs - 1)
+        # the results' validation: the last epoch's, a max_steps stop's, or the one after a fit that missed it
+        # (engine.cli.results.validate_the_end_if_missed, a `validate`)
+        last = trainer.should_stop or trainer.state.fn == "validate" or (trainer.max_epochs is not None and trainer.current_epoch == trainer.max_epochs - 1)
         if trainer.sanity_checking or not trainer.is_global_zero or not self.active or ((trainer.current_epoch + 1) % self.every_n_epochs and not last):
             return
         samples = validation_samples(trainer, trainer.datamodule, self.split, self.max_samples)

@@ -6,7 +6,7 @@
   cannot. It loads with `weights_only=True`, which runs no code from the file. Official releases pickle more than
   tensors (SupContrast its `argparse.Namespace` of options, SCE's Lightning checkpoints their OmegaConf
   hyperparameters): every class such a file names besides torch's and Python's plain types is let in as an inert
-  `ForeignObject`, which drops what it held and keeps the tensors.
+  `ForeignObject`, which runs nothing and keeps the plain data it held as attributes (DINO's `args.arch`).
 - `write_atomically(path, write)` writes `<name>.partial` next to `path`, then renames it over `path`.
 - `SameDirectoryCheckpointIO`: Lightning's checkpoint writes, done that way; `write_run_file`: a run's config.yaml.
 """

@@ -29,6 +29,7 @@ import torch
 
 from backbones import BACKBONE_NAMES, BackboneSpec, load_state_strictly
 from backbones.vit import VIT_SIZES, timm_arguments
+from engine.config import as_spec
 from engine.files import is_state_dict, read_checkpoint
 
 FORMATS = ("contrastlab", "moco", "sce", "paco", "supcon", "jcl", "npid", "torchvision", "timm", "mocov3", "simsiam", "swav", "dino")
@@ -217,7 +218,7 @@ def official_trunk(
     if encoder == "momentum" and weights.format not in MOMENTUM_TRUNK_FORMATS:
         raise ValueError(f"{source} (format {weights.format}) holds no momentum trunk, only the one it is read as: give --model.pretrained_encoder online")
     if backbone is not None:
-        check_head_count(checkpoint, weights.format, BackboneSpec(**backbone) if isinstance(backbone, dict) else backbone, source)
+        check_head_count(checkpoint, weights.format, as_spec(BackboneSpec, backbone), source)
     return weights.trunk, backbone if backbone is not None else infer_backbone(weights.trunk, source)
 
 
@@ -232,7 +233,8 @@ def check_head_count(checkpoint: Any, format: str, spec: BackboneSpec, source: s
     if spec.name not in VIT_SIZES or not isinstance(checkpoint, dict):
         return
     arch = checkpoint.get("arch") if format == "mocov3" else getattr(checkpoint.get("args"), "arch", None)
-    expected, given = OFFICIAL_VIT_HEADS.get((format, arch)), timm_arguments(spec.name, spec.kwargs)["num_heads"]
+    expected = OFFICIAL_VIT_HEADS.get((format, arch)) if isinstance(arch, str) else None
+    given = timm_arguments(spec.name, spec.kwargs)["num_heads"]
     if expected is not None and given != expected:
         raise ValueError(
             f"{source} is {format}'s {arch}, a ViT of {expected} heads; model.backbone {spec.name!r} builds {given}: give "

@@ -35,11 +35,13 @@ def knn_predict(
 
 
 def knn_topk_accuracy(scores: torch.Tensor, labels: torch.Tensor, k: int) -> torch.Tensor:
-    """Top-k accuracy of kNN class scores; images labelled -1 are not scored. A class is among an image's top k only
-    with a vote: where its neighbours hold fewer than k classes, the rest tie at 0 and would be taken in index order
-    (torchmetrics' top-k counts them; DINO's eval_knn.py takes the top min(5, k) classes)."""
-    top = scores.topk(min(k, scores.shape[1]), dim=1)
-    hit = ((top.indices == labels[:, None]) & (top.values > 0)).any(dim=1)
+    """Top-k accuracy of kNN class scores; images labelled -1 are not scored. Tied scores rank by class index (top-1
+    is the argmax), and a class is among an image's top k only with a vote: where its neighbours hold fewer than k
+    classes, the others tie at 0 (torchmetrics' top-k counted some of them; DINO's eval_knn.py, for the same
+    reason, narrows its top 5 to the top min(5, k) classes, which leaves them in for k >= 5)."""
+    values, indices = scores.sort(dim=1, descending=True, stable=True)
+    k = min(k, scores.shape[1])
+    hit = ((indices[:, :k] == labels[:, None]) & (values[:, :k] > 0)).any(dim=1)
     scored = labels >= 0
     return (hit & scored).sum() / scored.sum().clamp(min=1)
 

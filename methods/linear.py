@@ -67,13 +67,16 @@ def trunk_as_trained(recorded: BackboneSpec | dict | None, given: BackboneSpec |
     a ViT of another head count (the same tensor shapes) would load strictly and be probed as another network."""
     if recorded is None or given is None:
         return given if given is not None else recorded
-    trained, asked = as_spec(BackboneSpec, recorded), as_spec(BackboneSpec, given)
-    differing = [(name, getattr(asked, name), getattr(trained, name)) for name in ("name", "small_input") if getattr(asked, name) != getattr(trained, name)]
-    differing += [(f"kwargs.{key}", value, trained.kwargs.get(key)) for key, value in asked.kwargs.items() if key != "features" and trained.kwargs.get(key) != value]
+    trained, asked, default = as_spec(BackboneSpec, recorded), as_spec(BackboneSpec, given), BackboneSpec()
+    # a field at BackboneSpec's default may be one the config left out (the parser fills it in): only the others count
+    differing = [(name, getattr(asked, name), f"with {getattr(trained, name)!r}") for name in ("name", "small_input")
+                 if getattr(asked, name) != getattr(default, name) and getattr(asked, name) != getattr(trained, name)]
+    differing += [(f"kwargs.{key}", value, f"with {trained.kwargs[key]!r}" if key in trained.kwargs else "without it")
+                  for key, value in asked.kwargs.items() if key != "features" and trained.kwargs.get(key) != value]
     if differing:
-        key, value, trained_value = differing[0]
+        key, value, trained_with = differing[0]
         raise CheckpointMismatch(
-            f"model.backbone.{key} {value!r}, but {source} was trained with {trained_value!r}: the trunk is probed as it was "
+            f"model.backbone.{key} {value!r}, but {source} was trained {trained_with}: the trunk is probed as it was "
             "trained (drop model.backbone, or give only its kwargs.features)"
         )
     return dataclasses.replace(trained, kwargs=trained.kwargs | ({"features": asked.kwargs["features"]} if "features" in asked.kwargs else {}))

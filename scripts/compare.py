@@ -12,8 +12,8 @@ Each argument is a run, a W&B run, or a directory holding runs:
   run; the linear stage, as above, from `<root>/linear`;
 - any other directory: every run below it (a run's own subdirectories, e.g. its linear stage, belong to it).
 
-Runs whose `model`, `data` and `trainer` settings differ only in their random seed and in run control (`RUN_CONTROL`: run
-directory, logging, batch limits, validation frequency) form one row:
+Runs whose `model`, `data`, `trainer` and `non_finite` settings differ only in their random seed and in run control
+(`RUN_CONTROL`: run directory, logging, validation frequency; not the batch limits of a smoke run) form one row:
 method x dataset (and, where rows of one method and dataset differ, the settings that set them apart), with
 the mean ± sample standard deviation over seeds of the linear, kNN and online-probe top-1, the training time
 and the training images per second (`engine.tracking.TrainingThroughput`). A metric that no run of a row
@@ -84,7 +84,7 @@ class Run:
         return self.config.get("seed_everything", "n/a")
 
     def setting(self) -> dict[str, str]:
-        """The flattened `model`, `data` and `trainer` settings, without run control (`RUN_CONTROL`)."""
+        """The flattened settings of `GROUPING_SECTIONS`, without run control (`RUN_CONTROL`)."""
         flat = flatten({section: self.config.get(section) for section in GROUPING_SECTIONS})
         return {key: value for key, value in flat.items() if not key.startswith(RUN_CONTROL)}
 

@@ -38,7 +38,7 @@ def test_backbone_is_loaded_from_the_checkpoint_with_its_recorded_spec(pretraine
     [
         (BackboneSpec("resnet34"), r"model.backbone.name 'resnet34', but model.pretrained_ckpt '.*' was trained with 'resnet18'"),
         (BackboneSpec("resnet18", small_input=True), "model.backbone.small_input True, but .* was trained with False"),
-        (BackboneSpec("resnet18", kwargs={"zero_init_residual": True}), r"model.backbone.kwargs.zero_init_residual True, but .* was trained with None: the trunk is probed as it was trained"),
+        (BackboneSpec("resnet18", kwargs={"zero_init_residual": True}), r"model.backbone.kwargs.zero_init_residual True, but .* was trained without it: the trunk is probed as it was trained"),
     ],
 )
 def test_a_backbone_other_than_the_one_the_checkpoint_was_trained_with_is_refused(pretrained_checkpoint, backbone, message):
@@ -57,6 +57,8 @@ def test_a_vit_checkpoint_is_probed_with_its_own_head_count_and_the_configs_feat
     features = {"last_blocks": 1, "average_patch_tokens": True}
     probe = LinearProbe(pretrained_ckpt=str(path), backbone=BackboneSpec("vit_small", kwargs=dict(img_size=16, patch_size=8, depth=1, features=features)))
     assert probe.backbone_spec.kwargs == trained.kwargs | {"features": features} and probe.backbone.blocks[0].attn.num_heads == 12
+    only_features = LinearProbe(pretrained_ckpt=str(path), backbone=BackboneSpec(kwargs={"features": features}))  # the parser's default name
+    assert only_features.backbone_spec.name == "vit_small" and only_features.backbone_spec.kwargs == probe.backbone_spec.kwargs
     with pytest.raises(ValueError, match="model.backbone.kwargs.num_heads 6, but .* was trained with 12"):
         LinearProbe(pretrained_ckpt=str(path), backbone=BackboneSpec("vit_small", kwargs=dict(img_size=16, patch_size=8, depth=1, num_heads=6)))
 

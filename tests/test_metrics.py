@@ -144,3 +144,5 @@ def test_knn_top_k_counts_only_classes_that_received_a_vote():
         assert knn_topk_accuracy(scores, labels, 5).item() == 0.5  # a plain top-5 takes 4 of the 7 zero-score classes: some hit
     assert knn_topk_accuracy(scores, torch.tensor([1, 1]), 5).item() == 0.5
     assert knn_topk_accuracy(scores, torch.tensor([0, -1]), 5).item() == 1.0  # an unlabelled query is not scored
+    tied = torch.tensor([[3.0, 2.0, 3.0, 3.0, 3.0, 2.0, 3.0, 3.0, 2.0, 2.0, 1.0]] * 2)  # ties: the first index wins, as argmax
+    assert knn_topk_accuracy(tied, torch.tensor([0, 0]), 1).item() == 1.0 and knn_topk_accuracy(tied, torch.tensor([4, 4]), 1).item() == 0.0

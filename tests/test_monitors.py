@@ -30,7 +30,8 @@ def tiny_moco() -> MoCoV2:
 
 def fake_trainer(datamodule, tmp_path, **kwargs) -> SimpleNamespace:
     options = dict(sanity_checking=False, is_global_zero=True, datamodule=datamodule, default_root_dir=str(tmp_path), current_epoch=4,
-                   global_step=50, loggers=[], callbacks=[], limit_val_batches=1.0, fast_dev_run=False, max_epochs=100, should_stop=False)
+                   global_step=50, loggers=[], callbacks=[], limit_val_batches=1.0, fast_dev_run=False, max_epochs=100, should_stop=False,
+                   state=SimpleNamespace(fn="fit"))
     return SimpleNamespace(**(options | kwargs))
 
 
@@ -70,7 +71,8 @@ def test_the_monitor_logs_at_the_end_of_every_nth_and_of_the_last_epoch_and_leav
     assert names == []
     monitor.on_validation_epoch_end(fake_trainer(datamodule, tmp_path, current_epoch=9), model)
     assert names == [f"val/{name}" for name in ("rankme_trunk", "rankme_projector", "projector_std", "uniformity", "alignment")]
-    for last in (dict(current_epoch=11, max_epochs=12), dict(current_epoch=6, should_stop=True)):  # the results' validation: max_epochs, max_steps
+    for last in (dict(current_epoch=11, max_epochs=12), dict(current_epoch=6, should_stop=True), dict(current_epoch=6, state=SimpleNamespace(fn="validate"))):
+        # the results' validation: max_epochs, max_steps, a validation after the fit (validate_the_end_if_missed)
         names.clear()
         monitor.on_validation_epoch_end(fake_trainer(datamodule, tmp_path, **last), model)
         assert len(names) == 5
