@@ -91,7 +91,7 @@ def check_format(format: str | None, key: str) -> None:
 def detect_format(checkpoint: Any, backbone_name: str | None, source: str) -> str:
     """The layout of a loaded checkpoint, from its keys (JCL's is MoCo's: detected as `moco`)."""
     if is_state_dict(checkpoint):
-        if "module.prototypes.weight" in checkpoint:
+        if any(key.startswith("module.prototypes.") for key in checkpoint):  # one head, or several (prototypes.prototypes<i>)
             return "swav"
         return "timm" if (backbone_name or "").startswith("timm:") else "torchvision"
     entries = checkpoint if isinstance(checkpoint, dict) else {}
@@ -106,7 +106,7 @@ def detect_format(checkpoint: Any, backbone_name: str | None, source: str) -> st
         return "simsiam"
     if LIGHTNING_KEY in entries and any(key.startswith("trunk.") for key in keys):
         return "sce"
-    if "module.prototypes.weight" in keys:  # SwAV's training checkpoint.pth.tar: its model under state_dict
+    if any(key.startswith("module.prototypes.") for key in keys):  # SwAV's training checkpoint.pth.tar: its model under state_dict
         return "swav"
     if "module.conv1.weight" in keys:
         return "npid"

@@ -287,8 +287,11 @@ def official_case(format: str):
     if format == "barlow_twins":  # facebookresearch/barlowtwins main.py and vicreg main_vicreg.py save backbone.state_dict()
         trunk = torchvision_trunk(small_input=False)
         return trunk.state_dict(), trunk, None
-    if format in ("swav", "swav_training"):  # the released file, or the checkpoint.pth.tar of a training run (main_swav.py)
+    if format in ("swav", "swav_training", "swav_multi_prototypes"):  # the released file, a training run's checkpoint.pth.tar (main_swav.py)
         trunk = torchvision_trunk(small_input=False)
+        if format == "swav_multi_prototypes":  # --nmb_prototypes given as a list: MultiPrototypes, heads prototypes<i>
+            heads = {key: value for key, value in swav_file(trunk).items() if not key.startswith("module.prototypes.")}
+            return heads | {f"module.prototypes.prototypes{i}.weight": torch.randn(30, 16) for i in range(2)}, trunk, None
         return (swav_file(trunk) if format == "swav" else {"epoch": 400, "state_dict": swav_file(trunk), "optimizer": {}}), trunk, None
     if format == "dino":
         teacher = torchvision_trunk(small_input=False)
@@ -302,9 +305,9 @@ def official_case(format: str):
 
 
 CASES = ["moco", "sce", "paco", "supcon", "supcon_one_gpu", "npid", "npid_imagenet", "torchvision", "timm", "mocov3", "mocov3_vit", "simsiam",
-         "barlow_twins", "swav", "swav_training", "dino", "dino_vit"]
+         "barlow_twins", "swav", "swav_training", "swav_multi_prototypes", "dino", "dino_vit"]
 DETECTED = {"supcon_one_gpu": "supcon", "npid_imagenet": "npid", "mocov3_vit": "mocov3", "barlow_twins": "torchvision", "dino_vit": "dino",
-            "swav_training": "swav"}
+            "swav_training": "swav", "swav_multi_prototypes": "swav"}
 
 
 @pytest.mark.parametrize("case", CASES)
