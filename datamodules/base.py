@@ -365,9 +365,10 @@ class ContrastiveDataModule(L.LightningDataModule):
             if self.resident_images is None:
                 self.resident_images = decode_all(train, self.num_workers)
         seed = int(os.environ.get("PL_GLOBAL_SEED", 0))  # the run's seed_everything
-        # The worker seeds come from a generator of the loader's own: creating the iterator draws no
-        # number from the global generator, so a resumed run draws the same augmentations as an
-        # uninterrupted one (engine.random_state.RandomStateCheckpoint).
+        # The worker seeds come from a generator of the loader's own: creating the iterator draws no number from the
+        # global generator, so the main process's random streams, which draw the batched views, are a resumed run's
+        # as an uninterrupted one's (engine.random_state.RandomStateCheckpoint). DataLoader workers seed their own
+        # streams once, when the loader starts: per-image views drawn there differ after a resume (docs/reliability.md).
         return self._loader(dataset, train=True, sampler=self.train_sampler(seed), generator=torch.Generator().manual_seed(seed),
                             num_workers=0 if self.resident else None, collate_fn=collate_fn)  # indices need no workers
 

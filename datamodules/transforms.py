@@ -202,7 +202,10 @@ def build_view(view_name: str, spec: dict[str, Any], defaults: dict[str, Any], p
             raise ValueError(f"view {view_name!r}: {error}") from None
     elif preset in CONTRASTIVE_PRESETS:
         _check_keys(view_name, preset, params, accepted_keys(preset))
-        spec = view_spec(preset, params, defaults)
+        try:
+            spec = view_spec(preset, params, defaults)
+        except ValueError as error:
+            raise ValueError(f"view {view_name!r}: {error}") from None
         transform = augment(spec) if pipeline == "cpu" else BatchedAugment(spec)
     else:
         raise ValueError(f"view {view_name!r}: unknown preset {preset!r}; choose one of {PRESET_NAMES}")

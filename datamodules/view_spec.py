@@ -33,8 +33,28 @@ class ViewSpec:
     flip: bool = True
 
     def __post_init__(self):
-        for name in ("mean", "std", "scale", "ratio", "jitter", "blur_sigma"):  # config lists as tuples
-            object.__setattr__(self, name, tuple(getattr(self, name)))
+        for name, length in LENGTHS.items():  # config lists as tuples
+            value = tuple(getattr(self, name))
+            if len(value) != length:
+                raise ValueError(f"{name} must have {length} values, got {list(value)}")
+            object.__setattr__(self, name, value)
+        checks = [
+            ("size", self.size >= 1, "an image side >= 1"),
+            ("std", min(self.std) > 0, "positive"),
+            ("scale", 0 < self.scale[0] <= self.scale[1] <= 1, "(min, max) with 0 < min <= max <= 1"),
+            ("ratio", 0 < self.ratio[0] <= self.ratio[1], "(min, max) with 0 < min <= max"),
+            ("jitter", min(self.jitter) >= 0 and self.jitter[3] <= 0.5, "(brightness, contrast, saturation, hue) >= 0, hue <= 0.5"),
+            ("blur_sigma", 0 <= self.blur_sigma[0] <= self.blur_sigma[1], "(min, max) with 0 <= min <= max"),
+            *((name, 0 <= getattr(self, name) <= 1, "a probability in [0, 1]") for name in ("jitter_prob", "gray_prob", "blur_prob", "solarize_prob")),
+            ("solarize_threshold", 0 <= self.solarize_threshold <= 1, "a fraction of 255 in [0, 1]"),
+        ]
+        for name, valid, meaning in checks:
+            if not valid:  # torchvision would accept some (a reversed scale: a warning) or fail later without the key
+                value = getattr(self, name)
+                raise ValueError(f"{name} must be {meaning}, got {list(value) if isinstance(value, tuple) else value!r}")
+
+
+LENGTHS = {"mean": 3, "std": 3, "scale": 2, "ratio": 2, "jitter": 4, "blur_sigma": 2}
 
 
 FIELDS = frozenset(field.name for field in fields(ViewSpec))

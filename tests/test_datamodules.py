@@ -72,6 +72,11 @@ def test_presets_carry_the_papers_parameters_and_accept_overrides():
         ({"preset": "mocov2", "strength": 1.0}, "view 'v': preset 'mocov2' does not accept \\['strength'\\]"),
         ({"size": 32}, "view 'v' must be a mapping with a 'preset' key"),
         ({"preset": "mocov2", "count": 0}, "view 'v': count must be an integer >= 1"),
+        ({"preset": "mocov2", "scale": [1.0, 0.2]}, r"view 'v': scale must be \(min, max\) with 0 < min <= max <= 1, got \[1.0, 0.2\]"),
+        ({"preset": "mocov2", "jitter": [0.4, 0.4]}, r"view 'v': jitter must have 4 values, got \[0.4, 0.4\]"),
+        ({"preset": "mocov2", "blur_sigma": [2.0, 0.1]}, r"view 'v': blur_sigma must be \(min, max\) with 0 <= min <= max, got \[2.0, 0.1\]"),
+        ({"preset": "mocov2", "blur_prob": 1.5}, r"view 'v': blur_prob must be a probability in \[0, 1\], got 1.5"),
+        ({"preset": "simclr", "strength": 3.0}, r"view 'v': jitter must be \(brightness, contrast, saturation, hue\) >= 0, hue <= 0.5, got \[2.4"),
     ],
 )
 def test_bad_view_specs_name_the_view_and_the_key(spec, message):
