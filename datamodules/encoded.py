@@ -72,7 +72,7 @@ class EncodedImages(Dataset):
         return len(self.indices)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        found, image = self.files.first_readable(self.indices[index], read_for_device)
+        found, image = self.files.first_readable(index, read_for_device, among=self.indices)
         return {"image": image, "file": found, "label": self.files.labels[found], "index": index}
 
     def decode(self, batch: EncodedBatch, device: torch.device) -> tuple[list[torch.Tensor], list[int]]:

@@ -9,12 +9,12 @@ device (`datamodules.encoded`).
 
 import logging
 import math
-from typing import Callable, TypeVar
+from typing import Callable, Sequence, TypeVar
 
 import numpy as np
 import torch
 from PIL import Image
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, Subset
 
 log = logging.getLogger(__name__)
 
@@ -63,17 +63,20 @@ class ImageFiles(Dataset):
         found, image = self.first_readable(index, read_rgb)
         return image, self.labels[found]
 
-    def first_readable(self, index: int, read: Callable[[str], T]) -> tuple[int, T]:
-        """`read(path)` of sample `index`, or of the next sample that can be read, with that sample's index:
-        the one loop that skips, records and replaces unreadable files, whatever `read` makes of a file."""
-        candidate = index
-        while True:  # ends: more unreadable files than the limit (< len(self)) raise in record_corrupt
+    def first_readable(self, position: int, read: Callable[[str], T], among: Sequence[int] | None = None) -> tuple[int, T]:
+        """`read(path)` of the sample at `position` of `among` (the samples a subset serves; default: all), or of the
+        next one of them that can be read, with that sample's index: the one loop that skips, records and replaces
+        unreadable files, whatever `read` makes of a file. A replacement comes from `among`: an image outside a
+        labelled fraction or a long-tailed cut would join the run."""
+        among = range(len(self)) if among is None else among
+        for step in range(len(among)):
+            candidate = among[(position + step) % len(among)]
             if not self.corrupt[candidate]:
                 try:
                     return candidate, read(self.paths[candidate])
                 except UNREADABLE as error:
                     self.record_corrupt(candidate, error)
-            candidate = (candidate + 1) % len(self)
+        raise TooManyUnreadableImages(f"none of the {len(among)} images served of {self.description} is readable")
 
     def record_corrupt(self, index: int, error: Exception) -> None:
         """Mark sample `index` unreadable (skipped from now on, in every worker), log it with its path, and
@@ -87,6 +90,22 @@ class ImageFiles(Dataset):
                 f"the latest: {self.paths[index]} ({error})"
             )
         log.warning("unreadable image %s (%s): replaced by another readable one (%d unreadable so far)", self.paths[index], error, count)
+
+
+class FilesSubset(Subset):
+    """A Subset of an `ImageFiles` whose unreadable images are replaced by readable ones of the subset itself."""
+
+    def __getitem__(self, position: int) -> tuple[Image.Image, int]:
+        found, image = self.dataset.first_readable(position, read_rgb, among=self.indices)
+        return image, self.dataset.labels[found]
+
+    def __getitems__(self, positions: list[int]) -> list[tuple[Image.Image, int]]:  # what a DataLoader calls
+        return [self[position] for position in positions]
+
+
+def subset(dataset: Dataset, indices: Sequence[int]) -> Subset:
+    """The samples `indices` of `dataset` (a labelled fraction, a long-tailed cut); of image files, a `FilesSubset`."""
+    return FilesSubset(dataset, indices) if isinstance(dataset, ImageFiles) else Subset(dataset, indices)
 
 
 WIDE_MODES = {"I;16": 16, "I;16L": 16, "I;16B": 16, "I;16N": 16, "I": 32}  # integer modes wider than 8 bits, their bits

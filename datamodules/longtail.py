@@ -16,12 +16,13 @@ work on any DataModule, are in `datamodules/samplers.py`).
 from pathlib import Path
 
 import numpy as np
-from torch.utils.data import Dataset, Subset
+from torch.utils.data import Dataset
 
 from datamodules.base import dataset_labels
 from datamodules.cifar import CIFAR10DataModule, CIFAR100DataModule
 from datamodules.digits import DigitsDataModule
 from datamodules.folders import SplitFileDataModule
+from datamodules.image_files import subset
 
 INATURALIST_MEAN = (0.466, 0.471, 0.380)  # PaCo's iNaturalist 2018 normalisation (PaCo's training scripts)
 INATURALIST_STD = (0.195, 0.194, 0.192)
@@ -79,7 +80,7 @@ class LongTailMixin:
     def build_splits(self) -> dict[str, Dataset]:
         splits = super().build_splits()
         kept = long_tail_indices(dataset_labels(splits["train"]), self.kept_per_class, self.long_tail_seed)
-        return splits | {"train": Subset(splits["train"], kept.tolist())}
+        return splits | {"train": subset(splits["train"], kept.tolist())}
 
 
 class CIFAR10LTDataModule(LongTailMixin, CIFAR10DataModule):

@@ -24,7 +24,7 @@ from typing import Sequence
 import numpy as np
 from torch.utils.data import Dataset, Subset
 
-from datamodules.image_files import listing
+from datamodules.image_files import listing, subset
 
 __all__ = ["LabelSubset", "class_orders", "labelled_subset", "read_subset_list", "stratified_fraction"]
 
@@ -55,12 +55,12 @@ def labelled_subset(train: Dataset, labels: np.ndarray, spec: LabelSubset, descr
     against the split's file names (`ImageFiles.paths`); a split that is not a listing of image files has none and
     is refused, naming `description`."""
     if spec.fraction is not None:
-        return Subset(train, stratified_fraction(labels, spec.fraction, spec.seed).tolist())
+        return subset(train, stratified_fraction(labels, spec.fraction, spec.seed).tolist())
     paths = getattr(train, "paths", None)
     if paths is None:
         raise ValueError(f"data.label_subset.list_file names image files, but {description} is not a listing of image files: "
                          "give data.label_subset.fraction instead")
-    return Subset(train, read_subset_list(Path(spec.list_file).expanduser(), paths, description).tolist())
+    return subset(train, read_subset_list(Path(spec.list_file).expanduser(), paths, description).tolist())
 
 
 def class_orders(labels: np.ndarray, seed: int) -> list[np.ndarray]:

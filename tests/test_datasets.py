@@ -440,6 +440,22 @@ def test_an_unreadable_image_is_logged_counted_and_replaced_by_the_next_one(tmp_
     assert sum(len(batch) for batch in loader) == 10  # the workers skip the known-bad files too
 
 
+def test_an_unreadable_image_of_a_labelled_subset_is_replaced_from_the_subset(tmp_path):
+    """A labelled fraction or a long-tailed cut (`datamodules.image_files.subset`) trains on its own images only."""
+    from datamodules.encoded import EncodedImages
+    from datamodules.image_files import FilesSubset, subset
+
+    folder_with_corrupt_images(tmp_path, corrupt=2)  # train/a/0.jpg and 1.jpg
+    datamodule = ImageFolderDataModule(root=str(tmp_path), batch_size=2, num_workers=0, views=VIEWS, max_corrupt_fraction=0.2)
+    datamodule.setup()
+    files = datamodule.splits["train"]
+    part = subset(files, [1, 4, 7])  # a/1 (unreadable), a/4, b/2
+    assert isinstance(part, FilesSubset)
+    replacement, label = part[0]
+    assert np.array_equal(np.asarray(replacement), np.asarray(files[4][0])) and label == files.labels[4]  # not a/2, outside it
+    assert EncodedImages.of(part, "test")[0]["file"] == 4  # the same on the device pipeline's reads
+
+
 def test_unreadable_images_beyond_the_limit_stop_with_a_clear_error(tmp_path):
     folder_with_corrupt_images(tmp_path, corrupt=1)
     datamodule = ImageFolderDataModule(root=str(tmp_path), batch_size=10, num_workers=0, views=VIEWS)
