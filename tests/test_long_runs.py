@@ -121,14 +121,25 @@ def test_what_a_resumption_may_change_does_not_stop_it(finished_run):
     assert cli.trainer.global_step == 2  # the epoch it was trained for is over: nothing more to train
 
 
-def test_the_settings_a_resumed_run_keeps_ignore_settings_added_since_the_checkpoint():
+def test_a_setting_added_since_the_checkpoint_is_kept_at_its_default_and_refused_otherwise():
+    """A checkpoint written before a setting existed trained as with its default (its class's constructor says which)."""
     from engine.cli.resume import changed_setting
 
     recorded = {"contrastlab": {"config": {"model": {"init_args": {"lr": 0.1}}, "trainer": {"max_epochs": 5}}}}
-    assert changed_setting(recorded, {"model": {"init_args": {"lr": 0.1, "new_option": "default"}}, "trainer": {"max_epochs": 5}}) is None
+    assert changed_setting(recorded, {"model": {"init_args": {"lr": 0.1, "new_option": "default"}}, "trainer": {"max_epochs": 5}}) is None  # no class: no default to read
     assert changed_setting(recorded, {"model": {"init_args": {"lr": 0.2}}, "trainer": {"max_epochs": 5}}) == (
         "model.init_args.lr 0.2 (the run was trained with 0.1)")
     assert changed_setting({"contrastlab": {}}, {"model": {}}) is None  # a checkpoint without a recorded config
+
+    simclr = {"class_path": "methods.SimCLR", "init_args": {"temperature": 0.5, "optimizer": {"name": "lars", "lr": 1.0}}}
+    old = {"contrastlab": {"config": {"model": simclr}}}
+    added = lambda **options: {"model": simclr | {"init_args": simclr["init_args"] | options}}  # noqa: E731
+    assert changed_setting(old, added(sum_of_directions=False)) is None
+    assert changed_setting(old, added(sum_of_directions=True)) == (
+        "model.init_args.sum_of_directions True (the run was trained before this setting existed, as with its default False)")
+    optimizer = simclr["init_args"]["optimizer"]
+    assert changed_setting(old, added(optimizer=optimizer | {"lars_lr_in_momentum": False})) is None
+    assert changed_setting(old, added(optimizer=optimizer | {"lars_lr_in_momentum": True})).startswith("model.init_args.optimizer.lars_lr_in_momentum True")
 
 
 # ----------------------------------------------------------------- stops inside an epoch resume exactly

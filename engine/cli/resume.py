@@ -5,6 +5,8 @@ probe, for instance, checks that its pretraining checkpoint is still there: `Met
 run trains with the settings it was started with (`changed_setting`). Every refusal is a `CheckpointMismatch` or
 one error line, before anything is written."""
 
+import dataclasses
+import inspect
 import os
 from pathlib import Path
 
@@ -60,12 +62,52 @@ def changed_setting(checkpoint: dict, config: dict, world_size: int | None = Non
     if not isinstance(record.get("config"), dict):
         return None
     before, now = training_settings(record["config"]), training_settings(config)
-    for key in sorted(before.keys() & now.keys()):  # a setting added since the checkpoint defaults to what it trained
+    for key in sorted(before.keys() & now.keys()):
         if before[key] != now[key] and not without_effect(key, before, now, record.get("world_size"), world_size):
             return f"{key} {now[key]!r} (the run was trained with {before[key]!r})"
+    for key in sorted(now.keys() - before.keys()):  # a setting added since the checkpoint: the run trained with its default
+        default = class_default(config, key)
+        if default is not UNKNOWN and plain(default) != now[key]:
+            return f"{key} {now[key]!r} (the run was trained before this setting existed, as with its default {plain(default)!r})"
     if world_size is not None and record.get("world_size") not in (None, world_size):
         return f"{world_size} processes (the run was trained with {record['world_size']}: another global batch)"
     return None
+
+
+UNKNOWN = object()
+
+
+def class_default(config: dict, key: str) -> object:
+    """The default of a flattened `model.init_args.*` or `data.init_args.*` setting: the parameter's default in the
+    configured class's constructor (or a base's, reached through **kwargs), into the fields of a spec dataclass or the
+    keys of a dict; UNKNOWN where there is none to read."""
+    section, _, path = key.partition(".init_args.")
+    class_path = (config.get(section) or {}).get("class_path") if section in ("model", "data") else None
+    if not class_path or not path:
+        return UNKNOWN
+    name, *fields = path.split(".")
+    constructors = (klass.__dict__["__init__"] for klass in class_at(class_path).__mro__ if "__init__" in klass.__dict__)
+    parameters = next((parameters for init in constructors if name in (parameters := inspect.signature(init).parameters)), None)
+    if parameters is None or parameters[name].default is inspect.Parameter.empty:
+        return UNKNOWN
+    value = parameters[name].default
+    for field in fields:
+        if dataclasses.is_dataclass(value) and hasattr(value, field):
+            value = getattr(value, field)
+        elif isinstance(value, dict) and field in value:
+            value = value[field]
+        else:
+            return UNKNOWN
+    return value
+
+
+def plain(value: object) -> object:
+    """A default as config.yaml holds it (tuples as lists; a dataclass as its fields)."""
+    if dataclasses.is_dataclass(value):
+        value = dataclasses.asdict(value)
+    if isinstance(value, (tuple, list)):
+        return [plain(item) for item in value]
+    return {key: plain(item) for key, item in value.items()} if isinstance(value, dict) else value
 
 
 SHUFFLE_BN, SPLIT_BN = "model.init_args.momentum.shuffle_bn", "model.init_args.momentum.split_bn"
