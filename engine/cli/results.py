@@ -53,13 +53,18 @@ class FinalValidation(Callback):
         self.validated_step = state_dict.get("validated_step")
 
 
+def final_validation(trainer) -> FinalValidation | None:
+    """The run's `FinalValidation` callback (the CLI adds one to every run), if it has one."""
+    return next((callback for callback in trainer.callbacks if isinstance(callback, FinalValidation)), None)
+
+
 def validate_the_end_if_missed(trainer, model, datamodule) -> None:
     """After a fit: validate the final weights if no validation of the final step ran. Lightning counts an epoch
     stopped by SIGTERM during its validation as done, so a run stopped during its very last validation resumes as
     finished and validates nothing (FinalValidation cannot reach it). Its W&B run has ended with the fit: the
     numbers go to the results file only."""
-    final = [callback for callback in trainer.callbacks if isinstance(callback, FinalValidation)]
-    if not final or not trainer.enable_validation or trainer.fast_dev_run or final[0].validated_step == trainer.global_step:
+    final = final_validation(trainer)
+    if final is None or not trainer.enable_validation or trainer.fast_dev_run or final.validated_step == trainer.global_step:
         return
     trained = dict(trainer.callback_metrics)
     loggers, trainer.loggers = trainer.loggers, []
@@ -84,16 +89,16 @@ def report_results(trainer, stage: str, results: str, position: dict | None = No
     metrics = {name: float(value) for name, value in trainer.callback_metrics.items() if value.numel() == 1}
     if not metrics:  # nothing ran (e.g. a finished run resumed): keep the results it wrote
         return
-    final = [callback for callback in trainer.callbacks if isinstance(callback, FinalValidation)]
-    if position is None and final and final[0].validated_metrics is not None:  # a fit: its val/* of the last validation only
-        metrics = {name: value for name, value in metrics.items() if not name.startswith("val/") or name in final[0].validated_metrics}
+    final = final_validation(trainer)
+    if position is None and final is not None and final.validated_metrics is not None:  # a fit: its val/* of the last validation only
+        metrics = {name: value for name, value in metrics.items() if not name.startswith("val/") or name in final.validated_metrics}
     found = {key: metrics[f"{stage}/{key}"] for key in SUMMARY_KEYS if f"{stage}/{key}" in metrics}
     if found:
         print(f"\n{stage} results: " + "  ".join(f"{key} {100 * value:.2f}%" for key, value in found.items()))
     if trainer.fast_dev_run:
         return  # a smoke run's numbers are no run's results
     if position is None:  # a fit: its epoch and step, and the step of the validation its val/* numbers come from
-        position = {"epoch": trainer.current_epoch, "global_step": trainer.global_step, "val_global_step": final[0].validated_step if final else None}
+        position = {"epoch": trainer.current_epoch, "global_step": trainer.global_step, "val_global_step": final.validated_step if final else None}
     write_results(Path(trainer.default_root_dir) / results, position, metrics)
 
 
