@@ -45,6 +45,8 @@ def build_mlp(input_dim: int, spec: MLPSpec) -> nn.Sequential:
             raise ValueError(f"MLP head {name} must be >= 1, got {getattr(spec, name)}")
     if spec.activation not in ("relu", "gelu"):
         raise ValueError(f"MLP head activation must be 'relu' or 'gelu', got {spec.activation!r}")
+    if not spec.last_batch_norm_shift and not (spec.last_batch_norm and spec.last_batch_norm_affine):
+        raise ValueError("MLP head last_batch_norm_shift: false needs last_batch_norm: true and last_batch_norm_affine: true (a shift to hold at 0)")
     layers: list[nn.Module] = []
     in_dim = input_dim
     for _ in range(spec.num_layers - 1):
@@ -55,8 +57,6 @@ def build_mlp(input_dim: int, spec: MLPSpec) -> nn.Sequential:
         in_dim = spec.hidden_dim
     last_bias = not spec.last_batch_norm if spec.last_bias is None else spec.last_bias
     layers.append(nn.Linear(in_dim, spec.output_dim, bias=last_bias))
-    if not spec.last_batch_norm_shift and not (spec.last_batch_norm and spec.last_batch_norm_affine):
-        raise ValueError("MLP head last_batch_norm_shift: false needs last_batch_norm: true and last_batch_norm_affine: true (a shift to hold at 0)")
     if spec.last_batch_norm:
         layers.append(nn.BatchNorm1d(spec.output_dim, affine=spec.last_batch_norm_affine))
         if not spec.last_batch_norm_shift:

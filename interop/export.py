@@ -44,6 +44,7 @@ import torchvision
 from backbones import BackboneSpec, load_state_strictly
 from backbones.factory import TORCHVISION_BUILDERS
 from backbones.vit import LAYER_NORM_EPS, VIT_SIZES, timm_arguments
+from datamodules.folders import IMAGENET_MEAN, IMAGENET_STD
 from engine.config import as_spec
 from engine.checkpoint_record import RECORD_KEY, VERSION
 from engine.files import write_atomically
@@ -54,7 +55,6 @@ from methods.linear import ENCODER_PREFIXES
 from methods.longtail import tau_normalised
 
 EXPORT_FORMATS = ("torchvision", "timm", "detectron2")
-IMAGENET_RGB_NORMALISATION = {"mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}
 EXPORT_SUFFIXES = (".pth", ".safetensors", ".pkl", ".json")
 
 
@@ -195,7 +195,7 @@ def detectron2_config(spec: BackboneSpec, normalisation: dict | None) -> dict:
         settings |= {"MODEL.RESNETS.NUM_GROUPS": int(groups), "MODEL.RESNETS.WIDTH_PER_GROUP": int(width)}
     if int(depth) < 50:  # basic blocks: detectron2 requires 64 channels after res2 for R18/R34
         settings["MODEL.RESNETS.RES2_OUT_CHANNELS"] = 64
-    normalisation = normalisation or IMAGENET_RGB_NORMALISATION
+    normalisation = normalisation or {"mean": IMAGENET_MEAN, "std": IMAGENET_STD}
     return settings | {"MODEL.PIXEL_MEAN": [round(255 * m, 3) for m in normalisation["mean"]], "MODEL.PIXEL_STD": [round(255 * s, 3) for s in normalisation["std"]]}
 
 
