@@ -1,8 +1,7 @@
 """Training samplers whose epoch order is a function of (seed, epoch) and which resume mid-epoch
 (`EpochSampler`), and the class-priority samplers for long-tailed data (Kang et al., "Decoupling
-representation and classifier for long-tailed recognition", ICLR 2020, sampling strategies; official code
-facebookresearch/classifier-balancing), selected with `data.sampler` on any DataModule: each draw picks a class j with probability p_j,
-then one of its images uniformly."""
+representation and classifier for long-tailed recognition", ICLR 2020, Sec. 3.1; drawn as the official code
+facebookresearch/classifier-balancing draws them), selected with `data.sampler` on any DataModule."""
 
 from typing import Literal
 
@@ -14,7 +13,7 @@ SAMPLING_EXPONENTS = {"instance": 1.0, "square_root": 0.5, "class_balanced": 0.0
 
 def class_sampling_probabilities(counts: np.ndarray, policy: str, progress: float = 0.0) -> np.ndarray:
     """p_j of each class: ∝ n_j^q over the classes with images (q of `SAMPLING_EXPONENTS`); `progressive`
-    is (1 - t/T) p^instance + t/T p^class_balanced with `progress` = t/T (Kang et al. 2020)."""
+    is (1 - progress) p^instance + progress p^class_balanced (Kang et al. 2020, Sec. 3.1: progress = t/T)."""
     counts = np.asarray(counts, dtype=np.float64)
     if policy == "progressive":
         return (1 - progress) * class_sampling_probabilities(counts, "instance") + progress * class_sampling_probabilities(counts, "class_balanced")
@@ -51,9 +50,35 @@ class EpochSampler(DistributedSampler):
         return iter(order[self.rank : self.total_size : self.num_replicas][self.position :].tolist())
 
 
+# classifier-balancing config/ImageNet_LT/{feat_balance,cls_crt}.yaml: ClassAwareSampler with num_samples_cls 4
+IMAGES_PER_CLASS_VISIT = 4
+
+
+def cycled_images(classes: np.ndarray, by_class: np.ndarray, class_starts: np.ndarray, class_counts: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """An image of each drawn class, taken in turn from a shuffled cycle of that class's images: no image of a class
+    comes twice before all of them came once (classifier-balancing data/ClassAwareSampler.py `RandomCycleIter`)."""
+    images = np.empty(len(classes), dtype=np.int64)
+    for label in np.unique(classes):
+        where = np.flatnonzero(classes == label)
+        count = class_counts[label]
+        cycles = [rng.permutation(count) for _ in range(-(-len(where) // count))]
+        images[where] = by_class[class_starts[label] + np.concatenate(cycles)[: len(where)]]
+    return images
+
+
 class ClassPrioritySampler(EpochSampler):
-    """Each epoch draws as many images as the training set holds (padded to a multiple of the number of
-    processes): a class from `class_sampling_probabilities`, then one of its images uniformly."""
+    """The draws of `policy`, as the official code makes them (the classes are those with images):
+    - `class_balanced` (data/ClassAwareSampler.py): the classes are visited in shuffled rounds, each class once per
+      round, and each visit takes the class's next `IMAGES_PER_CLASS_VISIT` images; an epoch holds the largest
+      class's size times the number of classes.
+    - `square_root` (data/MixedPrioritizedSampler.py, nroot 2): each draw picks an image with probability ∝ its
+      class's n_j^½ / n_j (classes ∝ n_j^½, images uniformly, with replacement); an epoch holds the training split's size.
+    - `progressive` (data/ClassPrioritySampler.py, lam null): each draw picks a class from
+      `class_sampling_probabilities` with t/T = epoch / (max_epochs - 1) (`np.linspace(0, 1, epochs)`: class-balanced
+      in the last epoch), then the class's next image; an epoch holds the training split's size.
+    A class's images come in shuffled cycles (`cycled_images`). The official iterators carry their place in a cycle
+    from one epoch into the next; here each epoch starts new cycles, so that its order depends on (seed, epoch) alone
+    and a run resumes mid-epoch exactly. Padded to a multiple of the number of processes."""
 
     def __init__(
         self,
@@ -69,17 +94,27 @@ class ClassPrioritySampler(EpochSampler):
             raise ValueError(f"data.sampler: {policy} draws by class, but {int((labels < 0).sum())} training images are unlabelled (label -1)")
         if policy == "progressive" and (total_epochs is None or total_epochs < 1):
             raise ValueError(f"data.sampler: progressive needs the number of epochs from trainer.max_epochs (>= 1), got {total_epochs}")
-        super().__init__(len(labels), seed=seed, num_replicas=num_replicas, rank=rank)
-        self.policy, self.total_epochs = policy, total_epochs
         self.class_counts = np.bincount(labels, minlength=num_classes)
+        epoch_size = int(self.class_counts.max() * np.count_nonzero(self.class_counts)) if policy == "class_balanced" else len(labels)
+        super().__init__(epoch_size, seed=seed, num_replicas=num_replicas, rank=rank)
+        self.policy, self.total_epochs = policy, total_epochs
         self.by_class = np.argsort(labels, kind="stable")  # image indices grouped by class, class 0 first
         self.class_starts = np.cumsum(self.class_counts) - self.class_counts
 
     def class_probabilities(self) -> np.ndarray:
         """p_j of the current epoch."""
-        progress = self.epoch / self.total_epochs if self.policy == "progressive" else 0.0
+        progress = min(self.epoch, self.total_epochs - 1) / (self.total_epochs - 1) if self.policy == "progressive" and self.total_epochs > 1 else 0.0
         return class_sampling_probabilities(self.class_counts, self.policy, progress)
 
     def epoch_order(self, rng: np.random.Generator) -> np.ndarray:
-        classes = rng.choice(len(self.class_counts), size=self.total_size, p=self.class_probabilities())
-        return self.by_class[self.class_starts[classes] + rng.integers(self.class_counts[classes])]
+        if self.policy == "square_root":
+            classes = rng.choice(len(self.class_counts), size=self.total_size, p=self.class_probabilities())
+            return self.by_class[self.class_starts[classes] + rng.integers(self.class_counts[classes])]
+        if self.policy == "class_balanced":
+            present = np.flatnonzero(self.class_counts)
+            visits = -(-self.total_size // IMAGES_PER_CLASS_VISIT)
+            rounds = [rng.permutation(present) for _ in range(-(-visits // len(present)))]
+            classes = np.repeat(np.concatenate(rounds)[:visits], IMAGES_PER_CLASS_VISIT)[: self.total_size]
+        else:
+            classes = rng.choice(len(self.class_counts), size=self.total_size, p=self.class_probabilities())
+        return cycled_images(classes, self.by_class, self.class_starts, self.class_counts, rng)

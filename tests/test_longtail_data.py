@@ -200,41 +200,84 @@ def test_class_probabilities_are_proportional_to_the_power_q_of_the_class_sizes(
     assert np.allclose(class_sampling_probabilities(sizes, "class_balanced"), [0.25, 0.25, 0.25, 0.25, 0])
 
 
-@pytest.mark.parametrize("policy", ["class_balanced", "square_root"])
-def test_drawn_class_frequencies_match_the_policy(policy):
+def test_square_root_draws_classes_by_the_root_of_their_size_with_replacement_over_an_epoch_of_the_split():
     labels = sampler_labels()
-    sampler = ClassPrioritySampler(labels, len(CLASS_SIZES), policy)
-    assert np.allclose(drawn_class_frequencies(sampler, labels), class_sampling_probabilities(CLASS_SIZES, policy), atol=0.01)
-    assert len(sampler) == len(labels)
+    sampler = ClassPrioritySampler(labels, len(CLASS_SIZES), "square_root")
+    drawn = np.array(list(sampler))
+    assert len(drawn) == len(sampler) == len(labels)
+    assert np.allclose(np.bincount(labels[drawn], minlength=len(CLASS_SIZES)) / len(drawn), class_sampling_probabilities(CLASS_SIZES, "square_root"), atol=0.01)
+    assert len(set(drawn[labels[drawn] == 3][:50].tolist())) < 50  # with replacement: the first 50 draws of class 3's 50 images repeat some
 
 
-def test_progressive_sampling_moves_from_instance_to_class_balanced_over_the_epochs():
+def class_runs(labels: np.ndarray, drawn: np.ndarray, length: int) -> np.ndarray:
+    """The drawn classes in consecutive runs of `length` (one row per run)."""
+    return labels[drawn].reshape(-1, length)
+
+
+def test_class_balanced_visits_every_class_once_per_round_four_images_a_visit_over_the_largest_class_times_the_classes():
+    """classifier-balancing data/ClassAwareSampler.py with num_samples_cls 4 (its ImageNet-LT configs)."""
     labels = sampler_labels()
-    sampler = ClassPrioritySampler(labels, len(CLASS_SIZES), "progressive", total_epochs=10)
+    sampler = ClassPrioritySampler(labels, len(CLASS_SIZES), "class_balanced", seed=1)
+    drawn = np.array(list(sampler))
+    assert len(drawn) == len(sampler) == 5000 * 4  # the 4 classes with images; class 4 has none
+    visits = class_runs(labels, drawn, 4)
+    assert (visits == visits[:, :1]).all()  # each visit: 4 images of one class
+    rounds = visits[:, 0].reshape(-1, 4)
+    assert (np.sort(rounds, axis=1) == [0, 1, 2, 3]).all()  # each round: every class once
+    assert len({tuple(order) for order in rounds.tolist()}) > 1  # in shuffled orders
+
+
+@pytest.mark.parametrize("policy", ["class_balanced", "progressive"])
+def test_a_class_draws_each_of_its_images_once_before_any_twice(policy):
+    labels = sampler_labels()
+    sampler = ClassPrioritySampler(labels, len(CLASS_SIZES), policy, total_epochs=3)
+    sampler.set_epoch(2)  # progressive: class-balanced, so the small classes come round several times
+    drawn = np.array(list(sampler))
+    for label, size in ((2, 200), (3, 50)):
+        of_class = drawn[labels[drawn] == label]
+        assert len(of_class) >= 2 * size
+        cycles = of_class[: len(of_class) // size * size].reshape(-1, size)
+        assert all(sorted(cycle) == sorted(np.flatnonzero(labels == label).tolist()) for cycle in cycles.tolist())
+        assert not (cycles[0] == cycles[1]).all()  # each cycle reshuffled
+
+
+def test_progressive_sampling_moves_from_instance_to_class_balanced_reaching_it_in_the_last_epoch():
+    """classifier-balancing data/ClassPrioritySampler.py: lam = np.linspace(0, 1, epochs)[epoch]."""
+    labels = sampler_labels()
+    sampler = ClassPrioritySampler(labels, len(CLASS_SIZES), "progressive", total_epochs=11)
     instance, balanced = (class_sampling_probabilities(CLASS_SIZES, policy) for policy in ("instance", "class_balanced"))
-    for epoch, expected in ((0, instance), (5, (instance + balanced) / 2), (10, balanced)):
+    for epoch, expected in ((0, instance), (5, (instance + balanced) / 2), (10, balanced), (12, balanced)):
         sampler.set_epoch(epoch)
         assert np.allclose(sampler.class_probabilities(), expected)
         assert np.allclose(drawn_class_frequencies(sampler, labels), expected, atol=0.01), epoch
+        assert len(sampler) == len(labels)
+    assert np.allclose(ClassPrioritySampler(labels, len(CLASS_SIZES), "progressive", total_epochs=1).class_probabilities(), instance)
 
 
 def test_images_are_drawn_uniformly_within_their_class():
     labels = sampler_labels([2000, 4])
-    drawn = np.array(list(ClassPrioritySampler(labels, 2, "class_balanced")))
+    sampler, epochs = ClassPrioritySampler(labels, 2, "square_root"), []
+    for epoch in range(10):  # ~920 draws of the tail class
+        sampler.set_epoch(epoch)
+        epochs.append(list(sampler))
+    drawn = np.concatenate(epochs)
     tail_draws = np.bincount(drawn[labels[drawn] == 1], minlength=len(labels))[np.flatnonzero(labels == 1)]
     assert np.allclose(tail_draws / tail_draws.sum(), 0.25, atol=0.05)
 
 
-def test_two_ranks_partition_the_draws_of_one_process():
+@pytest.mark.parametrize("policy", ["class_balanced", "square_root", "progressive"])
+def test_two_ranks_partition_the_draws_of_one_process(policy):
     labels = sampler_labels()
-    whole = list(ClassPrioritySampler(labels, len(CLASS_SIZES), "square_root", seed=3))
-    ranks = [list(ClassPrioritySampler(labels, len(CLASS_SIZES), "square_root", seed=3, num_replicas=2, rank=rank)) for rank in (0, 1)]
+    whole = list(ClassPrioritySampler(labels, len(CLASS_SIZES), policy, total_epochs=4, seed=3))
+    ranks = [list(ClassPrioritySampler(labels, len(CLASS_SIZES), policy, total_epochs=4, seed=3, num_replicas=2, rank=rank)) for rank in (0, 1)]
     assert ranks[0] == whole[0::2] and ranks[1] == whole[1::2]
 
 
 def test_each_epoch_draws_a_new_sequence_and_the_same_epoch_the_same_one():
-    sampler = ClassPrioritySampler(sampler_labels(), len(CLASS_SIZES), "class_balanced")
+    labels = sampler_labels()
+    sampler = ClassPrioritySampler(labels, len(CLASS_SIZES), "class_balanced")
     first = list(sampler)
+    assert list(ClassPrioritySampler(labels, len(CLASS_SIZES), "class_balanced", seed=1)) != first
     assert list(sampler) == first
     sampler.set_epoch(1)
     assert list(sampler) != first
