@@ -9,7 +9,7 @@ Transformers `vit_tiny` / `vit_small` / `vit_base` with the official recipes' op
 projector / predictor from a handful of numbers, so a head is a config entry rather than code.
 """
 
-from backbones.factory import BACKBONE_NAMES, BackboneSpec, build_backbone, load_state_strictly
+from backbones.factory import BACKBONE_NAMES, BackboneSpec, attention_heads, build_backbone, load_state_strictly
 from backbones.heads import MLPSpec, build_mlp
 
-__all__ = ["BACKBONE_NAMES", "BackboneSpec", "MLPSpec", "build_backbone", "build_mlp", "load_state_strictly"]
+__all__ = ["BACKBONE_NAMES", "BackboneSpec", "MLPSpec", "attention_heads", "build_backbone", "build_mlp", "load_state_strictly"]

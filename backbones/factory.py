@@ -12,7 +12,7 @@ from torchvision.models.resnet import Bottleneck, ResNet
 
 from backbones.cifar_resnet import CifarResNet
 from backbones.ride import RIDE_BUILDERS
-from backbones.vit import VIT_SIZES, build_vit
+from backbones.vit import VIT_SIZES, build_vit, timm_arguments
 from engine.files import read_checkpoint
 
 
@@ -188,6 +188,23 @@ def _build_timm(model_name: str, small_input: bool, weights_name: str | None, **
         raise ValueError(f"unknown timm model {model_name!r} (backbone 'timm:{model_name}'); see timm.list_models()")
     trunk = timm.create_model(model_name, pretrained=False, num_classes=0, **kwargs)
     return trunk, trunk.num_features
+
+
+def attention_heads(spec: BackboneSpec) -> int | None:
+    """The attention heads per block of the ViT that `spec` builds (None for a trunk without attention): the head
+    count changes no tensor shape, so weights of a ViT with other heads load into it and are read as another network."""
+    if spec.name in VIT_SIZES:
+        return timm_arguments(spec.name, spec.kwargs)["num_heads"]
+    if not spec.name.startswith("timm:"):
+        return None
+    model_name = spec.name.removeprefix("timm:")
+    import timm  # imported lazily: timm is only needed for `timm:` backbones
+
+    if not timm.is_model(model_name):
+        return None
+    with torch.device("meta"):  # the architecture alone: no memory, no initialisation
+        trunk = timm.create_model(model_name, pretrained=False, num_classes=0, **spec.kwargs)
+    return next((module.num_heads for module in trunk.modules() if isinstance(getattr(module, "num_heads", None), int)), None)
 
 
 def load_weights_file(trunk: nn.Module, path: str, name: str) -> None:

@@ -27,8 +27,7 @@ from typing import Any
 
 import torch
 
-from backbones import BACKBONE_NAMES, BackboneSpec, load_state_strictly
-from backbones.vit import VIT_SIZES, timm_arguments
+from backbones import BACKBONE_NAMES, BackboneSpec, attention_heads, load_state_strictly
 from engine.config import as_spec
 from engine.files import is_state_dict, read_checkpoint
 
@@ -230,12 +229,14 @@ OFFICIAL_VIT_HEADS = {("mocov3", "vit_small"): 12, ("mocov3", "vit_base"): 12, (
 
 def check_head_count(checkpoint: Any, format: str, spec: BackboneSpec, source: str) -> None:
     """A ViT trunk given for an official checkpoint must have the heads of the architecture the checkpoint names."""
-    if spec.name not in VIT_SIZES or not isinstance(checkpoint, dict):
+    if not isinstance(checkpoint, dict):
         return
     arch = checkpoint.get("arch") if format == "mocov3" else getattr(checkpoint.get("args"), "arch", None)
     expected = OFFICIAL_VIT_HEADS.get((format, arch)) if isinstance(arch, str) else None
-    given = timm_arguments(spec.name, spec.kwargs)["num_heads"]
-    if expected is not None and given != expected:
+    if expected is None:
+        return
+    given = attention_heads(spec)
+    if given is not None and given != expected:
         raise ValueError(
             f"{source} is {format}'s {arch}, a ViT of {expected} heads; model.backbone {spec.name!r} builds {given}: give "
             f"model.backbone.kwargs.num_heads {expected} (the weights would load and be read as another network)"

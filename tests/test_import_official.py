@@ -337,6 +337,19 @@ def test_a_vit_of_another_head_count_than_the_official_architecture_s_is_one_err
         LinearProbe(pretrained_ckpt=str(path), backbone=BackboneSpec("vit_tiny", kwargs=spec.kwargs | {"num_heads": 1}))
 
 
+def test_a_timm_vit_of_another_head_count_than_the_official_architecture_s_is_one_error(tmp_path):
+    """timm's vit_small_patch16_224 has DeiT's 6 heads: moco-v3's vit_small weights load into it, as another network."""
+    checkpoint, source, _ = official_case("mocov3_vit")
+    path = tmp_path / "mocov3.pth.tar"
+    torch.save(checkpoint, path)
+    shrunk = {key: value for key, value in MOCOV3_SMALL_VIT.items() if key != "num_heads"}
+    with pytest.raises(ValueError, match=r"is mocov3's vit_small, a ViT of 12 heads; model.backbone 'timm:vit_small_patch16_224' builds 6: give model.backbone.kwargs.num_heads 12"):
+        LinearProbe(pretrained_ckpt=str(path), backbone=BackboneSpec("timm:vit_small_patch16_224", kwargs=shrunk))
+    probe = LinearProbe(pretrained_ckpt=str(path), backbone=BackboneSpec("timm:vit_small_patch16_224", kwargs=shrunk | {"num_heads": 12}))
+    with torch.no_grad():
+        assert torch.equal(probe.backbone(IMAGES), source(IMAGES))
+
+
 @pytest.mark.parametrize("case", ["mocov3", "mocov3_vit", "simsiam"])
 def test_mocov3_and_simsiam_heads_are_read_in_the_numbering_of_contrastlab_s_mlps(case):
     checkpoint, _, backbone = official_case(case)
