@@ -71,9 +71,13 @@ class OptimizerSpec:
         if self.clip_grad_per_parameter is not None and not self.clip_grad_per_parameter > 0:
             raise ValueError(f"optimizer.clip_grad_per_parameter must be > 0, got {self.clip_grad_per_parameter:g}")
 
-    def effective_lr(self, global_batch_size: int) -> float:
+    def batch_scale(self, global_batch_size: int) -> float:
+        """The factor `lr_scaling` applies to a learning rate given for a batch of 256."""
         ratio = global_batch_size / 256
-        return self.lr * {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[self.lr_scaling]
+        return {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[self.lr_scaling]
+
+    def effective_lr(self, global_batch_size: int) -> float:
+        return self.lr * self.batch_scale(global_batch_size)
 
 
 WarmupShape = Literal["(s+1)/W", "s/W", "s/(W-1)"]
@@ -156,9 +160,18 @@ def lr_ratio(ratio: float) -> dict:
     return {} if ratio == 1.0 else {"lr_ratio": ratio}
 
 
-def with_lr_ratios(groups: list[dict], lr: float) -> list[dict]:
-    """Each group with an `lr_ratio` gets that fraction of the (scaled) learning rate as its own."""
-    return [group | {"lr": lr * group["lr_ratio"]} if "lr_ratio" in group else group for group in groups]
+def with_lr_ratios(groups: list[dict], lr: float, batch_scale: float) -> list[dict]:
+    """Each group with an `lr_ratio` gets that fraction of the (scaled) learning rate as its own, and each with a
+    `batch_scaled_lr` that learning rate times the batch scale of `optimizer.lr_scaling`."""
+
+    def own_lr(group: dict) -> dict:
+        if "lr_ratio" in group:
+            return {"lr": lr * group["lr_ratio"]}
+        if "batch_scaled_lr" in group:
+            return {"lr": group["batch_scaled_lr"] * batch_scale}
+        return {}
+
+    return [group | own_lr(group) for group in groups]
 
 
 def build_optimizer(groups: list[dict], spec: OptimizerSpec, lr: float) -> Optimizer:
@@ -225,7 +238,7 @@ def configure_optimization(trainer, groups: list[dict], optimizer_spec: Optimize
     total_steps = schedule_length(trainer)
     steps_per_epoch = max(1, trainer.num_training_batches // trainer.accumulate_grad_batches)
     lr = optimizer_spec.effective_lr(global_batch_size)
-    optimizer = build_optimizer(with_lr_ratios(groups, lr), optimizer_spec, lr)
+    optimizer = build_optimizer(with_lr_ratios(groups, lr, optimizer_spec.batch_scale(global_batch_size)), optimizer_spec, lr)
     scheduled = lambda step: lr_factor(step, steps_per_epoch, total_steps, schedule_spec)  # noqa: E731
     fixed = lambda step: 1.0  # noqa: E731  (a group marked `fixed_lr` keeps the peak learning rate)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, [fixed if group.get("fixed_lr") else scheduled for group in groups])

@@ -39,7 +39,7 @@ class BarlowTwins(PretrainMethod):
 
     def step(self, batch):
         crops = self.crops(batch["views"], self.views + self.local_crops)
-        projections, features = self.encode_crops(crops, self.backbone, self.projector)
+        projections, features = self.encode_crops(crops, self.backbone, self.projector, len(self.views))
         projections = [self.gather_with_grad(projection) for projection in projections]
         pairs = [(first, second) for first in range(len(self.views)) for second in range(first + 1, len(crops))]
         losses = [barlow_twins_loss(projections[a], projections[b], self.off_diagonal_weight, self.loss_scale) for a, b in pairs]

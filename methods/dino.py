@@ -102,7 +102,7 @@ class DINO(MomentumMixin, PretrainMethod):
 
     def step(self, batch):
         crops = self.crops(batch["views"], self.views + self.local_crops)
-        student, features = self.encode_crops(crops, self.backbone, self.head(self.projector, self.last_layer))
+        student, features = self.encode_crops(crops, self.backbone, self.head(self.projector, self.last_layer), len(self.views))
         with torch.no_grad():
             teacher, _ = self.encode_crops(crops[: len(self.views)], self.target_backbone, self.head(self.target_projector, self.target_last_layer))
         temperature = self.teacher_temperature()

@@ -11,6 +11,8 @@ nn_memory_bank.py, lightly/loss/ntx_ent_loss.py) keeps a per-process support set
 with same-view negatives instead.
 """
 
+import torch
+
 from backbones import MLPSpec
 from engine.config import as_spec
 from methods.losses import check_hyperparameters, nnclr_loss
@@ -42,8 +44,8 @@ class NNCLR(PretrainMethod):
         self.support_set = KeyQueue(queue_size, self.projection_dim)
 
     def step(self, batch):
-        features, projection1, prediction1 = self.embed_and_predict(batch["views"]["first"])
-        _, projection2, prediction2 = self.embed_and_predict(batch["views"]["second"])
+        features1, projection1, prediction1 = self.embed_and_predict(batch["views"]["first"])
+        features2, projection2, prediction2 = self.embed_and_predict(batch["views"]["second"])
         support = self.support_set.read()  # the neighbours come from the queue before this step's projections
         offset = self.global_rank * len(projection1)  # this process's rows in the gathered predictions
         predictions1, predictions2 = self.gather_with_grad(prediction1), self.gather_with_grad(prediction2)
@@ -52,4 +54,4 @@ class NNCLR(PretrainMethod):
             + nnclr_loss(projection2, predictions1, support, self.temperature, offset)
         ) / 2
         self.support_set.push(self.gather(projection1))
-        return loss, features
+        return loss, torch.cat([features1, features2])

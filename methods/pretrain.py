@@ -36,6 +36,8 @@ class PretrainMethod(MethodBase):
         projector: MLPSpec = MLPSpec(),
         local_crops: Sequence[str] = (),
         probe_lr: float = 0.1,
+        probe_views: Literal["first", "global"] = "first",
+        probe_like_trunk: bool = False,
         knn_k: int = 200,
         knn_temperature: float = 0.07,
         **kwargs,
@@ -48,11 +50,20 @@ class PretrainMethod(MethodBase):
                 each view sets its own `size` and `scale`).
             probe_lr: learning rate of the online linear probe (its own parameter group, no weight
                 decay, never scaled by the batch size); the probe sees detached features only.
+            probe_views: `first`: the probe learns from the online trunk's features of the first view; `global`:
+                of every global view the online trunk encodes, its loss the mean over them (solo-learn's online
+                classifier: solo/methods/base.py training_step, over the num_large_crops crops).
+            probe_like_trunk: true scales `probe_lr` with the batch as `optimizer.lr_scaling` scales the trunk's, and
+                where the optimizer is LARS adapts the probe's weight (and its bias, unless
+                `optimizer.exclude_bias_and_norm`) as the trunk's parameters (solo-learn's classifier group in its
+                optimizer, solo/methods/base.py learnable_params; classifier_lr scaled in solo/args/pretrain.py).
             knn_k: neighbours of the kNN monitor (0 disables it); knn_temperature: its vote temperature.
             **kwargs: the MethodBase arguments (backbone, optimizer, schedule, num_classes, channels_last, compile).
         """
         if not probe_lr > 0:
             raise ValueError(f"model.probe_lr must be > 0, got {probe_lr}")
+        if probe_views not in ("first", "global"):
+            raise ValueError(f"model.probe_views must be 'first' or 'global', got {probe_views!r}")
         if local_crops and not self.multi_crop:
             raise ValueError(f"model.local_crops {list(local_crops)}: {type(self).__name__} has no branch for local crops (multi-crop)")
         super().__init__(**kwargs)
@@ -62,7 +73,7 @@ class PretrainMethod(MethodBase):
         self.projection_dim = projector.output_dim
         self.predictor: nn.Module = nn.Identity()  # a method with a predictor head replaces it
         self.probe = nn.Linear(self.feature_dim, self.num_classes)
-        self.probe_lr = probe_lr
+        self.probe_lr, self.probe_views, self.probe_like_trunk = probe_lr, probe_views, probe_like_trunk
         self.init_evaluation(knn_k, knn_temperature)
 
     # ----------------------------------------------------------------- shared helpers
@@ -82,13 +93,14 @@ class PretrainMethod(MethodBase):
         """Every crop of the named views, in order: a view with `count: N`, shaped (B, N, C, H, W), gives N crops."""
         return [crop for name in names for crop in (views[name].unbind(1) if views[name].ndim == 5 else [views[name]])]
 
-    def encode_crops(self, crops: Sequence[torch.Tensor], trunk: nn.Module, head) -> tuple[list[torch.Tensor], torch.Tensor]:
+    def encode_crops(self, crops: Sequence[torch.Tensor], trunk: nn.Module, head, global_crops: int = 1) -> tuple[list[torch.Tensor], torch.Tensor]:
         """`head(trunk(crop))` for each crop, batched as `crop_batching` says, and the trunk features of the first
-        crop (for the online probe). `by_resolution` concatenates each run of consecutive crops of one resolution
-        into one trunk forward and runs the head once on all of them, so that its BatchNorm sees every crop."""
+        `global_crops` crops, concatenated (for the online probe). `by_resolution` concatenates each run of consecutive
+        crops of one resolution into one trunk forward and runs the head once on all of them, so that its BatchNorm
+        sees every crop."""
         if self.crop_batching == "per_crop":
             features = [trunk(crop) for crop in crops]
-            return [head(feature) for feature in features], features[0]
+            return [head(feature) for feature in features], features[0] if global_crops == 1 else torch.cat(features[:global_crops])
         runs: list[list[torch.Tensor]] = []
         for crop in crops:
             if runs and runs[-1][0].shape[-2:] == crop.shape[-2:]:
@@ -96,17 +108,22 @@ class PretrainMethod(MethodBase):
             else:
                 runs.append([crop])
         features = torch.cat([trunk(torch.cat(run)) for run in runs])
-        return list(head(features).split(crops[0].shape[0])), features[: crops[0].shape[0]]
+        return list(head(features).split(crops[0].shape[0])), features[: global_crops * crops[0].shape[0]]
 
-    def embed_crops(self, views: dict[str, torch.Tensor], names: Sequence[str]) -> tuple[list[torch.Tensor], torch.Tensor]:
+    def embed_crops(self, views: dict[str, torch.Tensor], names: Sequence[str], global_crops: int = 1) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Online projections (`embed`) of every crop of the named views, in order, and the trunk features of the
-        first crop, for the online probe."""
+        first `global_crops` crops, concatenated, for the online probe."""
         head = lambda features: F.normalize(self.predictor(self.projector(features)), dim=1)  # noqa: E731
-        return self.encode_crops(self.crops(views, names), self.backbone, head)
+        return self.encode_crops(self.crops(views, names), self.backbone, head, global_crops)
 
     # ----------------------------------------------------------------- training
     def probe_loss(self, features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Cross-entropy of the online probe; unlabelled samples (label -1) are left out."""
+        """Cross-entropy of the online probe on the features of the views `probe_views` names (`step` returns the
+        online trunk's features of each global view it encodes, B rows per view, the first view's first), their mean
+        over every view's samples; unlabelled samples (label -1) are left out."""
+        if self.probe_views == "first":
+            features = features[: len(labels)]
+        labels = labels.repeat(len(features) // len(labels))
         per_sample = F.cross_entropy(self.probe(features), labels.clamp(min=0), reduction="none")
         labelled = (labels >= 0).float()
         return (per_sample * labelled).sum() / labelled.sum().clamp(min=1)
@@ -115,6 +132,12 @@ class PretrainMethod(MethodBase):
         return [(name, p) for name, p in self.named_parameters() if not name.startswith("probe.")]
 
     def optimizer_groups(self) -> list[dict]:
-        """The method's groups, then the probe's own: its learning rate, no weight decay, never scaled."""
-        probe_group = {"params": list(self.probe.parameters()), "lr": self.probe_lr, "weight_decay": 0.0, "lars_exclude": True}
-        return super().optimizer_groups() + [probe_group]
+        """The method's groups, then the probe's own: its learning rate, no weight decay, scaled with the batch and
+        LARS-adapted only with `probe_like_trunk`."""
+        if not self.probe_like_trunk:
+            return super().optimizer_groups() + [{"params": list(self.probe.parameters()), "lr": self.probe_lr, "weight_decay": 0.0, "lars_exclude": True}]
+        like_trunk = {"batch_scaled_lr": self.probe_lr, "weight_decay": 0.0}
+        return super().optimizer_groups() + [
+            like_trunk | {"params": [self.probe.weight], "lars_exclude": False},
+            like_trunk | {"params": [self.probe.bias], "lars_exclude": self.optimizer_spec.exclude_bias_and_norm},
+        ]

@@ -87,7 +87,7 @@ class SCE(MomentumMixin, PretrainMethod):
     def step(self, batch):
         views = batch["views"]
         targets = [self.target_embed(views[name]) for name in self.target_views]
-        online, features = self.embed_crops(views, self.online_views)
+        online, features = self.embed_crops(views, self.online_views, len(self.online_views) - len(self.local_crops))
         # Every online crop is predicted from every target view but its own (a symmetric global view is
         # both a target and an online crop, at the same index); the loss is the mean over these pairs.
         pairs = [(t, q) for t in range(len(targets)) for q in range(len(online)) if not (self.symmetric and q == t)]

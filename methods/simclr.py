@@ -41,7 +41,7 @@ class SimCLR(PretrainMethod):
         z1, z2 = embeddings.chunk(2)
         z1, z2 = self.gather_with_grad(z1), self.gather_with_grad(z2)
         if self.num_hard is None:
-            return self.directions * nt_xent(z1, z2, self.temperature), features[: len(first)]
+            return self.directions * nt_xent(z1, z2, self.temperature), features
         # The hard loss over the same 2B_g anchors: the negatives of an anchor are the batch without itself
         # and its other view (its positive), as in NT-Xent's denominator.
         z = torch.cat([z1, z2])
@@ -49,4 +49,4 @@ class SimCLR(PretrainMethod):
         partners = anchors.roll(len(z1))
         excluded = torch.stack([anchors, partners], dim=1)
         loss = contrastive_loss(z, z[partners], z, self.temperature, num_hard=self.num_hard, exclude=excluded)
-        return self.directions * loss, features[: len(first)]
+        return self.directions * loss, features

@@ -9,6 +9,7 @@ Linear is the ResNet's own `fc`, whose bias it keeps but never trains (simsiam/b
 projector is configured with that bias (`last_bias: true`).
 """
 
+import torch
 import torch.nn as nn
 
 from backbones import MLPSpec
@@ -33,6 +34,6 @@ class SimSiam(PretrainMethod):
             last_linear.bias.requires_grad_(False)  # cancelled by the BN after it: kept at its initial value
 
     def step(self, batch):
-        features, projection1, prediction1 = self.embed_and_predict(batch["views"]["first"])
-        _, projection2, prediction2 = self.embed_and_predict(batch["views"]["second"])
-        return simsiam_loss(prediction1, prediction2, projection1, projection2), features
+        features1, projection1, prediction1 = self.embed_and_predict(batch["views"]["first"])
+        features2, projection2, prediction2 = self.embed_and_predict(batch["views"]["second"])
+        return simsiam_loss(prediction1, prediction2, projection1, projection2), torch.cat([features1, features2])

@@ -81,7 +81,7 @@ class SwAV(PretrainMethod):
         with torch.no_grad():  # back on the unit sphere before every step
             self.prototypes.weight.copy_(F.normalize(self.prototypes.weight, dim=1))
         crops = self.crops(batch["views"], self.views + self.local_crops)
-        embeddings, features = self.encode_crops(crops, self.backbone, lambda pooled: F.normalize(self.projector(pooled), dim=1))
+        embeddings, features = self.encode_crops(crops, self.backbone, lambda pooled: F.normalize(self.projector(pooled), dim=1), len(self.views))
         scores = self.prototypes(torch.stack(embeddings))
         codes = torch.stack([self.codes(view, embeddings[view]) for view in range(len(self.views))])
         return swav_loss(scores, codes, self.temperature), features

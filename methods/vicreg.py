@@ -49,7 +49,7 @@ class VICReg(PretrainMethod):
 
     def step(self, batch):
         crops = self.crops(batch["views"], self.views + self.local_crops)
-        embeddings, features = self.encode_crops(crops, self.backbone, self.projector)
+        embeddings, features = self.encode_crops(crops, self.backbone, self.projector, len(self.views))
         embeddings = [self.gather_with_grad(embedding) for embedding in embeddings]
         pairs = [(first, second) for first in range(len(self.views)) for second in range(first + 1, len(crops))]
         losses = [vicreg_loss(embeddings[a], embeddings[b], **self.loss_parameters) for a, b in pairs]
