@@ -58,11 +58,12 @@ def cycled_images(classes: np.ndarray, by_class: np.ndarray, class_starts: np.nd
     """An image of each drawn class, taken in turn from a shuffled cycle of that class's images: no image of a class
     comes twice before all of them came once (classifier-balancing data/ClassAwareSampler.py `RandomCycleIter`)."""
     images = np.empty(len(classes), dtype=np.int64)
-    for label in np.unique(classes):
-        where = np.flatnonzero(classes == label)
+    order = np.argsort(classes, kind="stable")  # the draws grouped by class, each class's in draw order
+    labels, starts, draws = np.unique(classes[order], return_index=True, return_counts=True)
+    for label, start, drawn in zip(labels, starts, draws):
         count = class_counts[label]
-        cycles = [rng.permutation(count) for _ in range(-(-len(where) // count))]
-        images[where] = by_class[class_starts[label] + np.concatenate(cycles)[: len(where)]]
+        cycles = [rng.permutation(count) for _ in range(-(-drawn // count))]
+        images[order[start : start + drawn]] = by_class[class_starts[label] + np.concatenate(cycles)[:drawn]]
     return images
 
 

@@ -35,6 +35,7 @@ class PretrainMethod(MethodBase):
         self,
         projector: MLPSpec = MLPSpec(),
         local_crops: Sequence[str] = (),
+        crop_batching: CropBatching | None = None,
         probe_lr: float = 0.1,
         probe_views: Literal["first", "global"] = "first",
         probe_like_trunk: bool = False,
@@ -48,8 +49,11 @@ class PretrainMethod(MethodBase):
             local_crops: names of further data views fed, after the method's own views, to the branch of a
                 multi-crop method that takes every crop (e.g. the 6 x 96 px crops of SwAV, a view with `count: 6`;
                 each view sets its own `size` and `scale`).
-            probe_lr: learning rate of the online linear probe (its own parameter group, no weight
-                decay, never scaled by the batch size); the probe sees detached features only.
+            crop_batching: how `encode_crops` passes a branch's crops through trunk and head, `per_crop` or
+                `by_resolution`; null keeps the method's own, its official code's (solo-learn forwards every crop
+                on its own, solo/methods/base.py training_step, also for SwAV and DINO).
+            probe_lr: learning rate of the online linear probe (its own parameter group, no weight decay, scaled by
+                the batch only with `probe_like_trunk`); the probe sees detached features only.
             probe_views: `first`: the probe learns from the online trunk's features of the first view; `global`:
                 of every global view the online trunk encodes, its loss the mean over them (solo-learn's online
                 classifier: solo/methods/base.py training_step, over the num_large_crops crops).
@@ -62,12 +66,15 @@ class PretrainMethod(MethodBase):
         """
         if not probe_lr > 0:
             raise ValueError(f"model.probe_lr must be > 0, got {probe_lr}")
+        if crop_batching not in (None, *CropBatching.__args__):
+            raise ValueError(f"model.crop_batching must be 'per_crop' or 'by_resolution' (or null: the method's own), got {crop_batching!r}")
         if probe_views not in ("first", "global"):
             raise ValueError(f"model.probe_views must be 'first' or 'global', got {probe_views!r}")
         if local_crops and not self.multi_crop:
             raise ValueError(f"model.local_crops {list(local_crops)}: {type(self).__name__} has no branch for local crops (multi-crop)")
         super().__init__(**kwargs)
         self.local_crops = tuple(local_crops)
+        self.crop_batching = crop_batching or type(self).crop_batching
         projector = as_spec(MLPSpec, projector)
         self.projector = projector.build(self.feature_dim)
         self.projection_dim = projector.output_dim

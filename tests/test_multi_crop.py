@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 from helpers import TINY_BACKBONE, TINY_PROJECTOR, digits
 
-from methods import SCE, MoCoV2
+from methods import DINO, SCE, MoCoV2
 from methods.momentum import MomentumSpec
 
 GLOBAL_LOCAL = {
@@ -74,6 +74,18 @@ def test_by_resolution_batching_concatenates_runs_of_one_resolution_and_runs_the
     torch.testing.assert_close(torch.cat(outputs), expected)  # the head's BatchNorm saw all 20 rows at once
     assert [output.shape[0] for output in outputs] == [4] * 5
     torch.testing.assert_close(features, trunk(torch.cat(crops[:2]))[:4])
+
+
+def test_a_config_may_choose_the_crop_batching_of_a_method_whose_official_code_batches_by_resolution():
+    """solo-learn forwards every crop on its own, also for DINO and SwAV (solo/methods/base.py training_step)."""
+    options = dict(backbone=TINY_BACKBONE, projector=TINY_PROJECTOR, out_dim=16, knn_k=0)
+    assert DINO(**options).crop_batching == "by_resolution"  # facebookresearch/dino's MultiCropWrapper
+    model = DINO(crop_batching="per_crop", **options)
+    trunk = CountingTrunk()
+    model.encode_crops([torch.randn(4, 3, 8, 8), torch.randn(4, 3, 8, 8)], trunk, nn.Identity(), global_crops=2)
+    assert trunk.batches == [(4, 3, 8, 8), (4, 3, 8, 8)]
+    with pytest.raises(ValueError, match="model.crop_batching must be 'per_crop' or 'by_resolution' \\(or null: the method's own\\), got 'all'"):
+        DINO(crop_batching="all", **options)
 
 
 def test_local_crops_are_consumed_views_that_the_data_must_provide():
