@@ -104,10 +104,12 @@ def test_tau_normalisation_divides_each_class_weight_by_its_norm_to_the_power_ta
         torch.testing.assert_close(model.classify(images), expected)
 
 
-def test_class_balanced_weights_follow_the_effective_number_and_sum_to_the_class_count():
+def test_class_balanced_weights_are_gpaco_s_mean_effective_number_over_the_class_s_own():
+    """GPaCo/LT/losses.py MultiTaskLoss.cal_weight_for_classes, transcribed (numpy, as there)."""
     weights = class_balanced_weights(COUNTS, 0.999)
-    effective = (1 - 0.999**COUNTS.double()) / (1 - 0.999)
-    torch.testing.assert_close(weights.double(), (1 / effective) / (1 / effective).sum() * 10, rtol=1e-6, atol=0)
+    effective_num = np.array(1.0 - np.power(0.999, COUNTS.numpy().astype(np.float64))) / (1.0 - 0.999)
+    official = sum(effective_num) / len(effective_num) / effective_num
+    torch.testing.assert_close(weights.double(), torch.from_numpy(official), rtol=1e-6, atol=0)
     assert torch.all(weights[1:] > weights[:-1])  # rarer classes weigh more
 
 
@@ -122,7 +124,7 @@ def test_multitask_loss_is_cross_entropy_plus_the_weighted_reweighted_contrast()
         key = F.normalize(model.target_projector(model.target_backbone(batch["views"]["key"])), dim=1)
     labels = batch["label"]
     classification = F.cross_entropy(model.classifier(features) + torch.log(COUNTS / COUNTS.sum() + 1e-9), labels)
-    weights = class_balanced_weights(COUNTS, 0.9999)[labels]
+    weights = class_balanced_weights(COUNTS, 0.999)[labels]  # the default beta, GPaCo's
     query = F.normalize(model.projector(features), dim=1)
     contrast = paco_loss(query, key, queue, labels, queue_labels, None, 1.0, 0.2, anchor_weights=weights)
     torch.testing.assert_close(loss, classification + 0.3 * contrast, rtol=1e-5, atol=1e-6)

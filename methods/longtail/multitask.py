@@ -5,11 +5,12 @@ supervised contrastive loss, re-weighted per class with the effective-number wei
 
 The contrastive term is PaCo's sample contrast without the centres: the same MoCo machinery (query
 and key views, momentum encoder, labelled queue), each query's loss the mean of -log p over its
-same-class samples, weighted by w_y = (1 - beta) / (1 - beta^{n_y}) normalised to sum to the number of
-classes. UNVERIFIED: the supplement gives no code or further detail for these baselines (the beta of
-the weights, whether the contrast includes the in-batch queries, which view feeds the classifier); the
-values here are the natural reading, with Cui et al.'s beta 0.9999. Table 13's "CE + Balanced Softmax"
-row (Balanced Softmax applied inside the contrast) is not defined precisely enough to reproduce.
+same-class samples, weighted by w_y = mean_c(E_c) / E_y with the effective number E_c = (1 - beta^{n_c}) /
+(1 - beta), beta 0.999 (dvlab-research/Parametric-Contrastive-Learning GPaCo/LT/losses.py, MultiTaskLoss
+cal_weight_for_classes). UNVERIFIED: the supplement gives no code for these baselines, and GPaCo's later
+multi-task code (GPaCo/LT/moco/builder.py) contrasts both views without a momentum encoder and puts the
+classifier on both views; here the contrast is PaCo's (query anchors, momentum keys). Table 13's "CE +
+Balanced Softmax" row (Balanced Softmax applied inside the contrast) is not defined precisely enough to reproduce.
 """
 
 from typing import Literal
@@ -24,9 +25,10 @@ from methods.momentum import MomentumSpec
 
 
 def class_balanced_weights(class_counts: torch.Tensor, beta: float) -> torch.Tensor:
-    """Cui et al.'s (1 - beta) / (1 - beta^n) per class, scaled to sum to the number of classes."""
-    weights = (1.0 - beta) / (1.0 - torch.pow(beta, class_counts.double()))
-    return (weights / weights.sum() * len(class_counts)).float()
+    """Per class, the mean effective number over the classes divided by the class's own, E_c = (1 - beta^n_c) /
+    (1 - beta) (Cui et al., CVPR 2019), as GPaCo/LT/losses.py MultiTaskLoss.cal_weight_for_classes weighs them."""
+    effective = (1.0 - torch.pow(beta, class_counts.double())) / (1.0 - beta)
+    return (effective.mean() / effective).float()
 
 
 class MultiTaskContrast(SupervisedMoCoMixin, LongTailClassifier):
@@ -36,7 +38,7 @@ class MultiTaskContrast(SupervisedMoCoMixin, LongTailClassifier):
         self,
         classifier_loss: Literal["ce", "balanced_softmax"] = "ce",
         contrast_weight: float = 0.5,
-        reweight_beta: float = 0.9999,
+        reweight_beta: float = 0.999,
         temperature: float = 0.2,
         queue_size: int = 8192,
         projector: MLPSpec = MLPSpec(hidden_dim=2048, output_dim=128),
@@ -48,7 +50,7 @@ class MultiTaskContrast(SupervisedMoCoMixin, LongTailClassifier):
         Args:
             classifier_loss: `ce` (Table 13) or `balanced_softmax` (Table 14) on the classifier.
             contrast_weight: the loss weight of the re-weighted contrastive term (Table 14: 0.05-1.0).
-            reweight_beta: beta of the effective number of samples, in [0, 1).
+            reweight_beta: beta of the effective number of samples, in [0, 1) (GPaCo/LT/losses.py: 0.999).
             temperature, queue_size, projector, momentum, in_batch: the contrast's settings, as PaCo's.
             **kwargs: the LongTailClassifier arguments (backbone, optimizer, schedule, ...).
         """
