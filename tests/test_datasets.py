@@ -36,7 +36,7 @@ from datamodules import (
 )
 from datamodules.image_files import TooManyUnreadableImages
 from datamodules.imagenet import IMAGENET100_WNIDS
-from datamodules.transforms import MultipleViews
+from datamodules.transforms import MultipleViews, build_view
 
 ROOT = Path(__file__).parents[1]
 # Wang & Liu (CVPR 2021) supplementary, Table 3, as printed (sorted, ten per row): the same CMC classes as SCE
@@ -565,6 +565,23 @@ def test_cifar_and_imagenet100_configs_apply_the_cifar10_autoaugment_policy(conf
         if isinstance(step, torchvision.transforms.v2.AutoAugment)
     ]
     assert policies and all(policy == torchvision.transforms.v2.AutoAugmentPolicy.CIFAR10 for policy in policies)
+
+
+PACO_CIFAR_LT_CONFIGS = [ROOT / "configs" / f"{name}.yaml" for name in ("paco_cifar10_lt", "paco_cifar100_lt", "ce_cifar100_lt", "balanced_softmax_cifar100_lt")]
+VIEW_DEFAULTS = {"size": 32, "mean": (0.5,) * 3, "std": (0.5,) * 3}
+
+
+@pytest.mark.parametrize("config", PACO_CIFAR_LT_CONFIGS, ids=lambda config: config.name)
+def test_paco_cifar_lt_configs_fill_what_autoaugment_uncovers_with_grey(config):
+    """PaCo/LT/autoaug.py CIFAR10Policy: fillcolor (128, 128, 128) for shears, translations and rotations."""
+    views = [build_view(name, spec, VIEW_DEFAULTS) for name, spec in config_data(config)[1]["views"].items() if spec["preset"] == "autoaugment"]
+    steps = [step for view in views for step in view.transforms if isinstance(step, torchvision.transforms.v2.AutoAugment)]
+    assert steps and all(step.fill == [128, 128, 128] for step in steps)
+
+
+def test_an_autoaugment_fill_outside_the_grey_levels_is_refused():
+    with pytest.raises(ValueError, match=r"autoaugment fill must lie in \[0, 255\] \(a grey level of the uint8 image\), got 300"):
+        build_view("query", {"preset": "autoaugment", "fill": 300}, VIEW_DEFAULTS)
 
 
 IMAGENET100_CONFIGS = sorted(ROOT.glob("configs/*_imagenet100.yaml"))
