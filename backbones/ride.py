@@ -11,17 +11,13 @@ Facts from RIDE's official code (frank-xwang/RIDE-LongTailRecognition):
   so each expert gives a 384 x 4 = 1536-d feature; each branch is average-pooled (AvgPool2d(7) at 224 px)
   and feeds its own classifier, a cosine classifier scaled by s = 30 (`use_norm`); the experts' logits
   are averaged. Convolutions are initialised N(0, 2 / (k^2 out_channels)) (= Kaiming fan-out), BatchNorm
-  to (1, 0). RIDEResNet.py and RIDEResNeXt.py are not in the stored snapshot of the repository:
-  RIDEResNet.py was read in the copy of liming-ai/OpenLT (`model/fb_resnets/RIDEResNet.py`, which adds
-  autocast and a classifier factory), both were checked against the official `EAResNet.py` /
-  `EAResNeXt.py`, which build the same trunks plus the routing heads, and `model.py` builds the ResNeXt
-  with `groups=32, width_per_group=4`.
+  to (1, 0). `model.py` builds the ResNeXt with `groups=32, width_per_group=4`.
 - CIFAR ResNet-32 (`model/ldam_drw_resnets/ride_resnet_cifar.py`): conv1 and layer1 (16 channels) are
   shared; layer2 and layer3 exist once per expert at 24 and 48 channels with `reduce_dimension` (32 and
   64 without), option-A zero-padding shortcuts, `kaiming_normal_` (fan-in) on every convolution.
 - `model/model.py`: with `num_experts == 1` RIDE builds its plain ResNet / ResNeXt and passes it the same
-  width arguments (`reduce_dimension`, `layer3_output_dim`, `layer4_output_dim`); that it is then this
-  trunk with one branch is UNVERIFIED (fb_resnets/ResNet.py is not in the snapshot).
+  width arguments (`reduce_dimension`, `layer3_output_dim`, `layer4_output_dim`), from which
+  `model/fb_resnets/ResNet.py` takes layer3 and layer4 of 192 and 384 planes: this trunk with one branch.
 
 Pooling here is adaptive (the same as AvgPool2d(7) at 224 px, and defined at any input size). The blocks
 are torchvision's `Bottleneck` / `BasicBlock` and the CIFAR option-A shortcut of `backbones.cifar_resnet`.
