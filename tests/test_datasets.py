@@ -36,6 +36,7 @@ from datamodules import (
 )
 from datamodules.image_files import TooManyUnreadableImages
 from datamodules.imagenet import IMAGENET100_WNIDS
+from datamodules.binned_autoaugment import BinnedAutoAugment
 from datamodules.transforms import MultipleViews, build_view
 
 ROOT = Path(__file__).parents[1]
@@ -554,17 +555,17 @@ TCL_AUTOAUGMENT_CONFIGS = [
 @pytest.mark.parametrize("config", TCL_AUTOAUGMENT_CONFIGS, ids=[config.name for config in TCL_AUTOAUGMENT_CONFIGS])
 def test_cifar_and_imagenet100_configs_apply_the_cifar10_autoaugment_policy(config, tmp_path, monkeypatch):
     """TCL's data_augmentation/auto_augment.py (the AutoAugment of its CIFAR and ImageNet-100 runs, train.py)
-    is the CIFAR-10 policy."""
+    is the CIFAR-10 policy with its own operations (`operations: binned`), which its configs and SupCon's use."""
     datamodule_class, init_args = config_data(config)
     root = FAKE_DATASETS[datamodule_class](tmp_path, monkeypatch)
     datamodule = datamodule_class(**(init_args | {"root": str(root), "num_workers": 0}))
-    policies = [
-        step.policy
+    steps = [
+        step
         for view in datamodule.views.values()
         for step in (view.transform if isinstance(view, MultipleViews) else view).transforms
-        if isinstance(step, torchvision.transforms.v2.AutoAugment)
+        if isinstance(step, (torchvision.transforms.v2.AutoAugment, BinnedAutoAugment))
     ]
-    assert policies and all(policy == torchvision.transforms.v2.AutoAugmentPolicy.CIFAR10 for policy in policies)
+    assert steps and all(isinstance(step, BinnedAutoAugment) for step in steps)
 
 
 PACO_CIFAR_LT_CONFIGS = [ROOT / "configs" / f"{name}.yaml" for name in ("paco_cifar10_lt", "paco_cifar100_lt", "ce_cifar100_lt", "balanced_softmax_cifar100_lt")]
