@@ -8,6 +8,7 @@ import copy
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from helpers import SMALL_TRUNK, TINY_BACKBONE, cpu_trainer, digits, first_batch, loss_before_and_after_training
 from lightning.pytorch.callbacks import Callback
 
@@ -97,3 +98,19 @@ def test_teacher_temperature_warms_up_per_epoch_and_the_last_layer_moves_from_th
 def test_training_steps_lower_the_loss_on_the_embedded_data(tmp_path):
     before, after = loss_before_and_after_training(tiny_dino(backbone=SMALL_TRUNK, freeze_last_layer_epochs=0), VIEWS, tmp_path)
     assert after < 0.9 * before, (before, after)
+
+
+def test_the_knn_monitor_votes_with_the_teacher():
+    """facebookresearch/dino eval_knn.py reads the teacher (--checkpoint_key teacher), for the bank and the queries."""
+    model = tiny_dino(knn_k=5).eval()
+    with torch.no_grad():
+        for param in model.target_backbone.parameters():
+            param.add_(0.1)  # a teacher that differs from the student
+    images, labels = torch.rand(4, 3, 32, 32), torch.tensor([0, 1, 2, 3])
+    with torch.no_grad():
+        model._evaluation_step({"image": images, "label": labels}, 0)
+        model._evaluation_step({"image": images, "label": labels}, 1)
+        teacher, student = F.normalize(model.target_backbone(images), dim=1), model.backbone(images)
+    for name in ("features", "bank_features"):
+        torch.testing.assert_close(torch.cat(model._collected[name]), teacher)
+    assert not torch.allclose(F.normalize(student, dim=1), teacher)  # else the test could not tell them apart
