@@ -21,7 +21,8 @@ from PIL import Image, ImageDraw, ImageFilter
 from torchvision.transforms import v2 as T
 
 from datamodules.batched import BatchedAugment
-from datamodules.binned_autoaugment import BinnedAutoAugment
+from datamodules.paco_autoaugment import PacoAutoAugment
+from datamodules.tcl_autoaugment import TCLAutoAugment
 from datamodules.view_spec import CONTRASTIVE_PRESETS, FIELDS, PACO_RANDCLS, ViewSpec, accepted_keys, view_spec
 
 
@@ -98,22 +99,22 @@ def autoaugment(
     size: int, mean, std, padding: int = 4, policy: str = "imagenet", cutout: int = 0, fill: int = 0, operations: str = "torchvision"
 ) -> T.Compose:
     """TCL's supervised pipeline (`--augment autoaug` of its train.py; TCL supplement 2.1): resize to
-    size x size, RandomCrop(size, padding) + flip + AutoAugment (torchvision's policies: imagenet, the
-    default as in torchvision, cifar10, svhn). TCL's `data_augmentation/auto_augment.py` is the CIFAR-10
-    policy with other operations (`operations: binned`, `datamodules.binned_autoaugment`), so TCL's configs set
-    `policy: cifar10, operations: binned`. `policy: cifar10, cutout: 16, fill: 128` is PaCo's CIFAR-LT query view (PaCo's training
-    scripts; PaCo/LT/autoaug.py CIFAR10Policy fills the pixels its shears, translations and rotations uncover with
-    grey 128, torchvision with `fill`, black by default)."""
+    size x size, RandomCrop(size, padding) + flip + AutoAugment (`policy`: imagenet, the default as in torchvision,
+    cifar10, svhn) + optional Cutout. `operations` says whose operations run the CIFAR-10 policy: `torchvision`'s
+    (with `fill`, the grey of the pixels they uncover), `tcl` (TCL's data_augmentation/auto_augment.py:
+    `datamodules.tcl_autoaugment`; TCL's configs) or `paco` (PaCo/LT/autoaug.py CIFAR10Policy:
+    `datamodules.paco_autoaugment`; with `cutout: 16`, PaCo's CIFAR-LT query view)."""
     if policy not in AUTOAUGMENT_POLICIES:
         raise ValueError(f"autoaugment policy must be one of {sorted(AUTOAUGMENT_POLICIES)}, got {policy!r}")
     if not 0 <= fill <= 255:
         raise ValueError(f"autoaugment fill must lie in [0, 255] (a grey level of the uint8 image), got {fill}")
-    if operations not in ("torchvision", "binned") or (operations == "binned" and (policy != "cifar10" or fill)):
+    own = {"tcl": TCLAutoAugment, "paco": PacoAutoAugment}
+    if operations not in ("torchvision", *own) or (operations in own and (policy != "cifar10" or fill)):
         raise ValueError(
-            f"autoaugment operations must be 'torchvision' or 'binned' (TCL's, policy cifar10 and no fill: "
-            f"datamodules.binned_autoaugment), got operations {operations!r} with policy {policy!r} and fill {fill}"
+            f"autoaugment operations must be 'torchvision', 'tcl' or 'paco' (the last two: policy cifar10 and no fill), "
+            f"got operations {operations!r} with policy {policy!r} and fill {fill}"
         )
-    augment = BinnedAutoAugment() if operations == "binned" else T.AutoAugment(AUTOAUGMENT_POLICIES[policy], fill=[fill] * 3 if fill else None)
+    augment = own[operations]() if operations in own else T.AutoAugment(AUTOAUGMENT_POLICIES[policy], fill=[fill] * 3 if fill else None)
     return T.Compose(
         [
             T.Resize((size, size)),

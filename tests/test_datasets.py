@@ -36,7 +36,8 @@ from datamodules import (
 )
 from datamodules.image_files import TooManyUnreadableImages
 from datamodules.imagenet import IMAGENET100_WNIDS
-from datamodules.binned_autoaugment import BinnedAutoAugment
+from datamodules.paco_autoaugment import PacoAutoAugment
+from datamodules.tcl_autoaugment import TCLAutoAugment
 from datamodules.transforms import MultipleViews, build_view
 
 ROOT = Path(__file__).parents[1]
@@ -555,7 +556,7 @@ TCL_AUTOAUGMENT_CONFIGS = [
 @pytest.mark.parametrize("config", TCL_AUTOAUGMENT_CONFIGS, ids=[config.name for config in TCL_AUTOAUGMENT_CONFIGS])
 def test_cifar_and_imagenet100_configs_apply_the_cifar10_autoaugment_policy(config, tmp_path, monkeypatch):
     """TCL's data_augmentation/auto_augment.py (the AutoAugment of its CIFAR and ImageNet-100 runs, train.py)
-    is the CIFAR-10 policy with its own operations (`operations: binned`), which its configs and SupCon's use."""
+    is the CIFAR-10 policy with its own operations (`operations: tcl`), which its configs and SupCon's use."""
     datamodule_class, init_args = config_data(config)
     root = FAKE_DATASETS[datamodule_class](tmp_path, monkeypatch)
     datamodule = datamodule_class(**(init_args | {"root": str(root), "num_workers": 0}))
@@ -563,9 +564,9 @@ def test_cifar_and_imagenet100_configs_apply_the_cifar10_autoaugment_policy(conf
         step
         for view in datamodule.views.values()
         for step in (view.transform if isinstance(view, MultipleViews) else view).transforms
-        if isinstance(step, (torchvision.transforms.v2.AutoAugment, BinnedAutoAugment))
+        if isinstance(step, (torchvision.transforms.v2.AutoAugment, TCLAutoAugment))
     ]
-    assert steps and all(isinstance(step, BinnedAutoAugment) for step in steps)
+    assert steps and all(isinstance(step, TCLAutoAugment) for step in steps)
 
 
 PACO_CIFAR_LT_CONFIGS = [ROOT / "configs" / f"{name}.yaml" for name in ("paco_cifar10_lt", "paco_cifar100_lt", "ce_cifar100_lt", "balanced_softmax_cifar100_lt")]
@@ -573,11 +574,11 @@ VIEW_DEFAULTS = {"size": 32, "mean": (0.5,) * 3, "std": (0.5,) * 3}
 
 
 @pytest.mark.parametrize("config", PACO_CIFAR_LT_CONFIGS, ids=lambda config: config.name)
-def test_paco_cifar_lt_configs_fill_what_autoaugment_uncovers_with_grey(config):
-    """PaCo/LT/autoaug.py CIFAR10Policy: fillcolor (128, 128, 128) for shears, translations and rotations."""
+def test_paco_cifar_lt_configs_run_paco_s_autoaugment_operations(config):
+    """PaCo/LT/paco_cifar.py's query view: PaCo/LT/autoaug.py CIFAR10Policy."""
     views = [build_view(name, spec, VIEW_DEFAULTS) for name, spec in config_data(config)[1]["views"].items() if spec["preset"] == "autoaugment"]
-    steps = [step for view in views for step in view.transforms if isinstance(step, torchvision.transforms.v2.AutoAugment)]
-    assert steps and all(step.fill == [128, 128, 128] for step in steps)
+    steps = [step for view in views for step in view.transforms if isinstance(step, (torchvision.transforms.v2.AutoAugment, PacoAutoAugment))]
+    assert steps and all(isinstance(step, PacoAutoAugment) for step in steps)
 
 
 def test_an_autoaugment_fill_outside_the_grey_levels_is_refused():

@@ -80,7 +80,7 @@ def apply(image: Image.Image, operation: str, level: int) -> Image.Image:
     return affine(image, np.array(matrix, dtype=np.float64))
 
 
-class BinnedAutoAugment:
+class TCLAutoAugment:
     """One random sub-policy of `POLICIES` per image, each of its two operations applied with its probability."""
 
     def __call__(self, image: Image.Image) -> Image.Image:
