@@ -156,11 +156,11 @@ def parameter_groups(named_params: Iterable[tuple[str, torch.nn.Parameter]], spe
 
 
 def lr_ratio(ratio: float) -> dict:
-    """The group key of a learning rate `ratio` times the optimizer's (`with_lr_ratios`); none for 1."""
+    """The group key of a learning rate `ratio` times the optimizer's (`with_group_lrs`); none for 1."""
     return {} if ratio == 1.0 else {"lr_ratio": ratio}
 
 
-def with_lr_ratios(groups: list[dict], lr: float, batch_scale: float) -> list[dict]:
+def with_group_lrs(groups: list[dict], lr: float, batch_scale: float) -> list[dict]:
     """Each group with an `lr_ratio` gets that fraction of the (scaled) learning rate as its own, and each with a
     `batch_scaled_lr` that learning rate times the batch scale of `optimizer.lr_scaling`."""
 
@@ -238,7 +238,7 @@ def configure_optimization(trainer, groups: list[dict], optimizer_spec: Optimize
     total_steps = schedule_length(trainer)
     steps_per_epoch = max(1, trainer.num_training_batches // trainer.accumulate_grad_batches)
     lr = optimizer_spec.effective_lr(global_batch_size)
-    optimizer = build_optimizer(with_lr_ratios(groups, lr, optimizer_spec.batch_scale(global_batch_size)), optimizer_spec, lr)
+    optimizer = build_optimizer(with_group_lrs(groups, lr, optimizer_spec.batch_scale(global_batch_size)), optimizer_spec, lr)
     scheduled = lambda step: lr_factor(step, steps_per_epoch, total_steps, schedule_spec)  # noqa: E731
     fixed = lambda step: 1.0  # noqa: E731  (a group marked `fixed_lr` keeps the peak learning rate)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, [fixed if group.get("fixed_lr") else scheduled for group in groups])

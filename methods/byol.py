@@ -9,7 +9,6 @@ update made after each optimizer step (byol/byol_experiment.py `_update_fn`). Th
 the official loss adds on the detached features is the base's online probe.
 """
 
-import torch
 import torch.nn as nn
 
 from backbones import MLPSpec
@@ -53,4 +52,4 @@ class BYOL(MomentumMixin, PretrainMethod):
         features1, prediction1 = self.embed(first)  # each view its own forward, as the official code
         features2, prediction2 = self.embed(second)
         target1, target2 = self.target_embed(first), self.target_embed(second)
-        return byol_loss(prediction1, prediction2, target1, target2), torch.cat([features1, features2])
+        return byol_loss(prediction1, prediction2, target1, target2), self.probe_features(features1, features2)

@@ -11,8 +11,6 @@ projector and a predictor ending in that BN too; no Linear has a bias. BatchNorm
 batch's (SyncBN, main_moco.py): trainer.sync_batchnorm, no shuffle-BN.
 """
 
-import torch
-
 from backbones import MLPSpec
 from engine.config import as_spec
 from methods.losses import check_hyperparameters, mocov3_loss
@@ -50,4 +48,4 @@ class MoCoV3(MomentumMixin, PretrainMethod):
         key1, key2 = self.gather(self.target_embed(first)), self.gather(self.target_embed(second))
         offset = self.global_rank * len(query1)  # this process's keys in the gathered batch
         loss = mocov3_loss(query1, key2, self.temperature, offset) + mocov3_loss(query2, key1, self.temperature, offset)
-        return loss, torch.cat([features1, features2])
+        return loss, self.probe_features(features1, features2)

@@ -11,8 +11,6 @@ nn_memory_bank.py, lightly/loss/ntx_ent_loss.py) keeps a per-process support set
 with same-view negatives instead.
 """
 
-import torch
-
 from backbones import MLPSpec
 from engine.config import as_spec
 from methods.losses import check_hyperparameters, nnclr_loss
@@ -54,4 +52,4 @@ class NNCLR(PretrainMethod):
             + nnclr_loss(projection2, predictions1, support, self.temperature, offset)
         ) / 2
         self.support_set.push(self.gather(projection1))
-        return loss, torch.cat([features1, features2])
+        return loss, self.probe_features(features1, features2)

@@ -100,6 +100,11 @@ class PretrainMethod(MethodBase):
         """Every crop of the named views, in order: a view with `count: N`, shaped (B, N, C, H, W), gives N crops."""
         return [crop for name in names for crop in (views[name].unbind(1) if views[name].ndim == 5 else [views[name]])]
 
+    def probe_features(self, *per_view: torch.Tensor) -> torch.Tensor:
+        """What `step` returns for the probe, from the online trunk features of each global view: the first view's
+        alone, or with `probe_views: global` all of them, B rows per view (concatenated only then)."""
+        return per_view[0] if self.probe_views == "first" else torch.cat(per_view)
+
     def encode_crops(self, crops: Sequence[torch.Tensor], trunk: nn.Module, head, global_crops: int = 1) -> tuple[list[torch.Tensor], torch.Tensor]:
         """`head(trunk(crop))` for each crop, batched as `crop_batching` says, and the trunk features of the first
         `global_crops` crops, concatenated (for the online probe). `by_resolution` concatenates each run of consecutive
@@ -107,7 +112,7 @@ class PretrainMethod(MethodBase):
         sees every crop."""
         if self.crop_batching == "per_crop":
             features = [trunk(crop) for crop in crops]
-            return [head(feature) for feature in features], features[0] if global_crops == 1 else torch.cat(features[:global_crops])
+            return [head(feature) for feature in features], self.probe_features(*features[:global_crops])
         runs: list[list[torch.Tensor]] = []
         for crop in crops:
             if runs and runs[-1][0].shape[-2:] == crop.shape[-2:]:
@@ -115,7 +120,7 @@ class PretrainMethod(MethodBase):
             else:
                 runs.append([crop])
         features = torch.cat([trunk(torch.cat(run)) for run in runs])
-        return list(head(features).split(crops[0].shape[0])), features[: global_crops * crops[0].shape[0]]
+        return list(head(features).split(crops[0].shape[0])), features[: global_crops * crops[0].shape[0]]  # a view, no copy
 
     def embed_crops(self, views: dict[str, torch.Tensor], names: Sequence[str], global_crops: int = 1) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Online projections (`embed`) of every crop of the named views, in order, and the trunk features of the
@@ -130,7 +135,8 @@ class PretrainMethod(MethodBase):
         over every view's samples; unlabelled samples (label -1) are left out."""
         if self.probe_views == "first":
             features = features[: len(labels)]
-        labels = labels.repeat(len(features) // len(labels))
+        elif len(features) > len(labels):
+            labels = labels.repeat(len(features) // len(labels))
         per_sample = F.cross_entropy(self.probe(features), labels.clamp(min=0), reduction="none")
         labelled = (labels >= 0).float()
         return (per_sample * labelled).sum() / labelled.sum().clamp(min=1)

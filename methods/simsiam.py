@@ -9,7 +9,6 @@ Linear is the ResNet's own `fc`, whose bias it keeps but never trains (simsiam/b
 projector is configured with that bias (`last_bias: true`).
 """
 
-import torch
 import torch.nn as nn
 
 from backbones import MLPSpec
@@ -36,4 +35,4 @@ class SimSiam(PretrainMethod):
     def step(self, batch):
         features1, projection1, prediction1 = self.embed_and_predict(batch["views"]["first"])
         features2, projection2, prediction2 = self.embed_and_predict(batch["views"]["second"])
-        return simsiam_loss(prediction1, prediction2, projection1, projection2), torch.cat([features1, features2])
+        return simsiam_loss(prediction1, prediction2, projection1, projection2), self.probe_features(features1, features2)

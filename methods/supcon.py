@@ -73,4 +73,4 @@ class SupCon(PretrainMethod):
             loss = tcl_loss(projections, labels, self.temperature, self.k1, self.k2)
         else:
             loss = supcon_loss(projections, labels, self.temperature, self.base_temperature)
-        return loss, features.view(batch_size, num_crops, -1).transpose(0, 1).flatten(0, 1)  # B rows per crop, for the probe
+        return loss, self.probe_features(*features.view(batch_size, num_crops, -1).unbind(1))

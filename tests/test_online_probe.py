@@ -13,7 +13,7 @@ from test_dino import tiny_dino
 from test_moco import MOCO_VIEWS, tiny_moco
 from test_supcon import CROPS, tiny_supcon
 
-from engine.optim import OptimizerSpec, build_optimizer, with_lr_ratios
+from engine.optim import OptimizerSpec, build_optimizer, with_group_lrs
 from methods import BarlowTwins
 
 CASES = {  # a method, its views: which crops are global
@@ -64,7 +64,7 @@ def test_a_probe_like_the_trunk_has_its_lr_scaled_with_the_batch_and_its_weight_
     model = tiny_moco(optimizer=spec, probe_lr=0.1, probe_like_trunk=like_trunk)
     batch = first_batch(digits(MOCO_VIEWS, batch_size=16))
     scale = spec.batch_scale(16)  # 16 / 256
-    optimizer = build_optimizer(with_lr_ratios(model.optimizer_groups(), spec.effective_lr(16), scale), spec, spec.effective_lr(16))
+    optimizer = build_optimizer(with_group_lrs(model.optimizer_groups(), spec.effective_lr(16), scale), spec, spec.effective_lr(16))
     before = {name: param.detach().clone() for name, param in model.probe.named_parameters()}
     model.training_step(batch, 0).backward()
     grads = {name: param.grad.clone() for name, param in model.probe.named_parameters()}
