@@ -130,9 +130,9 @@ class PretrainMethod(MethodBase):
 
     # ----------------------------------------------------------------- training
     def probe_loss(self, features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Cross-entropy of the online probe on the features of the views `probe_views` names (`step` returns the
-        online trunk's features of each global view it encodes, B rows per view, the first view's first), their mean
-        over every view's samples; unlabelled samples (label -1) are left out."""
+        """Cross-entropy of the online probe on the features `step` returns (`probe_features`: B rows per view, the
+        first view's first; a step may return every global view's, of which `probe_views: first` reads the first),
+        the mean over every view's samples; unlabelled samples (label -1) are left out."""
         if self.probe_views == "first":
             features = features[: len(labels)]
         elif len(features) > len(labels):
