@@ -30,13 +30,11 @@ import time
 from importlib.metadata import version
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.files import write_atomically  # noqa: E402
 from peer_workloads import TRAINED, VIEWED  # noqa: E402
-from benchmarks.portable import write_fake_cifar10  # noqa: E402
+from benchmarks.portable import cpu_description, write_fake_cifar10  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 PEER_PACKAGES = {"lightly": "lightly==1.6.0", "stable-pretraining": "stable-pretraining==0.1.8"}
@@ -183,14 +181,6 @@ def views_tables(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def machine() -> str:
-    flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "").split()
-    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")), "?")
-    bf16 = [flag for flag in ("avx512_bf16", "amx_bf16") if flag in flags] or ["none"]
-    return (f"{model}, {os.cpu_count()} cores, torch CPU capability {torch.backends.cpu.get_cpu_capability()}, "
-            f"bf16 units: {', '.join(bf16)}")
-
-
 def main(argv: list[str]) -> int:
     options = parse(argv)
     peers = [system for system in PEERS if system in options.systems or (system == "lightly" and not options.skip_views)]
@@ -218,7 +208,7 @@ def main(argv: list[str]) -> int:
                 trained.append(run_once("train", system, options, data, logs, f"train_{system}_{round_}") | {"round": round_})
                 print(f"round {round_} {system}: {trained[-1]['images_per_s']:.1f} images/s, first step after "
                       f"{trained[-1]['startup_s']:.1f} s", flush=True)
-    header = (f"measured {datetime.date.today().isoformat()} on {machine()}; {options.rounds} interleaved rounds of "
+    header = (f"measured {datetime.date.today().isoformat()} on {cpu_description()}; {options.rounds} interleaved rounds of "
               f"{options.warmup} warm-up + {options.steps} timed steps, batch {options.batch}, {options.workers} workers; "
               + "; ".join(f"{system}: " + ", ".join(f"{name} {number}" for name, number in found.items())
                           for system, found in environments.items()))

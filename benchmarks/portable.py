@@ -8,6 +8,7 @@
 """
 
 import hashlib
+import os
 import pickle
 import time
 from pathlib import Path
@@ -63,3 +64,12 @@ def loader_rate(dataset: Dataset, batch_size: int, workers: int) -> float:
     for _ in DataLoader(dataset, batch_size=batch_size, num_workers=workers):
         pass
     return len(dataset) / (time.perf_counter() - start)
+
+
+def cpu_description() -> str:
+    """The CPU a measurement ran on: model, cores, the kernels torch dispatches to and its bf16 units (Linux)."""
+    flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "").split()
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")), "?")
+    bf16 = [flag for flag in ("avx512_bf16", "amx_bf16") if flag in flags] or ["none"]
+    return (f"{model}, {os.cpu_count()} cores, torch CPU capability {torch.backends.cpu.get_cpu_capability()}, "
+            f"bf16 units: {', '.join(bf16)}")

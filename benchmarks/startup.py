@@ -14,7 +14,6 @@ Prints the median and every round of each measurement (and writes the table to `
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -28,6 +27,7 @@ from lightning.pytorch.callbacks import Callback
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.portable import cpu_description  # noqa: E402
 from engine.files import write_atomically  # noqa: E402
 
 IMPORTS = ("torch", "lightning", "main_pretrain")
@@ -113,8 +113,8 @@ def main(argv: list[str]) -> int:
     except MeasurementFailed as error:
         sys.stderr.write(f"error: {error}\n")
         return 2
-    text = (f"{table(rounds)}\n\nmeasured {time.strftime('%Y-%m-%d')} on {platform.processor() or platform.machine()}, "
-            f"{os.cpu_count()} CPUs, {args.rounds} round{'s' if args.rounds != 1 else ''} with {args.config}")
+    text = (f"{table(rounds)}\n\nmeasured {time.strftime('%Y-%m-%d')} on {cpu_description()}, "
+            f"{args.rounds} round{'s' if args.rounds != 1 else ''} with {args.config}")
     print(text)
     if args.out:
         write_atomically(args.out, lambda partial: partial.write_text(text + "\n"))
