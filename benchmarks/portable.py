@@ -5,11 +5,13 @@
   opens the folder; `accept_fake_cifar10` replaces them, in the calling process, by those of the files written here.
 - Images/s of per-image views, in one process and through a DataLoader, measured the same way for contrastlab's views
   (`benchmarks/throughput.py --views-only`) and for a peer library's (`benchmarks/peers.py`, in the peer's own venv).
+- The CPU a measurement ran on, for the tables' headers (`benchmarks/peers.py`, `benchmarks/startup.py`).
 """
 
 import hashlib
 import os
 import pickle
+import platform
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -67,9 +69,12 @@ def loader_rate(dataset: Dataset, batch_size: int, workers: int) -> float:
 
 
 def cpu_description() -> str:
-    """The CPU a measurement ran on: model, cores, the kernels torch dispatches to and its bf16 units (Linux)."""
-    flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "").split()
-    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")), "?")
-    bf16 = [flag for flag in ("avx512_bf16", "amx_bf16") if flag in flags] or ["none"]
+    """The CPU a measurement ran on: model, cores, the kernels torch dispatches to and its bf16 units (read from
+    /proc/cpuinfo on Linux; elsewhere the processor's name only)."""
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.is_file() else []
+    flags = next((line for line in lines if line.startswith("flags")), "").split()
+    model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), platform.processor() or platform.machine())
+    bf16 = [flag for flag in ("avx512_bf16", "amx_bf16") if flag in flags] or (["none"] if lines else ["unknown"])
     return (f"{model}, {os.cpu_count()} cores, torch CPU capability {torch.backends.cpu.get_cpu_capability()}, "
             f"bf16 units: {', '.join(bf16)}")
