@@ -42,7 +42,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from datamodules.encoded import EncodedImages, collate_encoded
 from datamodules.pipeline import Pipeline, pipeline_mode
-from datamodules.samplers import ClassPrioritySampler, EpochSampler
+from datamodules.samplers import ClassPrioritySampler, EpochSampler, EvaluationShard
 from datamodules.subsets import LabelSubset, labelled_subset
 from datamodules.transforms import build_view
 from engine.compat import data_position
@@ -410,12 +410,13 @@ class ContrastiveDataModule(L.LightningDataModule):
         return {"views": views, "label": labels, "index": batch["index"]}
 
     def _eval_loaders(self, split: str) -> list[DataLoader]:
+        """The split's loader and the kNN bank's; with several processes each scores its own shard, no image twice."""
         self.setup()
-        loaders = [self._loader(EvalDataset(self.splits[split], self.eval_transform), train=False)]
+        datasets = [EvalDataset(self.splits[split], self.eval_transform)]
         if self.knn_bank:
-            bank = self.splits.get("bank", self.splits["train"])
-            loaders.append(self._loader(EvalDataset(bank, self.eval_transform), train=False))
-        return loaders
+            datasets.append(EvalDataset(self.splits.get("bank", self.splits["train"]), self.eval_transform))
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+        return [self._loader(dataset, train=False, sampler=EvaluationShard(dataset) if distributed else None) for dataset in datasets]
 
     def val_dataloader(self) -> list[DataLoader]:
         return self._eval_loaders("val")

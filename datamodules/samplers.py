@@ -50,6 +50,24 @@ class EpochSampler(DistributedSampler):
         return iter(order[self.rank : self.total_size : self.num_replicas][self.position :].tolist())
 
 
+class EvaluationShard(DistributedSampler):
+    """Every `num_replicas`-th image from `rank` on, in order, none repeated: the processes of a distributed evaluation
+    together score each image once. (torch's DistributedSampler, which Lightning gives evaluation loaders otherwise,
+    repeats up to W - 1 images so that every process gets as many.) Without `num_replicas` and `rank`, those of the
+    process group."""
+
+    def __init__(self, dataset, num_replicas: int | None = None, rank: int | None = None):
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=False)
+        if len(dataset) < self.num_replicas:
+            raise ValueError(f"an evaluation split of {len(dataset)} images cannot be shared by {self.num_replicas} processes: "
+                             "each needs one image at least")
+        self.num_samples = len(range(self.rank, len(dataset), self.num_replicas))
+        self.total_size = len(dataset)
+
+    def __iter__(self):
+        return iter(range(self.rank, len(self.dataset), self.num_replicas))
+
+
 # classifier-balancing config/ImageNet_LT/{feat_balance,cls_crt}.yaml: ClassAwareSampler with num_samples_cls 4
 IMAGES_PER_CLASS_VISIT = 4
 

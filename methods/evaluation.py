@@ -149,8 +149,7 @@ class EvaluationMixin:
                 if name in groups:
                     self.log(f"{stage}/{name}", groups[name])
         if "bank_features" in collected and not self.trainer.sanity_checking:
-            gathered = {name: self.all_gather(torch.cat(parts)) for name, parts in collected.items()}
-            gathered = {name: tensor.flatten(0, 1) if self.trainer.world_size > 1 else tensor for name, tensor in gathered.items()}
+            gathered = {name: self.gather_unequal(torch.cat(parts)) for name, parts in collected.items()}
             self._warn_of_a_partial_bank(stage, len(gathered["bank_labels"]))
             bank_labelled = gathered["bank_labels"] >= 0  # unlabelled bank images cannot vote
             scores = knn_predict(

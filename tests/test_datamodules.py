@@ -4,7 +4,8 @@ import torch
 from PIL import Image
 from torchvision.transforms import v2 as T
 
-from datamodules.digits import SPLIT_SIZES, DigitsStyle, composite_digits, generate_digits, source_digit_splits
+from datamodules.digits import SPLIT_SIZES, DigitsStyle, generate_digits, source_digit_splits
+from datamodules.samplers import EvaluationShard
 from datamodules.transforms import ToNormalizedTensor, build_view
 from helpers import digits
 
@@ -45,6 +46,19 @@ def test_validation_serves_the_eval_split_and_the_training_split_as_knn_bank():
     assert set(first) == {"image", "label", "index"}
     torch.testing.assert_close(first["image"], next(iter(bank))["image"])  # no augmentation
     assert len(digits({"weak": {"preset": "crop_flip"}}, knn_bank=False).val_dataloader()) == 1
+
+
+@pytest.mark.parametrize("images, processes", [(7, 2), (8, 2), (10, 4), (3, 3)])
+def test_evaluation_shards_take_every_image_once_in_order(images, processes):
+    shards = [list(EvaluationShard(range(images), num_replicas=processes, rank=rank)) for rank in range(processes)]
+    assert sorted(index for shard in shards for index in shard) == list(range(images))
+    assert [len(EvaluationShard(range(images), num_replicas=processes, rank=rank)) for rank in range(processes)] == [len(shard) for shard in shards]
+    assert all(shard == sorted(shard) and shard[0] == rank for rank, shard in enumerate(shards))
+
+
+def test_an_evaluation_split_smaller_than_the_process_count_is_refused_with_both_numbers():
+    with pytest.raises(ValueError, match="an evaluation split of 1 images cannot be shared by 2 processes"):
+        EvaluationShard(range(1), num_replicas=2, rank=1)
 
 
 def test_fused_tensor_conversion_matches_torchvision():

@@ -28,11 +28,11 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from test_reliability import SignalAtStep
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Subset
 
 from backbones import BackboneSpec, MLPSpec
+from datamodules import DigitsDataModule
 from engine.preemption import LastCheckpointOnSigterm, PreemptionSignals
-from engine.optim import OptimizerSpec
 from methods import BYOL, DINO, NNCLR, SCE, BarlowTwins, MoCoV2, MoCoV3, MultiTaskContrast, PaCo, SimSiam, SupCon, SwAV, VICReg
 from methods.momentum import MomentumSpec
 
@@ -231,3 +231,40 @@ def test_swav_queue_and_dino_centre_on_two_processes_hold_the_global_batch(two_p
     for rank in range(WORLD):
         torch.testing.assert_close(two_process_states["swav", rank]["queues.0.embeddings"], swav["queues.0.embeddings"], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(two_process_states["dino", rank]["center"], dino["center"], rtol=1e-5, atol=1e-7)
+
+
+# ----------------------------------------------------------------- evaluation on 2 processes
+VAL_IMAGES, BANK_IMAGES = 151, 201  # odd: two processes cannot take as many each
+
+
+class OddSplits(DigitsDataModule):
+    """Digits-M with a validation split and a kNN bank of odd sizes."""
+
+    def build_splits(self) -> dict[str, Dataset]:
+        splits = super().build_splits()
+        return splits | {"val": Subset(splits["val"], range(VAL_IMAGES)), "bank": Subset(splits["train"], range(BANK_IMAGES))}
+
+
+def validation_metrics(trainer: L.Trainer) -> dict[str, float]:
+    torch.manual_seed(0)  # the same random trunk and probe on every process and in the reference
+    model = MoCoV2(queue_size=32, momentum=NO_SHUFFLE, backbone=TRUNK, projector=TINY_PROJECTOR, knn_k=20, num_classes=10)
+    data = OddSplits(batch_size=32, num_workers=0, train_variants=1, eval_variants=1, views={"query": {"preset": "mocov2"}, "key": {"preset": "mocov2"}})
+    trainer.validate(model, data, verbose=False)
+    return {name: float(value) for name, value in trainer.callback_metrics.items()}
+
+
+def _validation_worker(rank: int, port: int, directory: str, cache: str, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0", CONTRASTLAB_CACHE=cache)
+    results[rank] = validation_metrics(cpu_trainer(directory, devices=WORLD, strategy=DDPStrategy(process_group_backend="gloo")))
+
+
+def test_two_processes_score_each_validation_and_bank_image_once_and_report_the_metrics_of_one_process(tmp_path):
+    """Each process validates its own shard of the 151 images and votes with the whole bank of 201 (gathered at
+    the end): the probe's and the kNN monitor's top-1 and top-5 are those of one process on all images. (torch's
+    DistributedSampler would score one image twice and put one bank image in twice.)"""
+    start_processes(_validation_worker, (free_port(), str(tmp_path / "ddp"), os.environ["CONTRASTLAB_CACHE"], results := mp.Manager().dict()), nprocs=WORLD)
+    expected = validation_metrics(cpu_trainer(tmp_path / "one"))
+    assert {"val/probe_top1", "val/probe_top5", "val/knn_top1", "val/knn_top5"} <= expected.keys()
+    assert 0 < expected["val/probe_top1"] < 1 and 0 < expected["val/knn_top1"] < 1  # a count of 151 that one image more would change
+    for rank in range(WORLD):
+        assert results[rank] == pytest.approx(expected, abs=1e-12), rank
