@@ -151,6 +151,9 @@ class EvalDataset(Dataset):
         return len(self.base)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
+        if index >= len(self.base):  # an evaluation shard's padding (`EvaluationShard`): an image no metric counts
+            image, _ = self.base[index % len(self.base)]
+            return {"image": self.transform(image), "label": -1, "index": -1}
         image, label = self.base[index]
         return {"image": self.transform(image), "label": label, "index": index}
 
@@ -410,7 +413,7 @@ class ContrastiveDataModule(L.LightningDataModule):
         return {"views": views, "label": labels, "index": batch["index"]}
 
     def _eval_loaders(self, split: str) -> list[DataLoader]:
-        """The split's loader and the kNN bank's; with several processes each scores its own shard, no image twice."""
+        """The split's loader and the kNN bank's; with several processes each scores its own shard (`EvaluationShard`)."""
         self.setup()
         datasets = [EvalDataset(self.splits[split], self.eval_transform)]
         if self.knn_bank:

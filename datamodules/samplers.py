@@ -51,21 +51,17 @@ class EpochSampler(DistributedSampler):
 
 
 class EvaluationShard(DistributedSampler):
-    """Every `num_replicas`-th image from `rank` on, in order, none repeated: the processes of a distributed evaluation
-    together score each image once. (torch's DistributedSampler, which Lightning gives evaluation loaders otherwise,
-    repeats up to W - 1 images so that every process gets as many.) Without `num_replicas` and `rank`, those of the
-    process group."""
+    """Every `num_replicas`-th image from `rank` on, in order, then padding up to the length of the longest shard:
+    indices from `len(dataset)` on, which `EvalDataset` serves labelled -1 (no metric counts them). The processes of
+    a distributed evaluation together score each image once, in as many batches each (DDP and the preemption
+    agreement run a collective per batch). torch's DistributedSampler, which Lightning gives evaluation loaders
+    otherwise, repeats up to W - 1 real images instead. Without `num_replicas` and `rank`, the process group's."""
 
     def __init__(self, dataset, num_replicas: int | None = None, rank: int | None = None):
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=False)
-        if len(dataset) < self.num_replicas:
-            raise ValueError(f"an evaluation split of {len(dataset)} images cannot be shared by {self.num_replicas} processes: "
-                             "each needs one image at least")
-        self.num_samples = len(range(self.rank, len(dataset), self.num_replicas))
-        self.total_size = len(dataset)
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=False)  # num_samples: the longest shard
 
     def __iter__(self):
-        return iter(range(self.rank, len(self.dataset), self.num_replicas))
+        return iter(range(self.rank, self.total_size, self.num_replicas))
 
 
 # classifier-balancing config/ImageNet_LT/{feat_balance,cls_crt}.yaml: ClassAwareSampler with num_samples_cls 4

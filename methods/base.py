@@ -199,16 +199,6 @@ class MethodBase(EvaluationMixin, CheckpointRecord, L.LightningModule):
             return tensor
         return self.all_gather(tensor).flatten(0, 1)
 
-    def gather_unequal(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Concatenate tensors of different lengths from all processes in rank order (no gradient): what the
-        processes of an evaluation computed on their shards (`datamodules.samplers.EvaluationShard`)."""
-        if not several_processes():
-            return tensor
-        lengths = self.all_gather(torch.tensor(len(tensor), device=tensor.device)).tolist()  # read once, at the evaluation's end
-        padded = tensor.new_zeros((max(lengths), *tensor.shape[1:]))
-        padded[: len(tensor)] = tensor
-        return torch.cat([rows[:length] for rows, length in zip(self.all_gather(padded), lengths)])
-
     def gather_with_grad(self, tensor: torch.Tensor) -> torch.Tensor:
         """Concatenate a tensor from all processes in rank order, keeping the gradient to every
         process's rows (its backward all-reduces), so that in-batch negatives span the global batch

@@ -120,6 +120,7 @@ class EvaluationMixin:
         if self.knn_k:
             split = "" if dataloader_idx == 0 else "bank_"
             self._collect(f"{split}labels", labels)
+            self._collect(f"{split}indices", batch["index"])  # -1: an evaluation shard's padding
             self._collect(f"{split}features", F.normalize(features.float(), dim=1))
 
     def _collect(self, name: str, tensor: torch.Tensor) -> None:
@@ -149,9 +150,9 @@ class EvaluationMixin:
                 if name in groups:
                     self.log(f"{stage}/{name}", groups[name])
         if "bank_features" in collected and not self.trainer.sanity_checking:
-            gathered = {name: self.gather_unequal(torch.cat(parts)) for name, parts in collected.items()}
-            self._warn_of_a_partial_bank(stage, len(gathered["bank_labels"]))
-            bank_labelled = gathered["bank_labels"] >= 0  # unlabelled bank images cannot vote
+            gathered = {name: self.gather(torch.cat(parts)) for name, parts in collected.items()}
+            self._warn_of_a_partial_bank(stage, int((gathered["bank_indices"] >= 0).sum()))
+            bank_labelled = gathered["bank_labels"] >= 0  # unlabelled bank images and the shards' padding cannot vote
             scores = knn_predict(
                 gathered["features"],
                 gathered["bank_features"][bank_labelled],

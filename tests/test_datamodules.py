@@ -4,7 +4,8 @@ import torch
 from PIL import Image
 from torchvision.transforms import v2 as T
 
-from datamodules.digits import SPLIT_SIZES, DigitsStyle, generate_digits, source_digit_splits
+from datamodules.base import EvalDataset
+from datamodules.digits import SPLIT_SIZES, ArrayImageDataset, DigitsStyle, composite_digits, generate_digits, source_digit_splits
 from datamodules.samplers import EvaluationShard
 from datamodules.transforms import ToNormalizedTensor, build_view
 from helpers import digits
@@ -48,17 +49,17 @@ def test_validation_serves_the_eval_split_and_the_training_split_as_knn_bank():
     assert len(digits({"weak": {"preset": "crop_flip"}}, knn_bank=False).val_dataloader()) == 1
 
 
-@pytest.mark.parametrize("images, processes", [(7, 2), (8, 2), (10, 4), (3, 3)])
-def test_evaluation_shards_take_every_image_once_in_order(images, processes):
-    shards = [list(EvaluationShard(range(images), num_replicas=processes, rank=rank)) for rank in range(processes)]
-    assert sorted(index for shard in shards for index in shard) == list(range(images))
-    assert [len(EvaluationShard(range(images), num_replicas=processes, rank=rank)) for rank in range(processes)] == [len(shard) for shard in shards]
-    assert all(shard == sorted(shard) and shard[0] == rank for rank, shard in enumerate(shards))
-
-
-def test_an_evaluation_split_smaller_than_the_process_count_is_refused_with_both_numbers():
-    with pytest.raises(ValueError, match="an evaluation split of 1 images cannot be shared by 2 processes"):
-        EvaluationShard(range(1), num_replicas=2, rank=1)
+@pytest.mark.parametrize("images, processes", [(7, 2), (8, 2), (10, 4), (3, 3), (1, 2)])
+def test_evaluation_shards_are_as_long_take_every_image_once_and_pad_with_images_labelled_minus_one(images, processes):
+    arrays, labels = composite_digits("val", 1)
+    dataset = EvalDataset(ArrayImageDataset(arrays[:images], labels[:images]), lambda image: image)
+    shards = [list(EvaluationShard(dataset, num_replicas=processes, rank=rank)) for rank in range(processes)]
+    assert {len(shard) for shard in shards} == {-(-images // processes)}  # as many batches on every process
+    assert sorted(index for shard in shards for index in shard if index < images) == list(range(images))
+    padding = [dataset[index] for shard in shards for index in shard if index >= images]
+    assert len(padding) == len(shards[0]) * processes - images
+    assert all(item["label"] == -1 and item["index"] == -1 for item in padding)
+    assert all(dataset[index]["label"] >= 0 for index in range(images))
 
 
 def test_fused_tensor_conversion_matches_torchvision():

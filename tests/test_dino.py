@@ -108,8 +108,9 @@ def test_the_knn_monitor_votes_with_the_teacher():
             param.add_(0.1)  # a teacher that differs from the student
     images, labels = torch.rand(4, 3, 32, 32), torch.tensor([0, 1, 2, 3])
     with torch.no_grad():
-        model._evaluation_step({"image": images, "label": labels}, 0)
-        model._evaluation_step({"image": images, "label": labels}, 1)
+        batch = {"image": images, "label": labels, "index": torch.arange(4)}  # an evaluation batch (datamodules.base)
+        model._evaluation_step(batch, 0)
+        model._evaluation_step(batch, 1)
         teacher, student = F.normalize(model.target_backbone(images), dim=1), model.backbone(images)
     for name in ("features", "bank_features"):
         torch.testing.assert_close(torch.cat(model._collected[name]), teacher)

@@ -32,6 +32,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 
 from backbones import BackboneSpec, MLPSpec
 from datamodules import DigitsDataModule
+from engine.optim import OptimizerSpec
 from engine.preemption import LastCheckpointOnSigterm, PreemptionSignals
 from methods import BYOL, DINO, NNCLR, SCE, BarlowTwins, MoCoV2, MoCoV3, MultiTaskContrast, PaCo, SimSiam, SupCon, SwAV, VICReg
 from methods.momentum import MomentumSpec
@@ -234,7 +235,9 @@ def test_swav_queue_and_dino_centre_on_two_processes_hold_the_global_batch(two_p
 
 
 # ----------------------------------------------------------------- evaluation on 2 processes
-VAL_IMAGES, BANK_IMAGES = 151, 201  # odd: two processes cannot take as many each
+# odd sizes: in batches of 32, unpadded halves of 65 would take 2 and 1 batches, and DDP's forward (buffers) and the
+# preemption agreement run a collective per batch
+VAL_IMAGES, BANK_IMAGES, EVAL_BATCH = 65, 97, 32
 
 
 class OddSplits(DigitsDataModule):
@@ -246,25 +249,42 @@ class OddSplits(DigitsDataModule):
 
 
 def validation_metrics(trainer: L.Trainer) -> dict[str, float]:
+    """The validation of a random trunk and probe; inside a fit of one step that changes neither (the trunk's learning
+    rate 0, the probe's far too small to change a prediction: it must be > 0)."""
     torch.manual_seed(0)  # the same random trunk and probe on every process and in the reference
-    model = MoCoV2(queue_size=32, momentum=NO_SHUFFLE, backbone=TRUNK, projector=TINY_PROJECTOR, knn_k=20, num_classes=10)
-    data = OddSplits(batch_size=32, num_workers=0, train_variants=1, eval_variants=1, views={"query": {"preset": "mocov2"}, "key": {"preset": "mocov2"}})
-    trainer.validate(model, data, verbose=False)
-    return {name: float(value) for name, value in trainer.callback_metrics.items()}
+    model = MoCoV2(queue_size=128, momentum=NO_SHUFFLE, backbone=TRUNK, projector=TINY_PROJECTOR, knn_k=20, num_classes=10,
+                   optimizer=OptimizerSpec(lr=0.0), probe_lr=1e-12)
+    data = OddSplits(batch_size=EVAL_BATCH, num_workers=0, train_variants=1, eval_variants=1,
+                     views={"query": {"preset": "mocov2"}, "key": {"preset": "mocov2"}})
+    if trainer.world_size > 1:
+        trainer.fit(model, data)
+    else:
+        trainer.validate(model, data, verbose=False)
+    return {name: float(value) for name, value in trainer.callback_metrics.items() if name.startswith("val/")}
 
 
 def _validation_worker(rank: int, port: int, directory: str, cache: str, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0", CONTRASTLAB_CACHE=cache)
-    results[rank] = validation_metrics(cpu_trainer(directory, devices=WORLD, strategy=DDPStrategy(process_group_backend="gloo")))
+    trainer = cpu_trainer(directory, devices=WORLD, strategy=DDPStrategy(process_group_backend="gloo"), max_steps=1,
+                          limit_train_batches=1, callbacks=[PreemptionSignals()])
+    results[rank] = validation_metrics(trainer)
 
 
 def test_two_processes_score_each_validation_and_bank_image_once_and_report_the_metrics_of_one_process(tmp_path):
-    """Each process validates its own shard of the 151 images and votes with the whole bank of 201 (gathered at
-    the end): the probe's and the kNN monitor's top-1 and top-5 are those of one process on all images. (torch's
-    DistributedSampler would score one image twice and put one bank image in twice.)"""
-    start_processes(_validation_worker, (free_port(), str(tmp_path / "ddp"), os.environ["CONTRASTLAB_CACHE"], results := mp.Manager().dict()), nprocs=WORLD)
+    """Inside a fit, each process validates its shard of the 65 images and votes with the whole bank of 97, in as
+    many batches as the other (the shards are padded with images labelled -1): the probe's and the kNN monitor's
+    top-1 and top-5 are those of one process on all images. (torch's DistributedSampler would score one image twice
+    and put one bank image in twice; unpadded shards would wait on each other.)"""
+    context = start_processes(_validation_worker, (free_port(), str(tmp_path / "ddp"), os.environ["CONTRASTLAB_CACHE"], results := mp.Manager().dict()),
+                              nprocs=WORLD, join=False)
+    deadline = time.monotonic() + 300  # a hang (processes waiting on each other) fails instead of blocking CI
+    while not context.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail("the processes wait on each other during validation")
     expected = validation_metrics(cpu_trainer(tmp_path / "one"))
-    assert {"val/probe_top1", "val/probe_top5", "val/knn_top1", "val/knn_top5"} <= expected.keys()
-    assert 0 < expected["val/probe_top1"] < 1 and 0 < expected["val/knn_top1"] < 1  # a count of 151 that one image more would change
+    assert expected.keys() == {"val/probe_top1", "val/probe_top5", "val/knn_top1", "val/knn_top5"}
+    assert 0 < expected["val/probe_top1"] < 1 and 0 < expected["val/knn_top1"] < 1  # a count of 65 that one image more would change
     for rank in range(WORLD):
         assert results[rank] == pytest.approx(expected, abs=1e-12), rank
