@@ -120,7 +120,8 @@ class EvaluationMixin:
         if self.knn_k:
             split = "" if dataloader_idx == 0 else "bank_"
             self._collect(f"{split}labels", labels)
-            self._collect(f"{split}indices", batch["index"])  # -1: an evaluation shard's padding
+            if dataloader_idx == 1:
+                self._collect("bank_indices", batch["index"])  # -1: an evaluation shard's padding, not a bank image
             self._collect(f"{split}features", F.normalize(features.float(), dim=1))
 
     def _collect(self, name: str, tensor: torch.Tensor) -> None:

@@ -53,7 +53,9 @@ def test_validation_serves_the_eval_split_and_the_training_split_as_knn_bank():
 def test_evaluation_shards_are_as_long_take_every_image_once_and_pad_with_images_labelled_minus_one(images, processes):
     arrays, labels = composite_digits("val", 1)
     dataset = EvalDataset(ArrayImageDataset(arrays[:images], labels[:images]), lambda image: image)
-    shards = [list(EvaluationShard(dataset, num_replicas=processes, rank=rank)) for rank in range(processes)]
+    samplers = [EvaluationShard(dataset, num_replicas=processes, rank=rank) for rank in range(processes)]
+    shards = [list(sampler) for sampler in samplers]
+    assert [len(sampler) for sampler in samplers] == [len(shard) for shard in shards]
     assert {len(shard) for shard in shards} == {-(-images // processes)}  # as many batches on every process
     assert sorted(index for shard in shards for index in shard if index < images) == list(range(images))
     padding = [dataset[index] for shard in shards for index in shard if index >= images]
