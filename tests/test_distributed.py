@@ -191,14 +191,19 @@ def _sigterm_worker(rank: int, port: int, directory: str, results) -> None:
         results[rank] = trainer.global_step
 
 
-def test_sigterm_at_different_steps_stops_every_process_at_the_same_step_with_a_last_ckpt(tmp_path):
-    context = start_processes(_sigterm_worker, (free_port(), str(tmp_path), results := mp.Manager().dict()), nprocs=WORLD, join=False)
-    deadline = time.monotonic() + 600  # a hang (processes waiting on each other) fails instead of blocking CI
+def join_or_fail(context, seconds: float, message: str) -> None:
+    """Waits for the processes; a hang (processes waiting on each other) kills them and fails instead of blocking CI."""
+    deadline = time.monotonic() + seconds
     while not context.join(timeout=1):
         if time.monotonic() > deadline:
             for process in context.processes:
                 process.kill()
-            pytest.fail("the processes did not stop after SIGTERM: they wait on each other")
+            pytest.fail(message)
+
+
+def test_sigterm_at_different_steps_stops_every_process_at_the_same_step_with_a_last_ckpt(tmp_path):
+    context = start_processes(_sigterm_worker, (free_port(), str(tmp_path), results := mp.Manager().dict()), nprocs=WORLD, join=False)
+    join_or_fail(context, 600, "the processes did not stop after SIGTERM: they wait on each other")
     assert dict(results) == {0: 2, 1: 2}  # rank 0's signal before step 1 stops both after it
     assert torch.load(tmp_path / "last.ckpt", weights_only=True)["global_step"] == 2
 
@@ -277,12 +282,7 @@ def test_two_processes_score_each_validation_and_bank_image_once_and_report_the_
     and put one bank image in twice; unpadded shards would wait on each other.)"""
     context = start_processes(_validation_worker, (free_port(), str(tmp_path / "ddp"), os.environ["CONTRASTLAB_CACHE"], results := mp.Manager().dict()),
                               nprocs=WORLD, join=False)
-    deadline = time.monotonic() + 300  # a hang (processes waiting on each other) fails instead of blocking CI
-    while not context.join(timeout=1):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail("the processes wait on each other during validation")
+    join_or_fail(context, 300, "the processes wait on each other during validation")
     expected = validation_metrics(cpu_trainer(tmp_path / "one"))
     assert expected.keys() == {"val/probe_top1", "val/probe_top5", "val/knn_top1", "val/knn_top5"}
     assert 0 < expected["val/probe_top1"] < 1 and 0 < expected["val/knn_top1"] < 1  # a count of 65 that one image more would change
