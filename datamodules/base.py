@@ -143,6 +143,12 @@ def decode_all(dataset: Dataset, num_workers: int) -> torch.Tensor:
     return torch.cat([batch["image"] for batch in loader])
 
 
+def process_group() -> dict[str, int]:
+    """`num_replicas` and `rank` of this process in the process group, 1 and 0 without one: what the samplers shard by."""
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    return {"num_replicas": torch.distributed.get_world_size() if distributed else 1, "rank": torch.distributed.get_rank() if distributed else 0}
+
+
 class EvalDataset(Dataset):
     def __init__(self, base: Dataset, transform: Callable):
         self.base, self.transform = base, transform
@@ -284,11 +290,7 @@ class ContrastiveDataModule(L.LightningDataModule):
 
     def train_sampler(self, seed: int) -> EpochSampler:
         """The sampler of `data.sampler`, at the point of the epoch where a resumed run stopped."""
-        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-        processes = dict(
-            num_replicas=torch.distributed.get_world_size() if distributed else 1,
-            rank=torch.distributed.get_rank() if distributed else 0,
-        )
+        processes = process_group()
         if self.sampler == "instance":
             sampler = EpochSampler(len(self.splits["train"]), seed, **processes)
         else:
@@ -418,8 +420,9 @@ class ContrastiveDataModule(L.LightningDataModule):
         datasets = [EvalDataset(self.splits[split], self.eval_transform)]
         if self.knn_bank:
             datasets.append(EvalDataset(self.splits.get("bank", self.splits["train"]), self.eval_transform))
-        distributed = torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
-        return [self._loader(dataset, train=False, sampler=EvaluationShard(dataset) if distributed else None) for dataset in datasets]
+        processes = process_group()
+        return [self._loader(dataset, train=False, sampler=EvaluationShard(dataset, **processes) if processes["num_replicas"] > 1 else None)
+                for dataset in datasets]
 
     def val_dataloader(self) -> list[DataLoader]:
         return self._eval_loaders("val")
