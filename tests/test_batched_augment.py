@@ -280,3 +280,19 @@ def test_a_moco_step_runs_with_the_gpu_pipeline(preset):
 def test_evaluation_presets_refuse_the_gpu_pipeline():
     with pytest.raises(ValueError, match="runs per image only"):
         digits({"image": {"preset": "crop_pad_flip"}}, pipeline="gpu")
+
+
+@pytest.mark.parametrize("batch", [1, 7, 64])
+def test_the_cpus_row_copies_draw_the_views_of_the_accelerators_whole_batch_selects_bit_for_bit(batch, monkeypatch):
+    """On the CPU `where_rows` transforms and copies only the selected samples; on an accelerator it transforms the
+    whole batch and selects with torch.where. Same random draws, same bits, with every per-sample choice on."""
+    from engine import devices
+
+    spec = ViewSpec(24, MEAN, STD, jitter=(0.8, 0.8, 0.8, 0.5), gray_prob=0.3, blur_prob=0.5, solarize_prob=0.3)
+    images = torch.randint(0, 256, (batch, 3, 32, 40), dtype=torch.uint8)
+    torch.manual_seed(0)
+    on_cpu = BatchedAugment(spec)(images)
+    monkeypatch.setattr(devices, "host_reads_are_free", lambda tensor: False)
+    torch.manual_seed(0)
+    on_accelerator = BatchedAugment(spec)(images)
+    assert torch.equal(on_cpu.view(torch.int32), on_accelerator.view(torch.int32))
