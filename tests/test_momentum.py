@@ -172,6 +172,17 @@ def test_split_batchnorm_running_stats_average_the_groups_and_eval_is_plain_batc
     torch.testing.assert_close(split(x), plain(x))
 
 
+def test_split_batchnorm_returns_a_channels_last_input_in_channels_last_with_the_bits_of_an_nchw_input():
+    """A channels-last trunk stays channels-last after its split BatchNorm (its max-pool and convolutions would
+    otherwise run on NCHW), and the normalisation itself is the NCHW one: the same bits either way."""
+    x = torch.randn(16, 5, 6, 7) * 2 + 1
+    nchw, channels_last = SplitBatchNorm2d(5, num_splits=4), SplitBatchNorm2d(5, num_splits=4)
+    out, reference = channels_last(x.contiguous(memory_format=torch.channels_last)), nchw(x)
+    assert out.is_contiguous(memory_format=torch.channels_last) and not out.is_contiguous()
+    assert reference.is_contiguous() and torch.equal(out, reference)
+    assert torch.equal(channels_last.running_var, nchw.running_var)
+
+
 def test_split_batchnorm_refuses_a_batch_that_does_not_divide():
     with pytest.raises(ValueError, match="divisible by 4"):
         SplitBatchNorm2d(3, num_splits=4)(torch.randn(6, 3, 2, 2))

@@ -10,7 +10,9 @@ CPU without bf16 units, and rounds as the CPU's kernels do.
 
 On the machine kind that recorded them (`torch.backends.cpu.get_cpu_capability()` and the torch version) the
 loss and the bytes must be equal. Elsewhere kernels round differently: the loss and the fingerprints are
-compared to `TOLERANCE` (its comment says how it was measured), the integer tensors exactly.
+compared to `TOLERANCE` (its comment says how it was measured), the integer tensors exactly. An AVX-512 machine
+checks the AVX2 recordings bit for bit with ATen and oneDNN held to AVX2 (`ATEN_CPU_CAPABILITY=avx2
+ONEDNN_MAX_CPU_ISA=AVX2` before the command: the capability then reads AVX2, and the kernels are the AVX2 ones).
 
 To record them anew, when a change is meant to alter the numbers (say why in its commit):
 
