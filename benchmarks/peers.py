@@ -12,7 +12,8 @@ stable-pretraining, each in its own environment with the same torch, in interlea
    Per system: the median over the rounds of the training images/s of the timed steps, and of the start-up, the seconds
    from starting the process to the start of its first training step.
 4. In the same rounds, the views alone: images/s of drawing the two MoCo v2 views of an image with contrastlab's
-   pipelines and with lightly's `MoCoV2Transform`, in one process and through a DataLoader with the same workers.
+   pipelines and with lightly's `MoCoV2Transform`, in one process and through a DataLoader with the same workers
+   (`--skip-training`: only these; `--skip-views`: only the training runs).
 
 Prints the tables (and writes them to `--out`): the medians with the ratios to the faster peer, and every run.
 """
@@ -61,6 +62,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--view-images", type=int, default=2560, help="images per views measurement")
     parser.add_argument("--systems", nargs="+", choices=TRAINED, default=list(TRAINED))
     parser.add_argument("--skip-views", action="store_true", help="train only, no views measurement")
+    parser.add_argument("--skip-training", action="store_true", help="the views only, no training runs")
     parser.add_argument("--venvs", type=Path, default=VENVS, help="where the peers' venvs are made (and kept)")
     parser.add_argument("--logs", type=Path, help="keep each run's output here (default: a temporary folder)")
     parser.add_argument("--out", type=Path, help="also write the tables here (atomically)")
@@ -68,6 +70,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     for name in ("rounds", "warmup", "steps", "batch", "images", "view_images"):
         if getattr(options, name) < 1:
             fail(f"--{name.replace('_', '-')} must be >= 1, got {getattr(options, name)}")
+    if options.skip_views and options.skip_training:
+        fail("--skip-views and --skip-training together leave nothing to measure")
     if options.workers < 0:
         fail(f"--workers must be >= 0, got {options.workers}")
     if (options.warmup + options.steps) * options.batch > options.images:
@@ -183,7 +187,8 @@ def views_tables(runs: list[dict]) -> str:
 
 def main(argv: list[str]) -> int:
     options = parse(argv)
-    peers = [system for system in PEERS if system in options.systems or (system == "lightly" and not options.skip_views)]
+    trained_systems = [] if options.skip_training else options.systems
+    peers = [system for system in PEERS if system in trained_systems or (system == "lightly" and not options.skip_views)]
     options.venvs.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as scratch:
         logs = options.logs or Path(scratch) / "logs"
@@ -204,7 +209,7 @@ def main(argv: list[str]) -> int:
                     viewed.append(run_once("views", system, options, data, logs, f"views_{system}_{round_}")
                                   | {"round": round_, "workers": options.workers})
                     print(f"round {round_} views {system}: {viewed[-1]['loader']:,.0f} images/s through the DataLoader", flush=True)
-            for system in options.systems:
+            for system in trained_systems:
                 trained.append(run_once("train", system, options, data, logs, f"train_{system}_{round_}") | {"round": round_})
                 print(f"round {round_} {system}: {trained[-1]['images_per_s']:.1f} images/s, first step after "
                       f"{trained[-1]['startup_s']:.1f} s", flush=True)
@@ -212,7 +217,7 @@ def main(argv: list[str]) -> int:
               f"{options.warmup} warm-up + {options.steps} timed steps, batch {options.batch}, {options.workers} workers; "
               + "; ".join(f"{system}: " + ", ".join(f"{name} {number}" for name, number in found.items())
                           for system, found in environments.items()))
-    tables = f"{header}\n\n{training_tables(trained)}" + ("" if options.skip_views else f"\n\nviews:\n\n{views_tables(viewed)}")
+    tables = header + ("" if options.skip_training else f"\n\n{training_tables(trained)}") + ("" if options.skip_views else f"\n\nviews:\n\n{views_tables(viewed)}")
     print(tables)
     if options.out:
         write_atomically(options.out, lambda partial: partial.write_text(tables + "\n"))

@@ -20,6 +20,7 @@ from portable import write_fake_cifar10  # noqa: E402
     (["--rounds", "0"], "error: --rounds must be >= 1, got 0"),
     (["--view-images", "0"], "error: --view-images must be >= 1, got 0"),
     (["--workers", "-1"], "error: --workers must be >= 0, got -1"),
+    (["--skip-views", "--skip-training"], "error: --skip-views and --skip-training together leave nothing to measure"),
     (["--warmup", "5", "--steps", "36"], "error: --warmup 5 + --steps 36 batches of 128 need 5248 images, more than one epoch of --images 5120"),
 ])
 def test_a_bad_argument_is_one_error_line_naming_it(argv, message, capsys):
