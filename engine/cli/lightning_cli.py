@@ -58,7 +58,7 @@ from engine.cli.resume import (
 from engine.cli.run_lock import RunDirectoryInUse, RunDirectoryLock
 from engine.cli.results import FinalValidation, evaluated_position, report_results, validate_the_end_if_missed
 from engine.compat import dump_config_for_hyperparameters
-from engine.devices import cpu_has_bf16_units, cpu_precision
+from engine.devices import cpu_has_bf16_units, cpu_precision, keep_freed_host_memory
 from engine.files import SameDirectoryCheckpointIO, UnreadableCheckpoint, WriteFailed, read_checkpoint
 from engine.non_finite import NonFiniteLossError, NonFiniteLossGuard
 from engine.preemption import LastCheckpointOnSigterm, PreemptionSignals, ProcessTimeLimit, ResumeInStoppedEpoch
@@ -80,6 +80,7 @@ class ContrastlabCLI(LightningCLI):
         command_line = sys.argv[1:] if args is None else args
         self.command_line = list(command_line) if isinstance(command_line, Sequence) else []  # where values came from, for errors
         self.requested_subcommand = self.command_line[0] if self.command_line else None
+        keep_freed_host_memory()  # before the data and the model allocate anything
         try:
             with quiet_run(), one_error_line(NonFiniteLossError, CheckpointMismatch, UnreadableCheckpoint, TooManyUnreadableImages, WriteFailed, describe=last_line):
                 super().__init__(
