@@ -93,18 +93,15 @@ def adjust_hue(images: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     safe_max = torch.where(maximum == 0, torch.ones_like(maximum), maximum)
     saturation = chroma / safe_max
     safe_chroma = torch.where(chroma == 0, torch.ones_like(chroma), chroma)
-    rc, gc, bc = (maximum - red) / safe_chroma, (maximum - green) / safe_chroma, (maximum - blue) / safe_chroma
+    rc, gc, bc = ((maximum.unsqueeze(1) - images) / safe_chroma.unsqueeze(1)).unbind(1)
     hue = torch.where(maximum == red, bc - gc, torch.where(maximum == green, 2.0 + rc - bc, 4.0 + gc - rc))
     hue = torch.where(chroma == 0, torch.zeros_like(hue), hue)
     hue = torch.fmod(hue / 6.0 + 1.0, 1.0)
     hue = torch.remainder(hue + shift.view(-1, 1, 1), 1.0) * 6.0
     # HSV -> RGB in closed form, channel = v - v s clamp(min(k, 4 - k), 0, 1) with k = (n + 6h) mod 6 for
-    # n = 5, 3, 1: the same values as torchvision's sector table, without building six candidate maps.
-    channels = []
-    for offset in (5.0, 3.0, 1.0):
-        k = torch.remainder(hue + offset, 6.0)
-        channels.append(maximum - maximum * saturation * torch.minimum(k, 4.0 - k).clamp(0, 1))
-    return torch.stack(channels, dim=1)
+    # n = 5, 3, 1 (red, green, blue): the same values as torchvision's sector table, without building six candidate maps.
+    k = torch.remainder(hue.unsqueeze(1) + torch.arange(5.0, 0.0, -2.0, device=images.device, dtype=images.dtype).view(1, 3, 1, 1), 6.0)
+    return maximum.unsqueeze(1) - (maximum * saturation).unsqueeze(1) * torch.minimum(k, 4.0 - k).clamp(0, 1)
 
 
 def blur_boxes(sigma: torch.Tensor, max_sigma: float, passes: int = 3) -> torch.Tensor:
