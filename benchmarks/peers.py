@@ -74,7 +74,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
         fail("--skip-views and --skip-training together leave nothing to measure")
     if options.workers < 0:
         fail(f"--workers must be >= 0, got {options.workers}")
-    if (options.warmup + options.steps) * options.batch > options.images:
+    if not options.skip_training and (options.warmup + options.steps) * options.batch > options.images:
         fail(f"--warmup {options.warmup} + --steps {options.steps} batches of {options.batch} need "
              f"{(options.warmup + options.steps) * options.batch} images, more than one epoch of --images {options.images}: "
              "the timed steps must not cross an epoch's end")
@@ -213,8 +213,10 @@ def main(argv: list[str]) -> int:
                 trained.append(run_once("train", system, options, data, logs, f"train_{system}_{round_}") | {"round": round_})
                 print(f"round {round_} {system}: {trained[-1]['images_per_s']:.1f} images/s, first step after "
                       f"{trained[-1]['startup_s']:.1f} s", flush=True)
+    measured = (f"{options.view_images} images in batches of {options.batch}" if options.skip_training
+                else f"{options.warmup} warm-up + {options.steps} timed steps, batch {options.batch}")
     header = (f"measured {datetime.date.today().isoformat()} on {cpu_description()}; {options.rounds} interleaved rounds of "
-              f"{options.warmup} warm-up + {options.steps} timed steps, batch {options.batch}, {options.workers} workers; "
+              f"{measured}, {options.workers} workers; "
               + "; ".join(f"{system}: " + ", ".join(f"{name} {number}" for name, number in found.items())
                           for system, found in environments.items()))
     tables = header + ("" if options.skip_training else f"\n\n{training_tables(trained)}") + ("" if options.skip_views else f"\n\nviews:\n\n{views_tables(viewed)}")

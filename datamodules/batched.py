@@ -87,7 +87,7 @@ def _blend(images: torch.Tensor, other: torch.Tensor, factor: torch.Tensor) -> t
 
 def adjust_hue(images: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     """torchvision's tensor `adjust_hue`: RGB -> HSV, hue + shift (mod 1), HSV -> RGB, per sample."""
-    red, green, blue = images.unbind(1)
+    red, green, _ = images.unbind(1)
     maximum, minimum = images.amax(dim=1), images.amin(dim=1)  # max(dim) also finds indices: 40x slower on the CPU
     chroma = maximum - minimum
     safe_max = torch.where(maximum == 0, torch.ones_like(maximum), maximum)

@@ -26,14 +26,16 @@ def keep_freed_host_memory() -> bool:
     and returns it when freed, so the temporaries of every step (1.5 MiB for a batch of 128 32-px images) page-fault
     on each of their 4 KiB pages again: two batched views of 128 images 2,560 times took 454,211 page faults and
     1.43 s of system time, and 141,827 and 0.63 s with these settings (the same bits: where memory comes from
-    changes no value). MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_ or GLIBC_TUNABLES in the environment are left
-    in charge."""
-    if any(name in os.environ for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")):
+    changes no value). The settings hold for the whole process and the workers it forks; each malloc arena (one per
+    thread that allocates, up to 8 per core) may keep up to 64 MiB. MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_
+    or malloc settings in GLIBC_TUNABLES in the environment are left in charge."""
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ or "MALLOC_TRIM_THRESHOLD_" in os.environ or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
         return False
     try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):  # not glibc: macOS, Windows (musl's mallopt does nothing and returns 0)
+        os.confstr("CS_GNU_LIBC_VERSION")  # glibc only: macOS and musl raise ValueError, Windows has no os.confstr
+    except (AttributeError, ValueError, OSError):
         return False
+    mallopt = ctypes.CDLL(None).mallopt
     return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
 
 
