@@ -1,5 +1,6 @@
 """The CLI keeps freed host memory for the next tensors (`engine.devices.keep_freed_host_memory`)."""
 
+import ctypes
 import json
 import os
 import platform
@@ -13,44 +14,60 @@ from engine.devices import keep_freed_host_memory
 
 ROOT = Path(__file__).parents[1]
 
-# Fifty steps of a colour-jitter-like chain on a batch of 128 images of 32 px (a gray image, a blend, rows copied
-# back: temporaries of 0.5 and 1.5 MiB), after three untimed ones; prints the page faults they took, with
-# keep_freed_host_memory called first ("kept") or not ("default").
-FAULTS = """
-import json, resource, sys
+# One step-sized temporary (a batch of 128 images of 32 px, 1.5 MiB) allocated and freed in a fresh process, with
+# keep_freed_host_memory called first ("kept") or not ("default"); glibc's own account (mallinfo2) of where the block
+# came from: a mapping of its own (`mapped`, handed back to the kernel when freed, so that the next step's block
+# page-faults afresh) or the heap (`heap`: bytes the process holds, before, while alive and after the free).
+ACCOUNT = """
+import ctypes, json, sys
 import torch
 from engine.devices import keep_freed_host_memory
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(field, ctypes.c_size_t) for field in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = MallInfo2
 kept = keep_freed_host_memory() if sys.argv[1] == "kept" else None
-torch.manual_seed(0)
-factor, rows = torch.rand(128, 1, 1, 1), torch.arange(0, 128, 4)
-def step(x):
-    gray = (0.2989 * x[:, 0] + 0.587 * x[:, 1] + 0.114 * x[:, 2]).unsqueeze(1)
-    return (factor * x + (1 - factor) * gray).clamp(0, 1).index_copy(0, rows, x[rows].flip(-1))
-x = step(step(step(torch.rand(128, 3, 32, 32))))
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(50):
-    x = step(x)
-print(json.dumps({"kept": kept, "faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before}))
+before = libc.mallinfo2()
+images = torch.empty(128, 3, 32, 32)
+alive = libc.mallinfo2()
+del images
+freed = libc.mallinfo2()
+print(json.dumps({"kept": kept, "mapped": alive.hblkhd - before.hblkhd, "unmapped_at_free": alive.hblkhd - freed.hblkhd,
+                  "heap": [before.arena, alive.arena, freed.arena], "free_in_heap": freed.fordblks - alive.fordblks}))
 """
+STEP_TEMPORARY = 128 * 3 * 32 * 32 * 4
 
 
-def chain_faults(mode: str, **environment: str) -> dict:
+def allocator_account(mode: str, **environment: str) -> dict:
     env = {name: value for name, value in os.environ.items() if not name.startswith("MALLOC_") and name != "GLIBC_TUNABLES"}
     env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **environment)
-    done = subprocess.run([sys.executable, "-c", FAULTS, mode], capture_output=True, text=True, env=env, cwd=ROOT)
+    done = subprocess.run([sys.executable, "-c", ACCOUNT, mode], capture_output=True, text=True, env=env, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
 
 
+def glibc_with_mallinfo2() -> bool:
+    return platform.libc_ver()[0] == "glibc" and hasattr(ctypes.CDLL(None), "mallinfo2")  # glibc >= 2.33
+
+
 @pytest.mark.slow
-def test_a_steps_temporaries_reuse_freed_memory_instead_of_page_faulting():
-    kept = chain_faults("kept")
-    if platform.libc_ver()[0] != "glibc":
-        assert kept["kept"] is False
-        return
-    # measured on this project's machines (glibc 2.36, transparent huge pages on madvise): 14,720-15,616 page faults
-    # without the call (freed blocks went back to the kernel; the default run below), 256-384 with it
-    assert kept["kept"] is True and kept["faults"] < 50 * 20, (kept, chain_faults("default"))
+@pytest.mark.skipif(not glibc_with_mallinfo2(), reason="glibc >= 2.33 reports where its blocks come from (mallinfo2)")
+def test_a_step_temporary_comes_from_the_heap_and_stays_with_the_process_when_freed():
+    # The consequence, page faults, is measured in benchmarks (fifty steps of a colour-jitter-like chain: 13,888-16,544
+    # without the call, 256-1,152 with it), not asserted: their count also moves with Python's own arenas and the
+    # kernel's huge pages (a suite run saw 32 without the call). glibc's account of the block does not.
+    default = allocator_account("default")
+    assert default["mapped"] >= STEP_TEMPORARY and default["unmapped_at_free"] == default["mapped"], default
+    kept = allocator_account("kept")
+    before, alive, freed = kept["heap"]
+    assert kept["kept"] is True and kept["mapped"] == 0 and alive - before >= STEP_TEMPORARY, kept
+    assert freed == alive and kept["free_in_heap"] >= STEP_TEMPORARY, kept  # held for the next blocks, not handed back
+
+
+def test_off_glibc_the_call_reports_that_it_set_nothing(monkeypatch):
+    monkeypatch.delattr(os, "confstr", raising=False)  # as on Windows, which has no os.confstr
+    assert keep_freed_host_memory() is False
 
 
 @pytest.mark.parametrize("name, value", [("MALLOC_TRIM_THRESHOLD_", "131072"), ("MALLOC_MMAP_THRESHOLD_", "131072"),
