@@ -7,7 +7,8 @@ The workload is MoCo v2 on the fake CIFAR-10 files under `--data` (`portable.wri
 CIFAR10 class in every system): a ResNet-18 with the CIFAR stem (3x3 convolution of stride 1, no max-pool), a 2-layer
 512-512-128 projector without BatchNorm, a queue of 4,096 keys, momentum 0.99, InfoNCE at temperature 0.2; batches of
 128 images in two MoCo v2 views of 32 px (aug+: crop 0.2-1, colour jitter 0.4/0.4/0.4/0.1 with p 0.8, grayscale 0.2,
-blur p 0.5, flip, CIFAR normalisation), drawn in 2 DataLoader workers; SGD lr 0.06 (momentum 0.9, weight decay 5e-4).
+blur p 0.5, flip, CIFAR normalisation), with 2 DataLoader workers (contrastlab's config holds the images and draws the views per
+batch in the training process, the workers serving indices); SGD lr 0.06 (momentum 0.9, weight decay 5e-4).
 Each system is written the way its own documentation trains MoCo, at its own defaults otherwise:
 
 - `contrastlab`: `main_pretrain.py fit --config configs/moco_cifar10.yaml` (its CLI, its W&B offline logger, its

@@ -1,6 +1,5 @@
 """The CLI keeps freed host memory for the next tensors (`engine.devices.keep_freed_host_memory`)."""
 
-import ctypes
 import json
 import os
 import platform
@@ -14,55 +13,62 @@ from engine.devices import keep_freed_host_memory
 
 ROOT = Path(__file__).parents[1]
 
-# One step-sized temporary (a batch of 128 images of 32 px, 1.5 MiB) allocated and freed in a fresh process, with
-# keep_freed_host_memory called first ("kept") or not ("default"); glibc's own account (mallinfo2) of where the block
-# came from: a mapping of its own (`mapped`, handed back to the kernel when freed, so that the next step's block
-# page-faults afresh) or the heap (`heap`: bytes the process holds, before, while alive and after the free).
+# In a fresh process, with keep_freed_host_memory called first ("kept") or not ("default"), glibc's own account
+# (mallinfo2; mallinfo before glibc 2.33) of eight step-sized temporaries alive at once (each a batch of 128 images of
+# 32 px, 1.5 MiB): bytes in mappings of their own (`mapped`, each handed back to the kernel when freed, so that the next
+# step's page-faults afresh) and bytes in use from the heap (`in_use`); then of a step's worth (16 MiB) at the top of
+# the heap, freed: the heap's size before and after the free (`heap`; smaller after: the top went back to the kernel).
 ACCOUNT = """
 import ctypes, json, sys
 import torch
 from engine.devices import keep_freed_host_memory
-class MallInfo2(ctypes.Structure):
-    _fields_ = [(field, ctypes.c_size_t) for field in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+FIELDS = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")
 libc = ctypes.CDLL(None)
-libc.mallinfo2.restype = MallInfo2
+newer = hasattr(libc, "mallinfo2")
+class MallInfo(ctypes.Structure):
+    _fields_ = [(field, ctypes.c_size_t if newer else ctypes.c_int) for field in FIELDS]
+account = libc.mallinfo2 if newer else libc.mallinfo
+account.restype = MallInfo
 kept = keep_freed_host_memory() if sys.argv[1] == "kept" else None
-before = libc.mallinfo2()
-images = torch.empty(128, 3, 32, 32)
-alive = libc.mallinfo2()
-del images
-freed = libc.mallinfo2()
-print(json.dumps({"kept": kept, "mapped": alive.hblkhd - before.hblkhd, "unmapped_at_free": alive.hblkhd - freed.hblkhd,
-                  "heap": [before.arena, alive.arena, freed.arena], "free_in_heap": freed.fordblks - alive.fordblks}))
+before = account()
+temporaries = [torch.empty(128, 3, 32, 32) for _ in range(8)]
+alive = account()
+del temporaries
+libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
+block = libc.malloc(16 * 1024 * 1024)  # a step's worth at the top of the heap: nothing allocated after it
+top = account()
+libc.free(block)
+freed = account()
+print(json.dumps({"kept": kept, "mapped": alive.hblkhd - before.hblkhd, "in_use": alive.uordblks - before.uordblks,
+                  "heap": [top.arena, freed.arena]}))
 """
 STEP_TEMPORARY = 128 * 3 * 32 * 32 * 4
 
 
-def allocator_account(mode: str, **environment: str) -> dict:
-    env = {name: value for name, value in os.environ.items() if not name.startswith("MALLOC_") and name != "GLIBC_TUNABLES"}
-    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **environment)
+def allocator_account(mode: str) -> dict:
+    env = {name: value for name, value in os.environ.items()
+           if not name.startswith("MALLOC_") and name not in ("GLIBC_TUNABLES", "LD_PRELOAD")}  # glibc's allocator, as it comes
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     done = subprocess.run([sys.executable, "-c", ACCOUNT, mode], capture_output=True, text=True, env=env, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
 
 
-def glibc_with_mallinfo2() -> bool:
-    return platform.libc_ver()[0] == "glibc" and hasattr(ctypes.CDLL(None), "mallinfo2")  # glibc >= 2.33
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(not glibc_with_mallinfo2(), reason="glibc >= 2.33 reports where its blocks come from (mallinfo2)")
-def test_a_step_temporary_comes_from_the_heap_and_stays_with_the_process_when_freed():
-    # The consequence, page faults, is measured in benchmarks (fifty steps of a colour-jitter-like chain: 13,888-16,544
-    # without the call, 256-1,152 with it), not asserted: their count also moves with Python's own arenas and the
-    # kernel's huge pages (a suite run saw 32 without the call). glibc's account of the block does not.
-    default = allocator_account("default")
-    assert default["mapped"] >= STEP_TEMPORARY and default["unmapped_at_free"] == default["mapped"], default
+def test_step_temporaries_come_from_the_heap_and_stay_with_the_process_when_freed():
+    # The consequence, page faults, is measured, not asserted (the call's docstring: the views benchmark took
+    # 596,394-707,077 without it and 463,542-470,492 with it): a count also moves with Python's own arenas and the
+    # kernel's huge pages (a suite run saw 32 for fifty steps without the call). glibc's account does not. Without
+    # the call each temporary is a mapping of its own (importing torch has raised glibc's threshold for one to about
+    # 1 MiB) and the freed top goes back to the kernel (its trim threshold follows at twice that); each setting alone
+    # fails one of the two checks.
+    if platform.libc_ver()[0] != "glibc":
+        assert keep_freed_host_memory() is False  # another allocator: nothing is set
+        return
     kept = allocator_account("kept")
-    before, alive, freed = kept["heap"]
-    assert kept["kept"] is True and kept["mapped"] == 0 and alive - before >= STEP_TEMPORARY, kept
-    assert freed == alive and kept["free_in_heap"] >= STEP_TEMPORARY, kept  # held for the next blocks, not handed back
+    top, freed = kept["heap"]
+    assert kept["kept"] is True and kept["mapped"] == 0 and kept["in_use"] >= 8 * STEP_TEMPORARY, (kept, allocator_account("default"))
+    assert freed == top, (kept, allocator_account("default"))  # held for the next step's temporaries, not handed back
 
 
 def test_off_glibc_the_call_reports_that_it_set_nothing(monkeypatch):
