@@ -72,6 +72,8 @@ def test_step_temporaries_come_from_the_heap_and_stay_with_the_process_when_free
 
 
 def test_off_glibc_the_call_reports_that_it_set_nothing(monkeypatch):
+    for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES"):
+        monkeypatch.delenv(name, raising=False)  # the answer must come from the missing os.confstr, not the environment
     monkeypatch.delattr(os, "confstr", raising=False)  # as on Windows, which has no os.confstr
     assert keep_freed_host_memory() is False
 
