@@ -11,7 +11,7 @@ from PIL import Image, ImageFilter
 from torchvision.transforms import v2 as T
 from torchvision.transforms.v2 import functional as TF
 
-from datamodules.batched import BatchedAugment, adjust_hue, crop_boxes, gaussian_blur, rgb_to_gray
+from datamodules.batched import BatchedAugment, adjust_hue, by_kind, crop_boxes, gaussian_blur, rgb_to_gray
 from datamodules.transforms import augment
 from datamodules.view_spec import CONTRASTIVE_PRESETS, ViewSpec
 from helpers import TINY_BACKBONE, TINY_PROJECTOR, digits
@@ -284,7 +284,7 @@ def test_evaluation_presets_refuse_the_gpu_pipeline():
 
 @pytest.mark.parametrize("batch", [1, 7, 64])
 def test_the_cpus_row_copies_draw_the_views_of_the_accelerators_whole_batch_selects_bit_for_bit(batch, monkeypatch):
-    """On the CPU `where_rows` transforms and copies only the selected samples; on an accelerator it transforms the
+    """On the CPU `by_kind` transforms and copies only the samples of each kind; on an accelerator it transforms the
     whole batch and selects with torch.where. Same random draws, same bits, with every per-sample choice on."""
     from engine import devices
 
@@ -296,3 +296,18 @@ def test_the_cpus_row_copies_draw_the_views_of_the_accelerators_whole_batch_sele
     torch.manual_seed(0)
     on_accelerator = BatchedAugment(spec)(images)
     assert torch.equal(on_cpu.view(torch.int32), on_accelerator.view(torch.int32))
+
+
+@pytest.mark.parametrize("on_accelerator", [False, True])
+def test_by_kind_sends_each_sample_through_the_transform_of_its_kind_and_keeps_the_callers_batch(on_accelerator, monkeypatch):
+    from engine import devices
+
+    monkeypatch.setattr(devices, "host_reads_are_free", lambda tensor: not on_accelerator)
+    images = torch.arange(12.0).view(6, 1, 1, 2)
+    before = images.clone()
+    kinds = torch.tensor([2, 0, 1, 2, 1, 0])
+    offsets = torch.tensor([10.0, 20.0, 30.0, 40.0, 50.0, 60.0])
+    out = by_kind(kinds, (None, lambda x, index: -x, lambda x, index: x + offsets[index].view(-1, 1, 1, 1)), images)
+    expected = torch.stack([image + offset if kind == 2 else -image if kind == 1 else image for image, kind, offset in zip(images, kinds, offsets)])
+    assert torch.equal(out, expected)
+    assert torch.equal(images, before)
