@@ -85,18 +85,17 @@ def _blend(images: torch.Tensor, other: torch.Tensor, factor: torch.Tensor) -> t
     return (factor * images + (1 - factor) * other).clamp(0, 1)
 
 
-# torchvision's tensor formulas, one factor per sample: a blend with black, with the mean gray of the image, with its
-# gray image (a one-channel reference, broadcast: the same values as torchvision's three channels)
-def adjust_brightness(images: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
-    return _blend(images, torch.zeros_like(images[:, :1]), factor)
-
-
-def adjust_contrast(images: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
-    return _blend(images, rgb_to_gray(images).mean(dim=(1, 2, 3), keepdim=True), factor)
-
-
-def adjust_saturation(images: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
-    return _blend(images, rgb_to_gray(images), factor)
+def adjust_blend(images: torch.Tensor, kind: int | torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """torchvision's tensor brightness (kind 0), contrast (1) and saturation (2), a factor per sample and one kind for
+    the batch (an int) or one per sample ((B,) tensor): a blend with black, with the image's mean gray, with its gray
+    image (one channel, broadcast: the same values as torchvision's three)."""
+    if isinstance(kind, int) and kind == 0:
+        return _blend(images, torch.zeros_like(images[:, :1]), factor)
+    gray = rgb_to_gray(images)
+    if isinstance(kind, int):
+        return _blend(images, gray.mean(dim=(1, 2, 3), keepdim=True) if kind == 1 else gray, factor)
+    kind = kind.view(-1, 1, 1, 1)
+    return _blend(images, torch.where(kind == 2, gray, torch.where(kind == 1, gray.mean(dim=(1, 2, 3), keepdim=True), 0.0)), factor)
 
 
 def adjust_hue(images: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
@@ -199,12 +198,20 @@ class BatchedAugment:
             for (low, high), value in zip(self.jitter_ranges, neutral)
         ]
         order = torch.rand(batch, 4, device=device).argsort(dim=1)  # a random order per sample, as torchvision
-        adjustments = [
-            lambda selected, index, adjust=adjust, factor=factor: adjust(selected, factor[index])
-            for adjust, factor in zip((adjust_brightness, adjust_contrast, adjust_saturation, adjust_hue), factors)
-        ]
+        adjustments = [lambda selected, index, kind=kind: adjust_blend(selected, kind, factors[kind][index]) for kind in range(3)]
+        adjustments.append(lambda selected, index: adjust_hue(selected, factors[3][index]))
+        blend_factors = torch.stack(factors[:3], dim=1)
         for position in range(4):
-            images = by_kind(order[:, position], adjustments, images)
+            step = order[:, position]
+            if devices.host_reads_are_free(images):  # the CPU: each adjustment on its own samples only
+                images = by_kind(step, adjustments, images)
+            else:  # an accelerator, which runs every transform on the whole batch: one blend, each sample with its reference
+                blend = step.clamp(max=2)
+                blend_factor = blend_factors.gather(1, blend[:, None])[:, 0]
+                images = by_kind((step == 3).long(), (
+                    lambda selected, _: adjust_blend(selected, blend, blend_factor),
+                    lambda selected, _: adjust_hue(selected, factors[3]),
+                ), images)
         return images
 
     def resized_crops(self, images: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:

@@ -11,7 +11,7 @@ from PIL import Image, ImageFilter
 from torchvision.transforms import v2 as T
 from torchvision.transforms.v2 import functional as TF
 
-from datamodules.batched import BatchedAugment, adjust_hue, by_kind, crop_boxes, gaussian_blur, rgb_to_gray
+from datamodules.batched import BatchedAugment, adjust_blend, adjust_hue, by_kind, crop_boxes, gaussian_blur, rgb_to_gray
 from datamodules.transforms import augment
 from datamodules.view_spec import CONTRASTIVE_PRESETS, ViewSpec
 from helpers import TINY_BACKBONE, TINY_PROJECTOR, digits
@@ -110,6 +110,19 @@ def test_colour_primitives_equal_torchvision_per_sample():
     expected = torch.stack([TF.adjust_hue(images[i], float(factors[i])) for i in range(6)])
     torch.testing.assert_close(adjust_hue(images, factors), expected, atol=2e-6, rtol=0)
     torch.testing.assert_close(rgb_to_gray(images), TF.rgb_to_grayscale(images))
+
+
+def test_blends_are_torchvisions_brightness_contrast_and_saturation_for_one_kind_or_a_kind_per_sample():
+    torch.manual_seed(0)
+    images, factors = torch.rand(6, 3, 9, 9), torch.rand(6) * 2
+    adjust = (TF.adjust_brightness, TF.adjust_contrast, TF.adjust_saturation)
+    per_kind = [adjust_blend(images, kind, factors) for kind in range(3)]
+    for kind in range(3):
+        expected = torch.stack([adjust[kind](images[i], float(factors[i])) for i in range(6)])
+        torch.testing.assert_close(per_kind[kind], expected, atol=2e-6, rtol=0)
+    kinds = torch.tensor([2, 0, 1, 1, 0, 2])
+    mixed = adjust_blend(images, kinds, factors)
+    assert torch.equal(mixed, torch.stack([per_kind[kind][i] for i, kind in enumerate(kinds)]))
 
 
 def test_colour_jitter_is_the_torchvision_formula_for_a_single_active_operation():
