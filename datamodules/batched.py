@@ -6,8 +6,8 @@ to a batch would draw one set for the whole batch, which is wrong for two-view c
 
 - RandomResizedCrop: torchvision's sampling (10 tries of area and log-ratio, then the clamped centre
   fallback) vectorised, resampled with `roi_align` (bilinear, averaging when it shrinks);
-- ColorJitter: torchvision's tensor formulas for brightness, contrast, saturation and hue, each step
-  clamped to [0, 1], in an order drawn per sample;
+- ColorJitter: torchvision's tensor formulas for brightness, contrast, saturation (each clamped to [0, 1])
+  and hue, in an order drawn per sample;
 - grayscale (ITU-R 601 weights as torchvision), PIL's Gaussian blur (three box blurs each way, as the
   per-image pipeline's) with a per-sample sigma, solarisation, horizontal flip; then normalisation.
 
@@ -85,19 +85,6 @@ def _blend(images: torch.Tensor, other: torch.Tensor, factor: torch.Tensor) -> t
     return (factor * images + (1 - factor) * other).clamp(0, 1)
 
 
-def adjust_blend(images: torch.Tensor, kind: int | torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
-    """torchvision's tensor brightness (kind 0), contrast (1) and saturation (2), a factor per sample and one kind for
-    the batch (an int) or one per sample ((B,) tensor): a blend with black, with the image's mean gray, with its gray
-    image (one channel, broadcast: the same values as torchvision's three)."""
-    if isinstance(kind, int) and kind == 0:
-        return _blend(images, torch.zeros_like(images[:, :1]), factor)
-    gray = rgb_to_gray(images)
-    if isinstance(kind, int):
-        return _blend(images, gray.mean(dim=(1, 2, 3), keepdim=True) if kind == 1 else gray, factor)
-    kind = kind.view(-1, 1, 1, 1)
-    return _blend(images, torch.where(kind == 2, gray, torch.where(kind == 1, gray.mean(dim=(1, 2, 3), keepdim=True), 0.0)), factor)
-
-
 def adjust_hue(images: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     """torchvision's tensor `adjust_hue`: RGB -> HSV, hue + shift (mod 1), HSV -> RGB, per sample."""
     red, green, _ = images.unbind(1)
@@ -107,7 +94,7 @@ def adjust_hue(images: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     saturation = chroma / safe_max
     safe_chroma = torch.where(chroma == 0, torch.ones_like(chroma), chroma)
     rc, gc, bc = ((maximum.unsqueeze(1) - images) / safe_chroma.unsqueeze(1)).unbind(1)
-    # a gray pixel (chroma 0) gets hue +0 as torchvision's: rc = gc = bc = (max - c) / 1 = +0, so bc - gc = +0
+    # no select of hue 0 where chroma is 0 (torchvision's): there the saturation is 0, and the output the value, whatever the hue
     hue = torch.where(maximum == red, bc - gc, torch.where(maximum == green, 2.0 + rc - bc, 4.0 + gc - rc))
     hue = torch.fmod(hue / 6.0 + 1.0, 1.0)
     hue = torch.remainder(hue + shift.view(-1, 1, 1), 1.0) * 6.0
@@ -137,20 +124,22 @@ def gaussian_blur(images: torch.Tensor, sigma: torch.Tensor, max_sigma: float, p
     batch, channels, height, width = images.shape
     box = blur_boxes(sigma.to(images.dtype), max_sigma, passes).repeat_interleave(channels, dim=0)  # (B*C, K)
     reach = box.shape[1] // 2
-    # channels-last: oneDNN's depthwise kernel for it runs this 2-3x faster on the CPU than NCHW, with the same bits
-    flat = images.reshape(1, batch * channels, height, width).contiguous(memory_format=torch.channels_last)
+    flat = images.reshape(1, batch * channels, height, width)
+    if flat.device.type == "cpu":  # oneDNN's depthwise kernel for channels-last runs this 2-3x faster, with the same bits
+        flat = flat.contiguous(memory_format=torch.channels_last)
     for padding, kernel in (((reach, reach, 0, 0), box[:, None, None, :]), ((0, 0, reach, reach), box[:, None, :, None])):
         for _ in range(passes):
             flat = F.conv2d(F.pad(flat, padding, mode="replicate"), kernel, groups=batch * channels)
-    return flat.reshape(batch, channels, height, width)
+    return flat.reshape(batch, channels, height, width)  # on the CPU a strided view: the callers copy its rows
 
 
 def by_kind(kinds: torch.Tensor, transforms, images: torch.Tensor) -> torch.Tensor:
     """Each sample through the transform of its kind: `transforms[k](images, index)` for the samples whose entry of
-    `kinds` (B,) is k, where `index` picks their per-sample parameters; a None transform leaves its samples as they
-    are. On an accelerator every transform runs on the whole batch and torch.where picks (index `slice(None)`, no host
-    synchronisation); on the CPU each transform runs on its own samples only, copied into one new batch: torch.where's
-    CPU kernel is about 10x slower than a copy."""
+    `kinds` (B,) is k, where `index` picks their per-sample parameters; the samples of a None transform, or of a kind
+    outside range(len(transforms)), stay as they are. A transform keeps the shape and dtype of what it is given. On an
+    accelerator every transform runs on the whole batch and torch.where picks (index `slice(None)`, no host
+    synchronisation); on the CPU each transform runs on its own samples only, copied into one new batch (torch.where's
+    CPU kernel is about 10x slower than a copy), and the batch itself is returned when no sample is transformed."""
     if not devices.host_reads_are_free(images):
         out = images
         for kind, transform in enumerate(transforms):
@@ -159,8 +148,8 @@ def by_kind(kinds: torch.Tensor, transforms, images: torch.Tensor) -> torch.Tens
         return out
     out = images
     for kind, transform in enumerate(transforms):
-        rows = (kinds == kind).nonzero()[:, 0]
-        if transform is not None and len(rows):
+        rows = (kinds == kind).nonzero()[:, 0] if transform is not None else ()
+        if len(rows):
             out = images.clone() if out is images else out  # the caller's batch stays as it is
             out.index_copy_(0, rows, transform(images[rows], rows))
     return out
@@ -198,20 +187,22 @@ class BatchedAugment:
             for (low, high), value in zip(self.jitter_ranges, neutral)
         ]
         order = torch.rand(batch, 4, device=device).argsort(dim=1)  # a random order per sample, as torchvision
-        adjustments = [lambda selected, index, kind=kind: adjust_blend(selected, kind, factors[kind][index]) for kind in range(3)]
-        adjustments.append(lambda selected, index: adjust_hue(selected, factors[3][index]))
-        blend_factors = torch.stack(factors[:3], dim=1)
+        on_host = devices.host_reads_are_free(images)
         for position in range(4):
             step = order[:, position]
-            if devices.host_reads_are_free(images):  # the CPU: each adjustment on its own samples only
-                images = by_kind(step, adjustments, images)
-            else:  # an accelerator, which runs every transform on the whole batch: one blend, each sample with its reference
+            # brightness, contrast and saturation blend with a reference: black, the mean gray, the gray image. The means
+            # of the whole batch: one image's alone, of 32,768 pixels or more, would be summed by two threads, rounding otherwise
+            gray = rgb_to_gray(images)
+            references = (torch.zeros_like(gray[:, :, :1, :1]), gray.mean(dim=(1, 2, 3), keepdim=True), gray)
+            if on_host:  # each adjustment on its own samples only
+                blends = [lambda selected, index, kind=kind: _blend(selected, references[kind][index], factors[kind][index]) for kind in range(3)]
+                images = by_kind(step, [*blends, lambda selected, index: adjust_hue(selected, factors[3][index])], images)
+            else:  # an accelerator: every sample blended with its own reference and hue-shifted, each kept by its step
                 blend = step.clamp(max=2)
-                blend_factor = blend_factors.gather(1, blend[:, None])[:, 0]
-                images = by_kind((step == 3).long(), (
-                    lambda selected, _: adjust_blend(selected, blend, blend_factor),
-                    lambda selected, _: adjust_hue(selected, factors[3]),
-                ), images)
+                kind = blend.view(-1, 1, 1, 1)
+                reference = torch.where(kind == 2, gray, torch.where(kind == 1, references[1], 0.0))
+                blended = _blend(images, reference, torch.stack(factors[:3], dim=1).gather(1, blend[:, None])[:, 0])
+                images = torch.where((step == 3).view(-1, 1, 1, 1), adjust_hue(images, factors[3]), blended)
         return images
 
     def resized_crops(self, images: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:

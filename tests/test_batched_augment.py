@@ -11,7 +11,7 @@ from PIL import Image, ImageFilter
 from torchvision.transforms import v2 as T
 from torchvision.transforms.v2 import functional as TF
 
-from datamodules.batched import BatchedAugment, adjust_blend, adjust_hue, by_kind, crop_boxes, gaussian_blur, rgb_to_gray
+from datamodules.batched import BatchedAugment, adjust_hue, by_kind, crop_boxes, gaussian_blur, rgb_to_gray
 from datamodules.transforms import augment
 from datamodules.view_spec import CONTRASTIVE_PRESETS, ViewSpec
 from helpers import TINY_BACKBONE, TINY_PROJECTOR, digits
@@ -112,31 +112,27 @@ def test_colour_primitives_equal_torchvision_per_sample():
     torch.testing.assert_close(rgb_to_gray(images), TF.rgb_to_grayscale(images))
 
 
-def test_blends_are_torchvisions_brightness_contrast_and_saturation_for_one_kind_or_a_kind_per_sample():
-    torch.manual_seed(0)
-    images, factors = torch.rand(6, 3, 9, 9), torch.rand(6) * 2
-    adjust = (TF.adjust_brightness, TF.adjust_contrast, TF.adjust_saturation)
-    per_kind = [adjust_blend(images, kind, factors) for kind in range(3)]
-    for kind in range(3):
-        expected = torch.stack([adjust[kind](images[i], float(factors[i])) for i in range(6)])
-        torch.testing.assert_close(per_kind[kind], expected, atol=2e-6, rtol=0)
-    kinds = torch.tensor([2, 0, 1, 1, 0, 2])
-    mixed = adjust_blend(images, kinds, factors)
-    assert torch.equal(mixed, torch.stack([per_kind[kind][i] for i, kind in enumerate(kinds)]))
-
-
-def test_colour_jitter_is_the_torchvision_formula_for_a_single_active_operation():
+@pytest.mark.parametrize("operation", ["brightness", "contrast", "saturation"])
+def test_colour_jitter_is_the_torchvision_formula_for_a_single_active_operation(operation):
     torch.manual_seed(0)
     images = torch.rand(16, 3, 8, 8)
-    jitter = BatchedAugment(ViewSpec(8, MEAN, STD, jitter=(0.0, 0.6, 0.0, 0.0), jitter_prob=1.0))
+    strengths = {"brightness": (0.6, 0.0, 0.0, 0.0), "contrast": (0.0, 0.6, 0.0, 0.0), "saturation": (0.0, 0.0, 0.6, 0.0)}
+    jitter = BatchedAugment(ViewSpec(8, MEAN, STD, jitter=strengths[operation], jitter_prob=1.0))
     torch.manual_seed(1)
     out = jitter.color_jitter(images)
     torch.manual_seed(1)
-    jitter._chance(1.0, 16, "cpu")  # replay the same random stream: the gate, then the contrast factors
-    _brightness = torch.empty(16).uniform_(1.0, 1.0)
-    contrast = torch.empty(16).uniform_(0.4, 1.6)
-    expected = torch.stack([TF.adjust_contrast(images[i], float(contrast[i])) for i in range(16)])
+    jitter._chance(1.0, 16, "cpu")  # replay the same random stream: the gate, then the factors in jitter order
+    factors = {name: torch.empty(16).uniform_(*bounds) for name, bounds in zip(strengths, jitter.jitter_ranges)}
+    adjust = {"brightness": TF.adjust_brightness, "contrast": TF.adjust_contrast, "saturation": TF.adjust_saturation}[operation]
+    expected = torch.stack([adjust(images[i], float(factors[operation][i])) for i in range(16)])
     torch.testing.assert_close(out, expected, atol=3e-6, rtol=0)
+
+
+def test_hue_keeps_gray_pixels_bit_for_bit_whatever_the_shift():
+    values = torch.tensor([0.0, 1.0, 0.5, 0.2, 1.0 + 2**-23])  # 1 + ulp: a bilinear crop can round above 1
+    images = values.view(1, 1, 1, -1).expand(5, 3, 2, -1).contiguous()
+    out = adjust_hue(images, torch.tensor([-0.5, -0.1, 0.0, 0.25, 0.5]))
+    assert torch.equal(out.view(torch.int32), images.view(torch.int32))
 
 
 def test_jitter_order_is_drawn_per_sample():
@@ -295,20 +291,27 @@ def test_evaluation_presets_refuse_the_gpu_pipeline():
         digits({"image": {"preset": "crop_pad_flip"}}, pipeline="gpu")
 
 
-@pytest.mark.parametrize("batch", [1, 7, 64])
-def test_the_cpus_row_copies_draw_the_views_of_the_accelerators_whole_batch_selects_bit_for_bit(batch, monkeypatch):
+@pytest.mark.parametrize("batch, size", [(1, 24), (7, 24), (64, 24), (3, 192)])
+def test_the_cpus_row_copies_draw_the_views_of_the_accelerators_whole_batch_selects_bit_for_bit(batch, size, monkeypatch):
     """On the CPU `by_kind` transforms and copies only the samples of each kind; on an accelerator it transforms the
-    whole batch and selects with torch.where. Same random draws, same bits, with every per-sample choice on."""
+    whole batch and selects with torch.where. Same random draws, same bits, with every per-sample choice on. At 192 px
+    on two threads, the mean gray of one image alone (36,864 pixels) would be summed by both threads and round
+    otherwise than in a batch."""
     from engine import devices
 
-    spec = ViewSpec(24, MEAN, STD, jitter=(0.8, 0.8, 0.8, 0.5), gray_prob=0.3, blur_prob=0.5, solarize_prob=0.3)
-    images = torch.randint(0, 256, (batch, 3, 32, 40), dtype=torch.uint8)
-    torch.manual_seed(0)
-    on_cpu = BatchedAugment(spec)(images)
-    monkeypatch.setattr(devices, "host_reads_are_free", lambda tensor: False)
-    torch.manual_seed(0)
-    on_accelerator = BatchedAugment(spec)(images)
-    assert torch.equal(on_cpu.view(torch.int32), on_accelerator.view(torch.int32))
+    spec = ViewSpec(size, MEAN, STD, jitter=(0.8, 0.8, 0.8, 0.5), gray_prob=0.3, blur_prob=0.5, solarize_prob=0.3)
+    images = torch.randint(0, 256, (batch, 3, size + 8, size + 16), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        views = []
+        for on_host in (True, False):
+            monkeypatch.setattr(devices, "host_reads_are_free", lambda tensor, on_host=on_host: on_host)
+            torch.manual_seed(0)
+            views.append(torch.cat([BatchedAugment(spec)(images) for _ in range(4)]))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(views[0].view(torch.int32), views[1].view(torch.int32))
 
 
 @pytest.mark.parametrize("on_accelerator", [False, True])
@@ -318,9 +321,12 @@ def test_by_kind_sends_each_sample_through_the_transform_of_its_kind_and_keeps_t
     monkeypatch.setattr(devices, "host_reads_are_free", lambda tensor: not on_accelerator)
     images = torch.arange(12.0).view(6, 1, 1, 2)
     before = images.clone()
-    kinds = torch.tensor([2, 0, 1, 2, 1, 0])
+    kinds = torch.tensor([2, 0, 1, 2, 5, 0])  # kind 3 has no sample, kind 5 no transform
     offsets = torch.tensor([10.0, 20.0, 30.0, 40.0, 50.0, 60.0])
-    out = by_kind(kinds, (None, lambda x, index: -x, lambda x, index: x + offsets[index].view(-1, 1, 1, 1)), images)
+    transforms = (None, lambda x, index: -x, lambda x, index: x + offsets[index].view(-1, 1, 1, 1), lambda x, index: x * 100)
+    out = by_kind(kinds, transforms, images)
     expected = torch.stack([image + offset if kind == 2 else -image if kind == 1 else image for image, kind, offset in zip(images, kinds, offsets)])
     assert torch.equal(out, expected)
+    untouched = by_kind(torch.tensor([0, 0, 3, 3, 3, 3]), transforms[:3], images)
+    assert torch.equal(untouched, images) and (untouched is images) == (not on_accelerator)
     assert torch.equal(images, before)
