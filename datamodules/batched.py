@@ -190,8 +190,8 @@ class BatchedAugment:
         on_host = devices.host_reads_are_free(images)
         for position in range(4):
             step = order[:, position]
-            # brightness, contrast and saturation blend with a reference: black, the mean gray, the gray image. The means
-            # of the whole batch: one image's alone, of 32,768 pixels or more, would be summed by two threads, rounding otherwise
+            # brightness, contrast and saturation blend with a reference: black, the mean gray, the gray image. The mean is
+            # reduced over the whole batch: for one image alone (32,768 pixels or more) two threads would sum it, rounding otherwise
             gray = rgb_to_gray(images)
             references = (torch.zeros_like(gray[:, :, :1, :1]), gray.mean(dim=(1, 2, 3), keepdim=True), gray)
             if on_host:  # each adjustment on its own samples only
