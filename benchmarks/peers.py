@@ -15,7 +15,8 @@ stable-pretraining, each in its own environment with the same torch, in interlea
    pipelines and with lightly's `MoCoV2Transform`, in one process and through a DataLoader with the same workers
    (`--skip-training`: only these; `--skip-views`: only the training runs).
 
-Prints the tables (and writes them to `--out`): the medians with the ratios to the faster peer, and every run.
+Prints the tables (and writes them to `--out`): the medians with the ratios to the faster peer (of the medians, and
+the median of the rounds' own ratios), and every run.
 """
 
 import argparse
@@ -142,6 +143,14 @@ def median(runs: list[dict], system: str, key: str) -> float:
     return statistics.median(run[key] for run in runs if run["system"] == system)
 
 
+def paired_ratio(runs: list[dict], system: str, other: str) -> float:
+    """The median over the rounds of `system`'s images/s ÷ `other`'s in the same round: the two ran minutes apart,
+    so a machine that drifts over the rounds moves both sides of each ratio."""
+    rates = {(run["system"], run["round"]): run["images_per_s"] for run in runs}
+    return statistics.median(rates[system, round_] / rates[other, round_] for (name, round_) in rates
+                             if name == system and (other, round_) in rates)
+
+
 def training_tables(runs: list[dict]) -> str:
     systems = list(dict.fromkeys(run["system"] for run in runs))
     rates = {system: median(runs, system, "images_per_s") for system in systems}
@@ -149,15 +158,15 @@ def training_tables(runs: list[dict]) -> str:
     peers = [system for system in systems if system in PEERS]
     faster = max(peers, key=rates.get) if peers else None
     lines = ["| system | precision | views | channels-last | images/s (median) | start-up s (median) | "
-             + (f"images/s ÷ {faster}'s (the faster peer) | " if faster else "")
+             + (f"images/s ÷ {faster}'s (the faster peer) | the same, round by round (median) | " if faster else "")
              + ("start-up − lightly's s |" if "lightly" in systems else ""),
-             "|---|---|---|---|---:|---:|" + ("---:|" if faster else "") + ("---:|" if "lightly" in systems else "")]
+             "|---|---|---|---|---:|---:|" + ("---:|---:|" if faster else "") + ("---:|" if "lightly" in systems else "")]
     for system in systems:
         settings = next(run["settings"] for run in runs if run["system"] == system)
         views = "PIL per image, workers" if settings["pipeline"] == "cpu" else "batched on the device"
         line = (f"| {system} | {settings['precision']} | {views} | {'yes' if settings['channels_last'] else 'no'} | "
                 f"{rates[system]:.1f} | {startups[system]:.1f} |")
-        line += f" {rates[system] / rates[faster]:.2f}x |" if faster else ""
+        line += f" {rates[system] / rates[faster]:.2f}x | {paired_ratio(runs, system, faster):.2f}x |" if faster else ""
         line += f" {startups[system] - startups['lightly']:+.1f} |" if "lightly" in systems else ""
         lines.append(line)
     lines += ["", "| round | system | images/s | start-up s | load before | load after |", "|---:|---|---:|---:|---:|---:|"]
