@@ -7,10 +7,11 @@ packages to the minor versions tested here, and tests/test_compat.py checks ever
 the installed versions, so an upgrade that renames one fails there, naming it, and not in a user's run.
 """
 
-import yaml
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import WandbLogger
+
+from engine.config import load_yaml
 
 # (what holds it, attribute path): the private attributes used below, checked by tests/test_compat.py
 PRIVATE_ATTRIBUTES = {
@@ -64,7 +65,7 @@ def dump_config_for_hyperparameters(cli: LightningCLI) -> None:
     `LightningCLI._dump_config` does, without validating it again: it was validated when parsed, and validating took
     3/4 of the dump's 0.10 s (a Digits-M config, this project's 2-core CPU). Lightning uses a `config_dump` it finds
     (tests/test_compat.py checks both)."""
-    dumped = yaml.safe_load(cli.parser.dump(cli.config, skip_link_targets=False, skip_none=False, format="yaml", skip_validation=True))
+    dumped = load_yaml(cli.parser.dump(cli.config, skip_link_targets=False, skip_none=False, format="yaml", skip_validation=True))
     cli.config_dump = dumped[cli.config.subcommand] if "subcommand" in cli.config else dumped
 
 

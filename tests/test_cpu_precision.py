@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from test_configs import CONFIGS, build_model
 
 import datamodules
 from engine.cli.lightning_cli import instantiate_config
+from engine.config import load_yaml
 from engine.devices import BF16_PRECISIONS, cpu_has_bf16_units, cpu_precision
 
 
@@ -92,14 +92,14 @@ def convolutions_whose_bf16_weight_gradient_is_wrong(model, crop_size: int) -> l
 def trains_in_bf16_on_a_cpu(config: Path) -> bool:
     """A bf16 precision (16-mixed included: Lightning runs it as bf16 on a CPU) and an accelerator that is the CPU on a
     machine without GPUs (cpu, auto or unset: the CLI's precision rule counts them so)."""
-    trainer = yaml.safe_load(config.read_text())["trainer"]
+    trainer = load_yaml(config.read_text())["trainer"]  # at collection, for every config: libyaml's parser
     return trainer.get("accelerator") in (None, "auto", "cpu") and str(trainer.get("precision")) in BF16_PRECISIONS
 
 
 def crop_sizes(config: Path) -> set[int]:
     """The sides of a config's training views: each view's `size`, else the DataModule's image size (its
     `image_size` argument, class attribute or default)."""
-    data = yaml.safe_load(config.read_text())["data"]
+    data = load_yaml(config.read_text())["data"]
     data_class = getattr(datamodules, data["class_path"].rsplit(".", 1)[-1])
     default = data["init_args"].get("image_size", getattr(data_class, "image_size", None))
     if default is None:  # the argument's default, from the first class of the hierarchy that names it

@@ -39,6 +39,7 @@ from datamodules.imagenet import IMAGENET100_WNIDS
 from datamodules.paco_autoaugment import PacoAutoAugment
 from datamodules.tcl_autoaugment import TCLAutoAugment
 from datamodules.transforms import MultipleViews, build_view
+from engine.config import load_yaml
 
 ROOT = Path(__file__).parents[1]
 # Wang & Liu (CVPR 2021) supplementary, Table 3, as printed (sorted, ten per row): the same CMC classes as SCE
@@ -518,7 +519,7 @@ FAKE_DATASETS = {
 
 @functools.cache  # each config is read once: collection asks for most of them several times
 def read_config(config: Path) -> dict:
-    return yaml.safe_load(config.read_text())
+    return load_yaml(config.read_text())  # libyaml's parser
 
 
 def config_data(config: Path) -> tuple[type, dict]:

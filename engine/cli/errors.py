@@ -7,7 +7,7 @@ import sys
 from contextlib import contextmanager
 from typing import Callable
 
-from engine.config import flattened
+from engine.config import flattened, load_yaml
 
 
 def fail(message: str) -> None:
@@ -99,6 +99,6 @@ def read_yaml(path: str) -> dict:
 
     try:
         with open(path) as file:
-            return yaml.safe_load(file) or {}
+            return load_yaml(file) or {}
     except (OSError, yaml.YAMLError):
         return {}

@@ -34,7 +34,6 @@ import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
-import yaml
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator, MPSAccelerator
 from lightning.pytorch.callbacks import ModelCheckpoint, Timer
@@ -58,6 +57,7 @@ from engine.cli.resume import (
 from engine.cli.run_lock import RunDirectoryInUse, RunDirectoryLock
 from engine.cli.results import FinalValidation, evaluated_position, report_results, validate_the_end_if_missed
 from engine.compat import dump_config_for_hyperparameters
+from engine.config import load_yaml
 from engine.devices import cpu_has_bf16_units, cpu_precision, keep_freed_host_memory
 from engine.files import SameDirectoryCheckpointIO, UnreadableCheckpoint, WriteFailed, read_checkpoint
 from engine.non_finite import NonFiniteLossError, NonFiniteLossGuard
@@ -169,7 +169,7 @@ class ContrastlabCLI(LightningCLI):
     def resolved_config(self) -> dict:
         """The resolved config of the subcommand as `config.yaml` and the checkpoints record it (plain YAML types)."""
         subcommand = self.config.get("subcommand")
-        dumped = yaml.safe_load(self.parser.dump(self.config, skip_none=False, skip_validation=True))  # as SaveConfigToRun dumps it
+        dumped = load_yaml(self.parser.dump(self.config, skip_none=False, skip_validation=True))  # as SaveConfigToRun dumps it
         return dumped[subcommand] if subcommand else dumped
 
     def before_instantiate_classes(self) -> None:

@@ -11,8 +11,22 @@ from lightning.pytorch.cli import LightningArgumentParser, SaveConfigCallback
 from lightning.pytorch.loggers import WandbLogger
 
 from engine.checkpoint_record import RECORD_KEY
+from engine.config import SAFE_LOADER, load_yaml
 from engine.cli.errors import condense_parser_error, fail
 from engine.files import write_run_file
+
+
+def syntax_error(path, text: str) -> None:
+    """End with one line naming the file, line and column of a YAML syntax error, worded by PyYAML's Python parser
+    (libyaml's words differ, and a PyYAML without libyaml would give those)."""
+    try:
+        yaml.compose(text)
+    except yaml.MarkedYAMLError as error:
+        mark = error.problem_mark or error.context_mark
+        where = f", line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        fail(f"config file {str(path)!r}{where}: {', '.join(part for part in (error.context, error.problem) if part)}")
+    except yaml.YAMLError:
+        pass  # another problem: jsonargparse reports it
 
 
 class ContrastlabArgumentParser(LightningArgumentParser):
@@ -25,14 +39,13 @@ class ContrastlabArgumentParser(LightningArgumentParser):
         """A YAML syntax error of a config file names the file, line and column (jsonargparse parses the file's text,
         so its error says "<unicode string>")."""
         if self.exit_on_error and not os.environ.get("CONTRASTLAB_TRACEBACK"):
-            try:
-                yaml.compose(Path(path).read_text())  # syntax only: what the text means is jsonargparse's to read
-            except yaml.MarkedYAMLError as error:
-                mark = error.problem_mark or error.context_mark
-                where = f", line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-                fail(f"config file {str(path)!r}{where}: {', '.join(part for part in (error.context, error.problem) if part)}")
-            except (OSError, yaml.YAMLError):
-                pass  # an unreadable path or another problem: jsonargparse reports it
+            try:  # syntax only: what the text means is jsonargparse's to read
+                text = Path(path).read_text()
+                yaml.compose(text, Loader=SAFE_LOADER)
+            except yaml.YAMLError:
+                syntax_error(path, text)
+            except OSError:
+                pass  # an unreadable path: jsonargparse reports it
         return super().parse_path(path, *args, **kwargs)
 
     def error(self, message: str, ex: Exception | None = None):
@@ -57,7 +70,7 @@ class SaveConfigToRun(SaveConfigCallback):
     @cached_property
     def resolved_config(self) -> dict:
         """The config in plain YAML types."""
-        return yaml.safe_load(self.resolved_text)
+        return load_yaml(self.resolved_text)
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         if not self.already_saved:
