@@ -5,7 +5,9 @@ Batches:
   (shape (B, C, H, W), or (B, N, C, H, W) for a view with `count: N`);
 - evaluation: `{"image": x, "label": y, "index": i}`.
 
-`pipeline: cpu` (the default, the reference) augments each image with PIL in the DataLoader workers.
+`pipeline: cpu` (the default, the reference) augments each image with PIL in the DataLoader workers, each draw
+from a seed of its own that the training sampler gives it (`ViewsDataset`; the same views with any number of
+workers, and after a resume).
 The mode (`datamodules.pipeline.Pipeline`: cpu, resident, streamed, encoded) is decided once, at construction
 (`pipeline_mode`), and every loader and view of the DataModule follows it.
 With `pipeline: gpu` the views are drawn per batch on the training device after the transfer
@@ -30,6 +32,7 @@ normalisation, default evaluation view and the layout it expects under `data.roo
 """
 
 import os
+import random
 from pathlib import Path
 from typing import Any, Callable, Iterator, Literal
 
@@ -64,7 +67,9 @@ def dataset_labels(dataset: Dataset) -> np.ndarray:
 
 
 class ViewsDataset(Dataset):
-    """Wraps a dataset of `(image, label)` pairs into training samples with several named views."""
+    """Wraps a dataset of `(image, label)` pairs into training samples with several named views. Given
+    `(index, seed)` (`EpochSampler(draw_seeds=True)`, in DataLoader workers), the views of that draw come from
+    its seed: torch's, Python's and NumPy's generators, which the transforms draw from, are seeded with it first."""
 
     def __init__(self, base: Dataset, views: dict[str, Callable]):
         self.base, self.views = base, views
@@ -72,7 +77,12 @@ class ViewsDataset(Dataset):
     def __len__(self) -> int:
         return len(self.base)
 
-    def __getitem__(self, index: int) -> dict[str, Any]:
+    def __getitem__(self, index: int | tuple[int, int]) -> dict[str, Any]:
+        if isinstance(index, tuple):
+            index, seed = index
+            torch.default_generator.manual_seed(seed)  # the CPU's, which the transforms draw from (torch.manual_seed: 80 us more, for other devices)
+            random.seed(seed)
+            np.random.seed(seed % 2**32)
         image, label = self.base[index]
         return {"views": {name: view(image) for name, view in self.views.items()}, "label": label, "index": index}
 
@@ -289,13 +299,18 @@ class ContrastiveDataModule(L.LightningDataModule):
         return np.bincount(labels[labels >= 0], minlength=self.num_classes).tolist()
 
     def train_sampler(self, seed: int) -> EpochSampler:
-        """The sampler of `data.sampler`, at the point of the epoch where a resumed run stopped."""
+        """The sampler of `data.sampler`, at the point of the epoch where a resumed run stopped. Where DataLoader
+        workers draw the views, it gives each draw its seed: a worker's own random streams start anew with every
+        process (a resumed run's workers would draw other views than an uninterrupted run's) and depend on which
+        worker serves a batch."""
         processes = process_group()
+        draw_seeds = self.mode is Pipeline.CPU and self.num_workers > 0
         if self.sampler == "instance":
-            sampler = EpochSampler(len(self.splits["train"]), seed, **processes)
+            sampler = EpochSampler(len(self.splits["train"]), seed, **processes, draw_seeds=draw_seeds)
         else:
             total_epochs = self.trainer.max_epochs if self.trainer is not None else None
-            sampler = ClassPrioritySampler(dataset_labels(self.splits["train"]), self.num_classes, self.sampler, total_epochs, seed, **processes)
+            sampler = ClassPrioritySampler(dataset_labels(self.splits["train"]), self.num_classes, self.sampler, total_epochs, seed,
+                                           **processes, draw_seeds=draw_seeds)
         sampler.resume(self.resume_at["epoch"], self.resume_at["batches"] * self.batch_size)
         return sampler
 
@@ -371,9 +386,9 @@ class ContrastiveDataModule(L.LightningDataModule):
                 self.resident_images = decode_all(train, self.num_workers)
         seed = int(os.environ.get("PL_GLOBAL_SEED", 0))  # the run's seed_everything
         # The worker seeds come from a generator of the loader's own: creating the iterator draws no number from the
-        # global generator, so the main process's random streams, which draw the batched views, are a resumed run's
-        # as an uninterrupted one's (engine.random_state.RandomStateCheckpoint). DataLoader workers seed their own
-        # streams once, when the loader starts: per-image views drawn there differ after a resume (docs/reliability.md).
+        # global generator, so the main process's random streams, which draw the batched views (and the per-image
+        # views without workers), are a resumed run's as an uninterrupted one's (engine.random_state.RandomStateCheckpoint).
+        # Views drawn in workers come from the sampler's seed of each draw (`train_sampler`).
         return self._loader(dataset, train=True, sampler=self.train_sampler(seed), generator=torch.Generator().manual_seed(seed),
                             num_workers=0 if self.resident else None, collate_fn=collate_fn)  # indices need no workers
 

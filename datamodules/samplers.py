@@ -8,6 +8,7 @@ from typing import Literal
 import numpy as np
 from torch.utils.data import DistributedSampler
 
+DRAW_SEEDS_KEY = 1  # the third word of the key of `EpochSampler`'s draw seeds, after (seed, epoch)
 SAMPLING_EXPONENTS = {"instance": 1.0, "square_root": 0.5, "class_balanced": 0.0}  # q of p_j ∝ n_j^q
 
 
@@ -27,11 +28,16 @@ class EpochSampler(DistributedSampler):
     `num_replicas`-th index from `rank` on. Being a DistributedSampler, Lightning keeps it under DDP and
     calls `set_epoch` every epoch. `resume(epoch, position)` makes the next iteration that epoch's from
     its `position`-th index on (a run resumed mid-epoch sees the rest of the epoch's order, no image
-    twice or skipped); a new epoch starts at 0. Subclasses draw another `epoch_order`."""
+    twice or skipped); a new epoch starts at 0. Subclasses draw another `epoch_order`.
 
-    def __init__(self, dataset_size: int, seed: int = 0, num_replicas: int = 1, rank: int = 0):
+    With `draw_seeds`, each index comes with the seed of its draw, `(index, seed)`, also a function of (seed,
+    epoch) and of its place in the epoch's order only: DataLoader workers draw each image's views from it
+    (`datamodules.base.ViewsDataset`), so that they are the same however many workers serve the batches and
+    whether or not the run was resumed."""
+
+    def __init__(self, dataset_size: int, seed: int = 0, num_replicas: int = 1, rank: int = 0, draw_seeds: bool = False):
         super().__init__(range(dataset_size), num_replicas=num_replicas, rank=rank, seed=seed)
-        self.position = 0
+        self.position, self.draw_seeds = 0, draw_seeds
 
     def epoch_order(self, rng: np.random.Generator) -> np.ndarray:
         """The `total_size` dataset indices of the epoch, for all processes."""
@@ -46,8 +52,13 @@ class EpochSampler(DistributedSampler):
         self.epoch, self.position = epoch, position
 
     def __iter__(self):
-        order = self.epoch_order(np.random.default_rng((self.seed, self.epoch)))
-        return iter(order[self.rank : self.total_size : self.num_replicas][self.position :].tolist())
+        mine = slice(self.rank, self.total_size, self.num_replicas)
+        indices = self.epoch_order(np.random.default_rng((self.seed, self.epoch)))[mine][self.position :].tolist()
+        if not self.draw_seeds:
+            return iter(indices)
+        # a generator of their own, keyed apart from the order's: the order is the same with or without seeds
+        seeds = np.random.default_rng((self.seed, self.epoch, DRAW_SEEDS_KEY)).integers(2**63, size=self.total_size)
+        return zip(indices, seeds[mine][self.position :].tolist())
 
 
 class EvaluationShard(DistributedSampler):
@@ -104,6 +115,7 @@ class ClassPrioritySampler(EpochSampler):
         seed: int = 0,
         num_replicas: int = 1,
         rank: int = 0,
+        draw_seeds: bool = False,
     ):
         if (labels < 0).any():
             raise ValueError(f"data.sampler: {policy} draws by class, but {int((labels < 0).sum())} training images are unlabelled (label -1)")
@@ -111,7 +123,7 @@ class ClassPrioritySampler(EpochSampler):
             raise ValueError(f"data.sampler: progressive needs the number of epochs from trainer.max_epochs (>= 1), got {total_epochs}")
         self.class_counts = np.bincount(labels, minlength=num_classes)
         epoch_size = int(self.class_counts.max() * np.count_nonzero(self.class_counts)) if policy == "class_balanced" else len(labels)
-        super().__init__(epoch_size, seed=seed, num_replicas=num_replicas, rank=rank)
+        super().__init__(epoch_size, seed=seed, num_replicas=num_replicas, rank=rank, draw_seeds=draw_seeds)
         self.policy, self.total_epochs = policy, total_epochs
         self.by_class = np.argsort(labels, kind="stable")  # image indices grouped by class, class 0 first
         self.class_starts = np.cumsum(self.class_counts) - self.class_counts

@@ -19,8 +19,8 @@ SMALL_TRUNK = BackboneSpec(name="timm:test_resnet")
 TINY_PROJECTOR = MLPSpec(hidden_dim=64, output_dim=32, batch_norm=False)
 
 
-def digits(views: dict, batch_size: int = 32, **kwargs) -> DigitsDataModule:
-    return DigitsDataModule(batch_size=batch_size, num_workers=0, views=views, train_variants=1, eval_variants=1, **kwargs)
+def digits(views: dict, batch_size: int = 32, num_workers: int = 0, **kwargs) -> DigitsDataModule:
+    return DigitsDataModule(batch_size=batch_size, num_workers=num_workers, views=views, train_variants=1, eval_variants=1, **kwargs)
 
 
 def first_batch(datamodule: DigitsDataModule) -> dict:

@@ -64,9 +64,10 @@ class BatchIndices(Callback):
         self.seen.append(batch["index"].tolist())
 
 
-def train(method: str, directory, ckpt_path=None, save_at_step=None):
-    """TOTAL_STEPS optimizer steps of a tiny method on Digits-M (views drawn on the device), from scratch
-    or from a checkpoint; with `save_at_step`, a checkpoint is written at that step as a preemption would."""
+def train(method: str, directory, ckpt_path=None, save_at_step=None, workers=0):
+    """TOTAL_STEPS optimizer steps of a tiny method on Digits-M, from scratch or from a checkpoint; with
+    `save_at_step`, a checkpoint is written at that step as a preemption would. The views are drawn on the device,
+    or with `workers`, per image in that many DataLoader workers."""
     L.seed_everything(0, verbose=False)
     build, views = METHODS[method]
     indices = BatchIndices()
@@ -76,7 +77,8 @@ def train(method: str, directory, ckpt_path=None, save_at_step=None):
     trainer = cpu_trainer(directory, max_steps=TOTAL_STEPS, limit_train_batches=BATCHES_PER_EPOCH, limit_val_batches=0,
                           enable_checkpointing=save_at_step is not None, callbacks=callbacks)
     model = build()
-    trainer.fit(model, digits(views, batch_size=8, pipeline="gpu"), ckpt_path=ckpt_path)
+    data = digits(views, batch_size=8, num_workers=workers, pipeline="cpu") if workers else digits(views, batch_size=8, pipeline="gpu")
+    trainer.fit(model, data, ckpt_path=ckpt_path)
     return trainer, model, indices.seen
 
 
@@ -96,15 +98,15 @@ def assert_identical(straight, resumed, where="") -> None:
 
 
 @pytest.mark.parametrize(
-    "method, save_at_step",
-    [("moco", 3), ("moco", 2), ("sce", 3), ("paco", 3), ("npid", 3)],
-    ids=["moco-mid-epoch", "moco-end-of-epoch", "sce-mid-epoch", "paco-mid-epoch", "npid-mid-epoch"],
+    "method, save_at_step, workers",
+    [("moco", 3, 0), ("moco", 2, 0), ("sce", 3, 0), ("paco", 3, 0), ("npid", 3, 0), ("moco", 3, 2)],
+    ids=["moco-mid-epoch", "moco-end-of-epoch", "sce-mid-epoch", "paco-mid-epoch", "npid-mid-epoch", "moco-mid-epoch-views-in-2-workers"],
 )
 @pytest.mark.slow
-def test_resuming_from_a_checkpoint_gives_bit_identical_state_and_continues_the_data_order(method, save_at_step, tmp_path):
-    straight, straight_model, straight_seen = train(method, tmp_path / "straight", save_at_step=save_at_step)
+def test_resuming_from_a_checkpoint_gives_bit_identical_state_and_continues_the_data_order(method, save_at_step, workers, tmp_path):
+    straight, straight_model, straight_seen = train(method, tmp_path / "straight", save_at_step=save_at_step, workers=workers)
     checkpoint = tmp_path / "straight" / f"step={save_at_step}.ckpt"
-    resumed, resumed_model, resumed_seen = train(method, tmp_path / "resumed", ckpt_path=checkpoint)
+    resumed, resumed_model, resumed_seen = train(method, tmp_path / "resumed", ckpt_path=checkpoint, workers=workers)
     assert resumed.global_step == straight.global_step == TOTAL_STEPS
     # parameters, momentum encoder, queue (with its labels and pointer) or memory bank: every tensor of the state
     assert_identical(straight_model.state_dict(), resumed_model.state_dict(), "state_dict")
@@ -134,6 +136,47 @@ def test_the_epoch_order_depends_on_seed_and_epoch_only_and_resumes_at_a_positio
     whole = list(EpochSampler(10, seed=1))
     ranks = [list(EpochSampler(10, seed=1, num_replicas=3, rank=rank)) for rank in range(3)]
     assert [ranks[rank][turn] for turn in range(4) for rank in range(3)] == whole + whole[:2]  # dealt in turn, padded
+
+
+def test_the_seed_of_each_draw_follows_its_place_in_the_epoch_through_a_resume_and_across_processes():
+    seeded = EpochSampler(10, seed=1, draw_seeds=True)
+    seeded.set_epoch(2)
+    draws = list(seeded)
+    assert [index for index, _ in draws] == order_of_epoch(2)  # the order is the one without seeds
+    seeds = [seed for _, seed in draws]
+    assert len(set(seeds)) == 10 and all(0 <= seed < 2**63 for seed in seeds)
+    resumed = EpochSampler(10, seed=1, draw_seeds=True)
+    resumed.resume(2, 6)
+    assert list(resumed) == draws[6:]
+    resumed.set_epoch(3)
+    assert not set(seed for _, seed in resumed) & set(seeds)  # another epoch, other seeds
+    assert not set(seed for _, seed in EpochSampler(10, seed=2, draw_seeds=True)) & set(seed for _, seed in EpochSampler(10, seed=1, draw_seeds=True))
+    ranks = [list(EpochSampler(10, seed=1, num_replicas=3, rank=rank, draw_seeds=True)) for rank in range(3)]
+    whole = list(EpochSampler(10, seed=1, draw_seeds=True))
+    assert [ranks[rank][turn] for turn in range(3) for rank in range(3)] == whole[:9]  # each process the seeds of its own places
+
+
+def order_of_epoch(epoch: int) -> list[int]:
+    sampler = EpochSampler(10, seed=1)
+    sampler.set_epoch(epoch)
+    return list(sampler)
+
+
+@pytest.mark.slow
+def test_views_drawn_in_workers_are_the_same_for_one_or_two_workers():
+    """Each draw's views come from its seed: which worker serves a batch changes nothing (without the seeds, one
+    worker draws every batch from its own stream and two workers alternate theirs)."""
+    def first_batches(workers: int) -> list[dict]:
+        data = digits(QUERY_KEY, batch_size=8, num_workers=workers, pipeline="cpu")
+        data.setup()
+        batches = iter(data.train_dataloader())
+        return [next(batches) for _ in range(3)]
+
+    one, two = first_batches(1), first_batches(2)
+    assert [batch["index"].tolist() for batch in one] == [batch["index"].tolist() for batch in two]
+    for a, b in zip(one, two):
+        assert torch.equal(a["views"]["query"], b["views"]["query"]) and torch.equal(a["views"]["key"], b["views"]["key"])
+    assert not torch.equal(one[0]["views"]["query"], one[0]["views"]["key"])  # two draws of one image differ
 
 
 # ----------------------------------------------------------------- nothing lost
