@@ -6,8 +6,8 @@ Batches:
 - evaluation: `{"image": x, "label": y, "index": i}`.
 
 `pipeline: cpu` (the default, the reference) augments each image with PIL in the DataLoader workers, each draw
-from a seed of its own that the training sampler gives it (`ViewsDataset`; the same views with any number of
-workers, and after a resume).
+from a seed of its own that the training sampler gives it (`ViewsDataset`: the same views with one worker or
+many, and after a resume; without workers, from the main process's random stream).
 The mode (`datamodules.pipeline.Pipeline`: cpu, resident, streamed, encoded) is decided once, at construction
 (`pipeline_mode`), and every loader and view of the DataModule follows it.
 With `pipeline: gpu` the views are drawn per batch on the training device after the transfer
@@ -66,6 +66,16 @@ def dataset_labels(dataset: Dataset) -> np.ndarray:
     raise ValueError(f"cannot read the labels of a {type(dataset).__name__} without decoding its images: it needs a `labels` or `targets` attribute")
 
 
+def seed_draw(seed: int) -> None:
+    """Seed the generators that per-image transforms draw from with the seed of one draw (0 <= seed < 2**63):
+    torch's CPU generator (its Mersenne Twister keeps the low 32 bits; `torch.manual_seed` would also seed other
+    devices, 80 us a draw), Python's (every bit), and NumPy's global one with the high bits (with the low ones it
+    would repeat torch's stream: timm's RandAugment would pick its operations from the crop's draws)."""
+    torch.default_generator.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed >> 32)
+
+
 class ViewsDataset(Dataset):
     """Wraps a dataset of `(image, label)` pairs into training samples with several named views. Given
     `(index, seed)` (`EpochSampler(draw_seeds=True)`, in DataLoader workers), the views of that draw come from
@@ -80,9 +90,7 @@ class ViewsDataset(Dataset):
     def __getitem__(self, index: int | tuple[int, int]) -> dict[str, Any]:
         if isinstance(index, tuple):
             index, seed = index
-            torch.default_generator.manual_seed(seed)  # the CPU's, which the transforms draw from (torch.manual_seed: 80 us more, for other devices)
-            random.seed(seed)
-            np.random.seed(seed % 2**32)
+            seed_draw(seed)
         image, label = self.base[index]
         return {"views": {name: view(image) for name, view in self.views.items()}, "label": label, "index": index}
 

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import lightning as L
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -27,7 +28,8 @@ import methods.linear
 import methods.moco
 from backbones import BackboneSpec
 from datamodules import SplitFileDataModule
-from datamodules.samplers import EpochSampler
+from datamodules.base import seed_draw
+from datamodules.samplers import ClassPrioritySampler, EpochSampler
 from engine.checkpoint_record import VERSION, CheckpointMismatch, compatible
 from engine.files import SameDirectoryCheckpointIO
 from engine.non_finite import NonFiniteLossError, NonFiniteLossGuard
@@ -152,8 +154,25 @@ def test_the_seed_of_each_draw_follows_its_place_in_the_epoch_through_a_resume_a
     assert not set(seed for _, seed in resumed) & set(seeds)  # another epoch, other seeds
     assert not set(seed for _, seed in EpochSampler(10, seed=2, draw_seeds=True)) & set(seed for _, seed in EpochSampler(10, seed=1, draw_seeds=True))
     ranks = [list(EpochSampler(10, seed=1, num_replicas=3, rank=rank, draw_seeds=True)) for rank in range(3)]
+    dealt = [ranks[rank][turn] for turn in range(4) for rank in range(3)]
     whole = list(EpochSampler(10, seed=1, draw_seeds=True))
-    assert [ranks[rank][turn] for turn in range(3) for rank in range(3)] == whole[:9]  # each process the seeds of its own places
+    assert dealt[:10] == whole  # each process the seeds of its own places
+    padding = dealt[10:]  # the first images again, as draws of their own
+    assert [index for index, _ in padding] == [index for index, _ in whole[:2]] and not {seed for _, seed in padding} & {seed for _, seed in whole}
+    labels = np.repeat(np.arange(3), [6, 3, 1])
+    for policy in ("class_balanced", "square_root", "progressive"):  # the long-tail samplers: the same order, with seeds
+        plain, seeded = (ClassPrioritySampler(labels, 3, policy, total_epochs=4, seed=1, draw_seeds=draw_seeds) for draw_seeds in (False, True))
+        draws = list(seeded)
+        assert [index for index, _ in draws] == list(plain) and len({seed for _, seed in draws}) == len(draws)
+
+
+def test_a_draw_seeds_numpy_apart_from_torch():
+    """torch's Mersenne Twister keeps the low 32 bits of a seed: NumPy's global generator seeded with the same bits
+    would give the same stream (timm's RandAugment would then pick its operations from the crop's draws)."""
+    seed = (7 << 40) | 123456789
+    seed_draw(seed)
+    assert not np.array_equal(np.random.get_state()[1], np.random.RandomState(seed & 0xFFFFFFFF).get_state()[1])
+    assert torch.initial_seed() == seed
 
 
 def order_of_epoch(epoch: int) -> list[int]:
@@ -162,12 +181,16 @@ def order_of_epoch(epoch: int) -> list[int]:
     return list(sampler)
 
 
+# views that draw from torch's generator (MoCo v2's), from Python's and NumPy's (timm's RandAugment) and from Python's (TCL's AutoAugment)
+VIEWS_OF_EVERY_SOURCE = {"mocov2": {"preset": "mocov2"}, "randaugment": {"preset": "randaugment"}, "tcl": {"preset": "autoaugment", "policy": "cifar10", "operations": "tcl"}}
+
+
 @pytest.mark.slow
 def test_views_drawn_in_workers_are_the_same_for_one_or_two_workers():
     """Each draw's views come from its seed: which worker serves a batch changes nothing (without the seeds, one
     worker draws every batch from its own stream and two workers alternate theirs)."""
     def first_batches(workers: int) -> list[dict]:
-        data = digits(QUERY_KEY, batch_size=8, num_workers=workers, pipeline="cpu")
+        data = digits(VIEWS_OF_EVERY_SOURCE, batch_size=8, num_workers=workers, pipeline="cpu")
         data.setup()
         batches = iter(data.train_dataloader())
         return [next(batches) for _ in range(3)]
@@ -175,8 +198,9 @@ def test_views_drawn_in_workers_are_the_same_for_one_or_two_workers():
     one, two = first_batches(1), first_batches(2)
     assert [batch["index"].tolist() for batch in one] == [batch["index"].tolist() for batch in two]
     for a, b in zip(one, two):
-        assert torch.equal(a["views"]["query"], b["views"]["query"]) and torch.equal(a["views"]["key"], b["views"]["key"])
-    assert not torch.equal(one[0]["views"]["query"], one[0]["views"]["key"])  # two draws of one image differ
+        for view in VIEWS_OF_EVERY_SOURCE:
+            assert torch.equal(a["views"][view], b["views"][view]), view
+    assert not torch.equal(one[0]["views"]["mocov2"], one[0]["views"]["randaugment"])  # two draws differ
 
 
 # ----------------------------------------------------------------- nothing lost
