@@ -82,9 +82,9 @@ def test_the_targets_of_byol_and_simsiam_get_no_gradient_and_the_predictions_do(
 
 
 def test_mocov3_hand_computed_value_keeps_the_factor_two_tau():
-    q = k = torch.eye(2)
-    # logits [[2, 0], [0, 2]] at tau 0.5: CE per row log(1 + e^-2), times 2 tau = 1
-    assert mocov3_loss(q, k, 0.5).item() == pytest.approx(math.log(1 + math.exp(-2)))
+    q = k = torch.eye(2, dtype=torch.float64)
+    # logits [[4, 0], [0, 4]] at tau 0.25: CE per row log(1 + e^-4), times 2 tau = 0.5
+    assert mocov3_loss(q, k, 0.25).item() == pytest.approx(0.5 * math.log(1 + math.exp(-4)))
 
 
 def test_mocov3_with_one_positive_per_row_is_two_tau_times_cross_entropy_on_the_logits_as_the_official_function():

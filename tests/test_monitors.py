@@ -1,6 +1,7 @@
 """Tests of the pretraining callbacks of analysis/monitors.py: the collapse monitor (what it measures, when, on which
 images, what it logs) and the embedding map (the figure, its legend, the PNG, the W&B image)."""
 
+import random
 from types import SimpleNamespace
 
 import lightning as L
@@ -44,10 +45,12 @@ def logged_names(monkeypatch, model) -> list[str]:
 @pytest.mark.slow
 def test_collapse_metrics_are_the_same_at_every_call_in_eval_mode_and_leave_the_random_streams_alone():
     model, datamodule = tiny_moco(), digits(MOCO_VIEWS, batch_size=16)
-    state = torch.random.get_rng_state()
+    state, python_state = torch.random.get_rng_state(), random.getstate()
     metrics = collapse_metrics(model, datamodule, max_samples=24)
-    assert torch.equal(torch.random.get_rng_state(), state) and model.training
+    assert torch.equal(torch.random.get_rng_state(), state) and random.getstate() == python_state and model.training
     assert collapse_metrics(model, datamodule, max_samples=24) == metrics  # the same images and augmentations
+    # in eval mode: a model put there first gives the same numbers (BatchNorm on batch statistics would not)
+    assert collapse_metrics(model.eval(), datamodule, max_samples=24) == metrics
     assert set(metrics) == COLLAPSE_NAMES
     assert 1 <= metrics["rankme_trunk"] <= 24 and 1 <= metrics["rankme_projector"] <= 24  # at most min(N, D)
     assert 0 <= metrics["projector_std"] <= 1 and 0 < metrics["uniformity"] <= 4 and 0 <= metrics["alignment"] <= 4

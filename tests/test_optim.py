@@ -276,6 +276,23 @@ def test_fused_optimizers_take_the_same_steps_and_are_chosen_only_for_cuda_param
         torch.testing.assert_close(fused_param, param, rtol=1e-5, atol=1e-6)
 
 
+class OnCuda(nn.Parameter):
+    """A parameter that says it is on a GPU (`is_cuda`), as the optimizer's default reads it on a machine without one."""
+
+    @property
+    def is_cuda(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("name, constructor", [("sgd", "SGD"), ("adamw", "AdamW")])
+def test_the_default_fuses_the_optimizer_exactly_when_every_parameter_is_on_cuda(name, constructor, monkeypatch):
+    chosen = []
+    monkeypatch.setattr(torch.optim, constructor, lambda groups, **options: chosen.append(options["fused"]))
+    for params in ([OnCuda(torch.zeros(2)), OnCuda(torch.zeros(3))], [OnCuda(torch.zeros(2)), nn.Parameter(torch.zeros(3))], [nn.Parameter(torch.zeros(2))]):
+        build_optimizer([{"params": params}], OptimizerSpec(name=name), 0.1)
+    assert chosen == [True, None, None]  # every parameter on the GPU: fused; any on the CPU: torch's default
+
+
 def test_lars_refuses_to_be_fused_with_the_way_out():
     groups = parameter_groups(nn.Linear(2, 2).named_parameters(), OptimizerSpec())
     with pytest.raises(ValueError, match="optimizer.fused: true, but LARS has no fused kernel .* set optimizer.fused: null"):

@@ -61,16 +61,16 @@ def test_paco_loss_is_paco_loss_of_the_query_key_queue_and_centre_logits_with_th
 
 def test_paco_queue_keeps_each_key_with_its_own_label_across_the_wrap_around():
     torch.manual_seed(0)
-    model = tiny(PaCo)  # queue of 48, batches of 16 and 32: the second push wraps around
-    first, second = batch_of(PACO_VIEWS, 16), batch_of(PACO_VIEWS, 32)
+    model = tiny(PaCo)  # queue of 48, two batches of 32: the second push fills slots 32-47, then 0-15
+    first, second = batch_of(PACO_VIEWS, 32), batch_of(PACO_VIEWS, 32)
     model.step(first)[0]
     model.step(second)[0]
     with torch.no_grad():
         keys = model.target_embed(second["views"]["key"])
-    slots = torch.arange(16, 48) % 48
+    slots = torch.arange(32, 64) % 48
     torch.testing.assert_close(model.queue.keys[slots], keys, rtol=1e-5, atol=1e-6)
     assert torch.equal(model.queue.labels[slots], second["label"])
-    assert model.queue.pointer.item() == 0
+    assert model.queue.pointer.item() == 16
 
 
 def test_prediction_is_the_raw_centre_logits_without_the_prior():
