@@ -3,6 +3,7 @@ figures, `analyse` on a tiny model, the callback (files, logged metrics, W&B ima
 
 import json
 import math
+import random
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -86,13 +87,15 @@ def tiny_npid() -> NPID:
 @pytest.mark.slow
 def test_analyse_reports_a_fixed_subset_in_eval_mode_and_leaves_the_random_streams_alone():
     model, datamodule = tiny_npid(), digits({"image": {"preset": "npid"}}, batch_size=16)
-    state = torch.random.get_rng_state()
+    state, python_state = torch.random.get_rng_state(), random.getstate()
     report = analyse(model, datamodule, max_samples=40)
-    assert torch.equal(torch.random.get_rng_state(), state) and model.training
+    assert torch.equal(torch.random.get_rng_state(), state) and random.getstate() == python_state and model.training
     assert report.positive.shape == (40,) and report.nearest_negatives.shape == (40, 10)
     assert (report.nearest_negatives.diff(dim=1) <= 0).all()
     again = analyse(model, datamodule, max_samples=40)  # the same images and augmentations
     assert report.scalars() == again.scalars()
+    # in eval mode: a model put there first gives the same report (BatchNorm on batch statistics would not)
+    assert analyse(model.eval(), datamodule, max_samples=40).scalars() == report.scalars()
     assert 0 < report.uniformity <= 4 and -1 <= report.tolerance <= 1
     assert 0 < report.scalars()["negative_entropy"] <= math.log(39)
 

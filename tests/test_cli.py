@@ -16,6 +16,7 @@ from lightning.pytorch.callbacks import Callback
 import main_linear
 import main_pretrain
 from datamodules.imagenet import IMAGENET100_WNIDS
+from engine.cli.lightning_cli import ContrastlabCLI
 
 ROOT = Path(__file__).parents[1]
 CONFIGS = sorted(ROOT.glob("configs/*.yaml"))
@@ -48,10 +49,12 @@ def test_every_shipped_config_parses(config, capsys):
 
 
 @pytest.mark.parametrize("subcommand", ["fit", "validate", "test", "predict"])
-def test_each_subcommand_parses_a_config_with_only_its_own_parser_built(subcommand, capsys):
+def test_each_subcommand_parses_a_config_with_only_its_own_parser_built(subcommand, capsys, monkeypatch):
+    built, build = [], ContrastlabCLI._prepare_subcommand_parser
+    monkeypatch.setattr(ContrastlabCLI, "_prepare_subcommand_parser", lambda cli, trainer_class, name, **kwargs: built.append(name) or build(cli, trainer_class, name, **kwargs))
     with pytest.raises(SystemExit) as exit_info:
         main_pretrain.cli_main([subcommand, "--config", PRETRAIN_DIGITS, "--print_config"])
-    assert exit_info.value.code == 0
+    assert exit_info.value.code == 0 and built == [subcommand]
     assert "class_path" in capsys.readouterr().out
 
 

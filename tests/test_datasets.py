@@ -439,8 +439,10 @@ def test_an_unreadable_image_is_logged_counted_and_replaced_by_the_next_one(tmp_
         replacement, label = train[0]
     assert train.corrupt_count == 2 and str(tmp_path / "train/a/0.jpg") in caplog.text
     assert np.array_equal(np.asarray(replacement), np.asarray(train[2][0])) and label == train.labels[2]
-    loader = DataLoader(train, batch_size=5, num_workers=2, collate_fn=list)
-    assert sum(len(batch) for batch in loader) == 10  # the workers skip the known-bad files too
+    for index in range(2):  # readable now, and of another size: a worker that read them again would serve them
+        save_image(tmp_path / "train" / "a" / f"{index}.jpg", size=(9, 7))
+    served = [image for batch in DataLoader(train, batch_size=5, num_workers=2, collate_fn=list) for image, _ in batch]
+    assert len(served) == 10 and all(np.array_equal(np.asarray(served[index]), np.asarray(replacement)) for index in range(2))  # skipped by the workers too
 
 
 def test_an_unreadable_image_of_a_labelled_subset_is_replaced_from_the_subset(tmp_path):

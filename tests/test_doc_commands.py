@@ -30,7 +30,6 @@ A failure names the file, the line and the command.
 import argparse
 import contextlib
 import io
-import os
 import re
 import runpy
 import shlex

@@ -86,6 +86,9 @@ def test_views_of_images_of_several_sizes_come_out_at_the_configured_size_and_ra
         assert view.shape == (len(TRAIN_FILES), 3, SIZE, SIZE) and view.dtype == torch.float32
         pixels = view * torch.tensor(IMAGENET_STD).view(1, 3, 1, 1) + torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1)
         assert pixels.min() >= -1e-5 and pixels.max() <= 1 + 1e-5
+        # normalised: un-normalised, the views reach the images' dark and bright pixels (0.04-0.12 to 0.99 here;
+        # views left in [0, 1] would come out between 0.41 and 0.71)
+        assert pixels.min() < 0.25 and pixels.max() > 0.85
 
 
 def test_the_transfer_to_the_device_moves_labels_and_indices_and_leaves_the_image_bytes_on_the_host(folder):

@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 import main_linear
 import main_pretrain
 from backbones import BackboneSpec, MLPSpec
+from engine.checkpoint_record import VERSION
 from helpers import TINY_PROJECTOR, randomised
 from interop.export import export, main as export_command
 from methods import BYOL, DINO, NNCLR, BarlowTwins, CrossEntropy, LinearProbe, MoCoV2, MoCoV3, PaCo, SimCLR, SimSiam, SwAV, VICReg
@@ -303,6 +304,7 @@ def test_the_record_beside_the_export_says_where_it_came_from(digits_run, capsys
     assert written[0].parent == digits_run.parent.parent / "export"
     record = json.loads(written[2].read_text())
     config = torch.load(digits_run, weights_only=True)["contrastlab"]["config"]
+    assert record["checkpoint"] == str(digits_run) and "last_timm.safetensors" in record["load"]
     assert record | {"checkpoint": None, "load": None} == {
         "format": "timm",
         "files": ["last_timm.pth", "last_timm.safetensors"],
@@ -318,7 +320,7 @@ def test_the_record_beside_the_export_says_where_it_came_from(digits_run, capsys
         "epoch": 1,
         "step": 2,
         "config_sha256": hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest(),
-        "contrastlab_version": record["contrastlab_version"],
+        "contrastlab_version": VERSION,
     }
 
 

@@ -16,7 +16,7 @@ import main_linear
 import main_pretrain
 from analysis.__main__ import main as analyse_checkpoint
 from backbones import BackboneSpec
-from engine.files import read_checkpoint
+from engine.files import ForeignObject, read_checkpoint
 from interop.official import convert, detect_format
 from methods import CrossEntropy, LinearProbe, PaCo
 from helpers import randomised
@@ -384,6 +384,32 @@ def test_a_legacy_format_file_with_foreign_objects_is_read_without_running_them(
     assert probe.hparams.backbone is None and probe.backbone.conv1.kernel_size == (3, 3)
     with torch.no_grad():
         assert torch.equal(probe.backbone(IMAGES), trunk(IMAGES))
+
+
+def write_marker(path: str) -> None:
+    """What unpickling a `RunsCodeWhenLoaded` calls: pickle names this function, torch.load(weights_only=False) runs it."""
+    Path(path).write_text("ran")
+
+
+class RunsCodeWhenLoaded:
+    """An object whose unpickling calls a function of the file's choosing, as a malicious checkpoint's would."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return write_marker, (str(self.marker),)
+
+
+@pytest.mark.parametrize("zip_format", [True, False], ids=["zip", "legacy"])
+def test_a_checkpoint_whose_objects_would_run_code_when_loaded_is_read_without_running_it(zip_format, tmp_path):
+    marker = tmp_path / "ran"
+    path = tmp_path / "checkpoint.pth"
+    torch.save({"state_dict": {"weight": torch.ones(2)}, "args": RunsCodeWhenLoaded(marker)}, path, _use_new_zipfile_serialization=zip_format)
+    loaded = read_checkpoint(path, "test")
+    assert not marker.exists() and isinstance(loaded["args"], ForeignObject) and torch.equal(loaded["state_dict"]["weight"], torch.ones(2))
+    torch.load(path, weights_only=False)  # what loading it unsafely does: the file's function runs
+    assert marker.read_text() == "ran"
 
 
 @pytest.mark.parametrize("suffix", [".pth", ".safetensors"])

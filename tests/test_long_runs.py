@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from lightning.pytorch.callbacks import Timer
+from lightning.pytorch.callbacks import Callback, Timer
 from test_cli import PRETRAIN_DIGITS, TINY_RUN, run_failing
 
 import main_pretrain
@@ -117,8 +117,20 @@ def test_resuming_with_another_number_of_processes_is_refused(finished_run, caps
 @pytest.mark.slow
 def test_what_a_resumption_may_change_does_not_stop_it(finished_run):
     cli = pretrain(finished_run, "--ckpt_path=last", "--trainer.max_steps=3", "--trainer.limit_val_batches=1", "--data.init_args.num_workers=1",
-                   "--trainer.max_epochs=1")
-    assert cli.trainer.global_step == 2  # the epoch it was trained for is over: nothing more to train
+                   "--trainer.max_epochs=1", "--trainer.callbacks+=test_long_runs.TrainingBatches")
+    batches = next(callback for callback in cli.trainer.callbacks if isinstance(callback, TrainingBatches))
+    # resumed at its end: the epoch it was trained for is over, nothing more to train (a new run would train 2 batches)
+    assert cli.trainer.global_step == 2 and batches.count == 0
+
+
+class TrainingBatches(Callback):
+    """Counts the training batches a run trains."""
+
+    def __init__(self):
+        self.count = 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.count += 1
 
 
 def test_a_setting_added_since_the_checkpoint_is_kept_at_its_default_and_refused_otherwise():

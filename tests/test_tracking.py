@@ -71,7 +71,7 @@ def test_without_wandb_mode_an_unreachable_server_means_offline_with_one_warning
         assert wandb_mode() == "offline"
 
 
-def test_the_reachability_check_gives_up_quickly_on_a_closed_port():
+def test_the_reachability_check_gives_up_quickly_on_a_closed_port(monkeypatch):
     with socket.socket() as listener:  # a port that was free a moment ago: nothing listens there now
         listener.bind(("127.0.0.1", 0))
         port = listener.getsockname()[1]
@@ -80,6 +80,14 @@ def test_the_reachability_check_gives_up_quickly_on_a_closed_port():
         listener.bind(("127.0.0.1", 0))
         listener.listen()
         assert tracking.wandb_server_reachable(f"http://127.0.0.1:{listener.getsockname()[1]}") is None
+    timeouts = []  # a server that never answers: the check waits its 3 s at most, not W&B's minutes of retries
+
+    def never_answers(address, timeout):
+        timeouts.append(timeout)
+        raise TimeoutError("timed out")
+
+    monkeypatch.setattr(tracking.socket, "create_connection", never_answers)
+    assert tracking.wandb_server_reachable("https://wandb.example") == "timed out" and timeouts == [3.0]
 
 
 def test_the_run_is_bound_to_its_directory_before_its_wandb_run_exists_and_not_after(tmp_path):
