@@ -254,8 +254,11 @@ def test_an_exported_long_tail_classifier_predicts_the_classes_validate_predicts
         expected = model.classify(IMAGES).argmax(dim=1)
     assert expected.tolist() == [0, 1]
     pth, _, record = export(saved(model, tmp_path / "last.ckpt"), "torchvision", tmp_path / "classifier")
+    state = torch.load(pth, weights_only=True)
+    # the weights the model classifies with: tau-normalised where it is set (the same argmax either way here)
+    assert torch.equal(state["fc.weight"], tau_normalised(model.classifier.weight, tau_norm) if tau_norm else model.classifier.weight)
     exported = torchvision_model("resnet18", small_input=True, num_classes=10)
-    exported.load_state_dict(torch.load(pth, weights_only=True), strict=True)
+    exported.load_state_dict(state, strict=True)
     with torch.no_grad():
         assert torch.equal(exported.eval()(IMAGES).argmax(dim=1), expected)
     assert json.loads(record.read_text())["classifier"] == {"num_classes": 10, "tau_norm": tau_norm or 0.0, "keys": "fc.*"}
