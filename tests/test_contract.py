@@ -43,7 +43,7 @@ def test_a_mixin_after_the_method_base_is_refused_when_the_class_is_created():
 
 
 def test_a_mixin_before_the_method_base_is_accepted():
-    class Right(MomentumMixin, PretrainMethod):
+    class Right(MomentumMixin, PretrainMethod):  # what is checked: defining it raises no TypeError
         pass
 
-    assert Right.__mro__.index(MomentumMixin) < Right.__mro__.index(MethodBase)
+    assert Right.optimizer_step is MomentumMixin.optimizer_step  # the mixin's hook is the one Lightning calls

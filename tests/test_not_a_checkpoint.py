@@ -60,6 +60,6 @@ def test_the_export(not_a_checkpoint, tmp_path):
 def test_the_analysis(not_a_checkpoint, tmp_path, capfd):
     with pytest.raises(SystemExit) as exit_info:
         analyse_checkpoint([str(not_a_checkpoint), "--config", PRETRAIN_DIGITS, "--out", str(tmp_path / "out")])
-    assert_one_line_about(str(exit_info.value.code), not_a_checkpoint, "")  # the line `python -m analysis` prints
+    assert_one_line_about(str(exit_info.value.code), not_a_checkpoint, "checkpoint ")  # the line `python -m analysis` prints: its argument is the checkpoint
     assert capfd.readouterr().err == ""  # and nothing else
     assert not (tmp_path / "out").exists()
