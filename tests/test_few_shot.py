@@ -79,6 +79,7 @@ def test_few_shot_probes_a_tiny_model_on_digits_and_repeats_itself():
     assert model.training
     assert {key: record[key] for key in ("training_split", "eval_split", "eval_images", "seeds")} == {
         "training_split": "train", "eval_split": "val", "eval_images": 300, "seeds": [5, 6, 7]}
+    assert sorted(record["shots"]) == [1, 3]
     for result in record["shots"].values():
         assert len(result["top1"]) == 3 and all(0 <= top1 <= 1 for top1 in result["top1"])
         mean, half = mean_interval(result["top1"])

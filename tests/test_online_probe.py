@@ -59,8 +59,10 @@ def solo_learn_lars_step(param: torch.Tensor, grad: torch.Tensor, lr: float, eta
 
 @pytest.mark.parametrize("like_trunk", [False, True])
 def test_a_probe_like_the_trunk_has_its_lr_scaled_with_the_batch_and_its_weight_lars_adapted(like_trunk):
-    spec = OptimizerSpec(name="lars", lr=1.0, lr_scaling="linear", weight_decay=1e-5, trust_coefficient=0.02,
-                         lars_trust_denominator="norm_sum", lars_clip_lr=True, exclude_bias_and_norm=True)  # solo-learn's CIFAR BYOL
+    # solo-learn's CIFAR BYOL, with weight decay 1e-2 for its 1e-5: the probe's group has none, and decay at 1e-5 would
+    # move its weight by 7.5e-9, under the tolerance
+    spec = OptimizerSpec(name="lars", lr=1.0, lr_scaling="linear", weight_decay=1e-2, trust_coefficient=0.02,
+                         lars_trust_denominator="norm_sum", lars_clip_lr=True, exclude_bias_and_norm=True)
     model = tiny_moco(optimizer=spec, probe_lr=0.1, probe_like_trunk=like_trunk)
     batch = first_batch(digits(MOCO_VIEWS, batch_size=16))
     scale = spec.batch_scale(16)  # 16 / 256

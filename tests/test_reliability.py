@@ -244,7 +244,10 @@ def test_sigterm_saves_the_step_it_interrupts_as_last_ckpt_and_the_run_resumes_e
     L.seed_everything(0, verbose=False)
     build, views = METHODS["moco"]
     directory = tmp_path / "interrupted"
-    callbacks = [RandomStateCheckpoint(), LastCheckpointOnSigterm(), PreemptionSignals(), SignalAtStep(signal.SIGTERM, signal_step), ModelCheckpoint(directory, save_last=True)]
+    # a checkpoint callback that saves nothing of its own within this run (at the end of an epoch it would write the
+    # interrupted step too): last.ckpt can only be the SIGTERM save's
+    never_within_the_run = ModelCheckpoint(directory, save_last=True, every_n_epochs=TOTAL_STEPS + 1)
+    callbacks = [RandomStateCheckpoint(), LastCheckpointOnSigterm(), PreemptionSignals(), SignalAtStep(signal.SIGTERM, signal_step), never_within_the_run]
     interrupted = cpu_trainer(directory, max_steps=TOTAL_STEPS, limit_train_batches=BATCHES_PER_EPOCH, limit_val_batches=0,
                               enable_checkpointing=True, callbacks=callbacks)
     with pytest.raises(SIGTERMException):  # Lightning finishes the batch, then stops
@@ -356,12 +359,14 @@ def test_sigusr1_under_slurm_checkpoints_the_step_it_interrupts_and_the_requeued
 
 
 @pytest.mark.parametrize(
-    "signum, status, saved_step",
-    [(signal.SIGTERM, 143, 4), (signal.SIGINT, 1, 2)],  # SIGTERM: step 3 finishes and is saved; Ctrl-C: the epoch-0 checkpoint stays
+    "signum, status, saved_step, position",
+    # at step 2, the first of epoch 1 (two batches an epoch): SIGTERM finishes it and saves it, mid-epoch (no epoch-end
+    # checkpoint could hold it); Ctrl-C leaves the epoch-0 checkpoint
+    [(signal.SIGTERM, 143, 3, {"epoch": 1, "batches": 1}), (signal.SIGINT, 1, 2, {"epoch": 1, "batches": 0})],
     ids=["SIGTERM", "SIGINT"],
 )
 @pytest.mark.slow
-def test_a_signalled_cli_run_exits_with_a_loadable_last_ckpt(signum, status, saved_step, tmp_path, capsys, caplog):
+def test_a_signalled_cli_run_exits_with_a_loadable_last_ckpt(signum, status, saved_step, position, tmp_path, capsys, caplog):
     run_dir = tmp_path / "run"
     handler = signal.getsignal(signal.SIGINT)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # Python ignores SIGINT when started in the background
@@ -370,15 +375,15 @@ def test_a_signalled_cli_run_exits_with_a_loadable_last_ckpt(signum, status, sav
             main_pretrain.cli_main(["fit", "--config", PRETRAIN_DIGITS, *TINY_RUN, "--trainer.max_epochs=3", "--trainer.limit_val_batches=0",
                                     "--trainer.logger=false", "--trainer.precision=32-true", f"--trainer.default_root_dir={run_dir}",
                                     "--trainer.callbacks+=test_reliability.SignalAtStep", f"--trainer.callbacks.signum={int(signum)}",
-                                    "--trainer.callbacks.step=3"])
+                                    "--trainer.callbacks.step=2"])
     finally:
         signal.signal(signal.SIGINT, handler)  # Lightning ignores Ctrl-C while it shuts down, and leaves it so
     assert exit_info.value.code == status
     checkpoint = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
     assert checkpoint["global_step"] == saved_step
-    assert checkpoint["DigitsDataModule"] == {"epoch": saved_step // 2, "batches": 0}  # where the data order resumes
+    assert checkpoint["DigitsDataModule"] == position  # where the data order resumes
     if signum == signal.SIGTERM:
-        assert "stopped by SIGTERM after global step 4 (checkpoints/last.ckpt): resume with --ckpt_path last" in capsys.readouterr().err
+        assert "stopped by SIGTERM after global step 3 (checkpoints/last.ckpt): resume with --ckpt_path last" in capsys.readouterr().err
         assert "weights_only" not in caplog.text  # Lightning's note on a save that does not say what it keeps
 
 

@@ -60,7 +60,10 @@ def test_mocov3_options_freeze_the_patch_projection_and_the_fixed_position_table
     assert all(p.requires_grad for p in trainable.parameters())
 
 
-def test_the_momentum_update_leaves_the_frozen_parameters_exactly_as_they_are():
+def test_frozen_parameters_copied_into_the_momentum_encoder_stay_as_they_are_under_its_update():
+    """The update moves every parameter, frozen ones too, as facebookresearch/moco-v3 moco/builder.py
+    `_update_momentum_encoder` does; MoCo v3's target starts as a copy, so its frozen patch projection and its fixed
+    position table stay the online network's."""
     online, _ = build_backbone("vit_tiny", **MOCOV3, **TINY)
     target, _ = build_backbone("vit_tiny", **MOCOV3, **TINY)
     target.patch_embed.proj.load_state_dict(online.patch_embed.proj.state_dict())
