@@ -11,12 +11,12 @@ from lightning.pytorch.cli import LightningArgumentParser, SaveConfigCallback
 from lightning.pytorch.loggers import WandbLogger
 
 from engine.checkpoint_record import RECORD_KEY
-from engine.config import SAFE_LOADER, load_yaml
 from engine.cli.errors import condense_parser_error, fail
+from engine.config import SAFE_LOADER, load_yaml
 from engine.files import write_run_file
 
 
-def syntax_error(path, text: str) -> None:
+def fail_on_syntax_error(path, text: str) -> None:
     """End with one line naming the file, line and column of a YAML syntax error, worded by PyYAML's Python parser
     (libyaml's words differ, and a PyYAML without libyaml would give those)."""
     try:
@@ -43,7 +43,7 @@ class ContrastlabArgumentParser(LightningArgumentParser):
                 text = Path(path).read_text()
                 yaml.compose(text, Loader=SAFE_LOADER)
             except yaml.YAMLError:
-                syntax_error(path, text)
+                fail_on_syntax_error(path, text)
             except OSError:
                 pass  # an unreadable path: jsonargparse reports it
         return super().parse_path(path, *args, **kwargs)
