@@ -161,9 +161,9 @@ def test_the_seed_of_each_draw_follows_its_place_in_the_epoch_through_a_resume_a
     assert [index for index, _ in padding] == [index for index, _ in whole[:2]] and not {seed for _, seed in padding} & {seed for _, seed in whole}
     labels = np.repeat(np.arange(3), [6, 3, 1])
     for policy in ("class_balanced", "square_root", "progressive"):  # the long-tail samplers: the same order, with seeds
-        plain, seeded = (ClassPrioritySampler(labels, 3, policy, total_epochs=4, seed=1, draw_seeds=draw_seeds) for draw_seeds in (False, True))
-        draws = list(seeded)
-        assert [index for index, _ in draws] == list(plain) and len({seed for _, seed in draws}) == len(draws)
+        plain, with_seeds = (ClassPrioritySampler(labels, 3, policy, total_epochs=4, seed=1, draw_seeds=draw_seeds) for draw_seeds in (False, True))
+        long_tail_draws = list(with_seeds)
+        assert [index for index, _ in long_tail_draws] == list(plain) and len({seed for _, seed in long_tail_draws}) == len(long_tail_draws)
 
 
 def test_a_draw_seeds_numpy_apart_from_torch():
