@@ -48,10 +48,12 @@ def _float_vector(tensors: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
 
 
-def _projections(vector: torch.Tensor, module: str) -> list[float]:
+def _projections(module: str, *vectors: torch.Tensor) -> list[list[float]]:
+    """Each vector's projections on the module's directions, drawn once for all of them (the draw is most of the
+    time of a large module's fingerprint)."""
     generator = np.random.Generator(np.random.PCG64(zlib.crc32(module.encode())))
-    directions = torch.from_numpy(generator.standard_normal((DIRECTIONS, vector.numel())))
-    return (directions @ vector).tolist()
+    directions = torch.from_numpy(generator.standard_normal((DIRECTIONS, vectors[0].numel())))
+    return [(directions @ vector).tolist() for vector in vectors]
 
 
 def module_fingerprints(after: dict[str, torch.Tensor], before: dict[str, torch.Tensor]) -> dict[str, dict]:
@@ -72,13 +74,14 @@ def module_fingerprints(after: dict[str, torch.Tensor], before: dict[str, torch.
                 integers.update(entry)
         state = _float_vector(tensors)
         change = state - _float_vector([(name, before[name]) for name, _ in tensors])
+        projections, change_projections = _projections(module, state, change)
         found[module] = {
             "sha256": everything.hexdigest(),
             "integers": integers.hexdigest(),
             "norm": state.norm().item(),
-            "projections": _projections(state, module),
+            "projections": projections,
             "change_norm": change.norm().item(),
-            "change_projections": _projections(change, module),
+            "change_projections": change_projections,
         }
     return found
 
