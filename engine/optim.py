@@ -11,7 +11,7 @@ global batch size, as the papers state it) and the learning rate itself when it 
 
 import math
 from dataclasses import dataclass, field
-from typing import Iterable, Literal
+from typing import Callable, Iterable, Literal
 
 import torch
 from torch.optim import Optimizer
@@ -90,6 +90,11 @@ class ScheduleSpec:
     # epoch, MoCo v2's scripts); s/W from 0 (ReSSL's and SimCLR's official code, BYOL, MoCo v3); s/(W-1) from 0 to
     # the peak at the last warm-up step (eztorch's LinearWarmupCosineAnnealingLR, which SCE's official runs use).
     warmup_shape: WarmupShape = "(s+1)/W"
+    # The learning rate of the first warm-up step, the same for every scheduled group: the warm-up runs from it to
+    # each group's peak in the shape above (vturrisi/solo-learn solo/utils/lr_scheduler.py: warmup_start_lr, 3e-5 by
+    # default in solo/methods/base.py, for the trunk's groups and the online classifier's alike). 0: from the shape's
+    # own first value.
+    warmup_start_lr: float = 0.0
     decay: Literal["cosine", "step", "constant"] = "cosine"
     milestones: list[int] = field(default_factory=list)  # epochs at which `step` multiplies by gamma
     gamma: float = 0.1
@@ -106,6 +111,8 @@ class ScheduleSpec:
     def __post_init__(self):
         if self.warmup_shape not in WarmupShape.__args__:
             raise ValueError(f"schedule.warmup_shape must be one of {', '.join(WarmupShape.__args__)}, got {self.warmup_shape!r}")
+        if self.warmup_start_lr < 0 or (self.warmup_start_lr > 0 and self.warmup_epochs == 0):
+            raise ValueError(f"schedule.warmup_start_lr must be >= 0, and 0 without warmup_epochs, got {self.warmup_start_lr} with warmup_epochs {self.warmup_epochs}")
         if not 0 <= self.cosine_offset_epochs <= self.warmup_epochs:
             raise ValueError(f"schedule.cosine_offset_epochs must lie in [0, warmup_epochs = {self.warmup_epochs}], got {self.cosine_offset_epochs}")
         if self.lag_epochs < 0:
@@ -198,17 +205,18 @@ def warmup_factor(step: int, warmup_steps: float, shape: WarmupShape) -> float:
     return step / max(warmup_steps - 1, 1)
 
 
-def lr_factor(step: int, steps_per_epoch: int, total_steps: int, spec: ScheduleSpec) -> float:
-    """Multiplier of the peak learning rate at optimizer step `step` (0-based)."""
+def lr_factor(step: int, steps_per_epoch: int, total_steps: int, spec: ScheduleSpec, start_fraction: float = 0.0) -> float:
+    """Multiplier of the peak learning rate at optimizer step `step` (0-based); the warm-up starts at
+    `start_fraction` of the peak (`warmup_start_lr` over the group's peak)."""
     step = max(step - spec.lag_epochs * steps_per_epoch, 0)
     if spec.unit == "epoch":
         epoch = step // steps_per_epoch
         if epoch < spec.warmup_epochs:  # the shape over epochs: (e + 1) / W in epoch e, as PaCo's adjust_learning_rate
-            return warmup_factor(epoch, spec.warmup_epochs, spec.warmup_shape)
+            return start_fraction + (1.0 - start_fraction) * warmup_factor(epoch, spec.warmup_epochs, spec.warmup_shape)
         step = epoch * steps_per_epoch
     warmup_steps = round(spec.warmup_epochs * steps_per_epoch)
     if step < warmup_steps:
-        return warmup_factor(step, warmup_steps, spec.warmup_shape)
+        return start_fraction + (1.0 - start_fraction) * warmup_factor(step, warmup_steps, spec.warmup_shape)
     if spec.decay == "constant":
         return 1.0
     if spec.decay == "step":
@@ -239,9 +247,14 @@ def configure_optimization(trainer, groups: list[dict], optimizer_spec: Optimize
     steps_per_epoch = max(1, trainer.num_training_batches // trainer.accumulate_grad_batches)
     lr = optimizer_spec.effective_lr(global_batch_size)
     optimizer = build_optimizer(with_group_lrs(groups, lr, optimizer_spec.batch_scale(global_batch_size)), optimizer_spec, lr)
-    scheduled = lambda step: lr_factor(step, steps_per_epoch, total_steps, schedule_spec)  # noqa: E731
-    fixed = lambda step: 1.0  # noqa: E731  (a group marked `fixed_lr` keeps the peak learning rate)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, [fixed if group.get("fixed_lr") else scheduled for group in groups])
+
+    def schedule(group: dict) -> Callable[[int], float]:
+        if group.get("fixed_lr"):
+            return lambda step: 1.0  # a group marked `fixed_lr` keeps the peak learning rate
+        start_fraction = schedule_spec.warmup_start_lr / group["lr"] if schedule_spec.warmup_start_lr else 0.0
+        return lambda step: lr_factor(step, steps_per_epoch, total_steps, schedule_spec, start_fraction)
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, [schedule(group) for group in optimizer.param_groups])
     trainer.print(f"learning rate {lr:.6g} for a global batch of {global_batch_size} ({optimizer_spec.lr_scaling} scaling)")
     return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}
 

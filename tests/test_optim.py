@@ -357,3 +357,47 @@ def test_gradients_are_clipped_tensor_by_tensor_as_dinos_clip_gradients():
     torch.testing.assert_close(large.grad, torch.tensor([30.0, 40.0]) * 3.0 / (50.0 + 1e-6))
     with pytest.raises(ValueError, match="optimizer.clip_grad_per_parameter must be > 0, got 0"):
         OptimizerSpec(clip_grad_per_parameter=0.0)
+
+
+def test_the_warmup_from_a_start_lr_is_solo_learns_linear_warmup_cosine_for_every_group():
+    """vturrisi/solo-learn solo/utils/lr_scheduler.py LinearWarmupCosineAnnealingLR, stepped per optimizer step as
+    solo/methods/base.py configures it: warmup_start_lr 3e-5 for every group, each group's lr rising by
+    (its lr - 3e-5) / (W - 1) a step to its own lr at step W - 1, then (1 + cos(pi (s - W) / (T - W))) / 2 of it.
+    The reference is that scheduler's recurrence, written out for two groups of different peaks (trunk, classifier)."""
+    model = nn.ModuleDict({"backbone": nn.Linear(3, 3), "probe": nn.Linear(3, 2)})
+    spec = OptimizerSpec(lr=1.0, lr_scaling="linear")
+    groups = parameter_groups(model["backbone"].named_parameters(), spec) + [{"params": list(model["probe"].parameters()), "lr": 0.1}]
+    trainer = SimpleNamespace(datamodule=SimpleNamespace(batch_size=256), world_size=1, accumulate_grad_batches=1, max_epochs=10, max_steps=-1,
+                              estimated_stepping_batches=100, num_training_batches=10, print=lambda *args: None)
+    optimization = configure_optimization(trainer, groups, spec, ScheduleSpec(warmup_epochs=2, warmup_shape="s/(W-1)", warmup_start_lr=3e-5))
+    optimizer, scheduler = optimization["optimizer"], optimization["lr_scheduler"]["scheduler"]
+    warmup, total, start = 20, 100, 3e-5
+    expected = []
+    for peak in (1.0, 0.1):
+        rates = [start]
+        for step in range(1, total):
+            if step < warmup:
+                rates.append(rates[-1] + (peak - start) / (warmup - 1))
+            elif step == warmup:
+                rates.append(peak)
+            else:  # the recurrence of the cosine: the ratio of consecutive cosine values
+                ratio = (1 + math.cos(math.pi * (step - warmup) / (total - warmup))) / (1 + math.cos(math.pi * (step - warmup - 1) / (total - warmup)))
+                rates.append(ratio * rates[-1])
+        expected.append(rates)
+    found = [[], []]
+    for _ in range(total):
+        for rates, group in zip(found, optimizer.param_groups):
+            rates.append(group["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert found[0][:3] == pytest.approx([3e-5, 3e-5 + (1.0 - 3e-5) / 19, 3e-5 + 2 * (1.0 - 3e-5) / 19], rel=1e-12)
+    assert found[1][0] == pytest.approx(3e-5, rel=1e-12) and found[1][19] == pytest.approx(0.1, rel=1e-12)
+    for rates, reference in zip(found, expected):
+        assert rates == pytest.approx(reference, rel=1e-9, abs=1e-15)
+
+
+def test_a_warmup_start_lr_without_a_warmup_or_below_zero_is_refused_naming_both_values():
+    with pytest.raises(ValueError, match="schedule.warmup_start_lr must be >= 0, and 0 without warmup_epochs, got 3e-05 with warmup_epochs 0"):
+        ScheduleSpec(warmup_start_lr=3e-5)
+    with pytest.raises(ValueError, match="got -1.0 with warmup_epochs 10"):
+        ScheduleSpec(warmup_epochs=10, warmup_start_lr=-1.0)
