@@ -1,6 +1,6 @@
 """One factory for every trunk and head used in contrastlab.
 
-`build_backbone(name, small_input=False, weights=None, **kwargs) -> (module, feature_dim)` returns a
+`build_backbone(name, small_input=False, weights=None, small_input_stem="sce", **kwargs) -> (module, feature_dim)` returns a
 trunk whose forward gives the pooled feature vector (classifier removed): torchvision ResNets and
 ResNeXts, the CIFAR ResNets of LDAM-DRW/PaCo (`cifar_resnet32`, 64-d), the RIDE multi-expert trunks
 (`ride_resnet50`, `ride_resnext50`, `ride_resnet32`, ...: one feature per expert, shape (B, E, D)), the Vision

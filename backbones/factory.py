@@ -3,7 +3,7 @@ Transformers with the official recipes' options (`backbones.vit`), any timm mode
 from torchvision's published weights or a local state dict."""
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn as nn
@@ -37,6 +37,11 @@ TORCHVISION_BUILDERS = {
     )
 } | {"resnext101_32x4d": resnext101_32x4d}
 CIFAR_DEPTHS = {f"cifar_resnet{depth}": depth for depth in (20, 32, 44, 56, 110)}
+# The 3x3 stride-1 convolution of the small-input stem, after the torchvision constructor drew its weights: `sce` pads
+# by 1 and draws kaiming-normal fan-out weights (CEA-LIST/SCE create_resnet(small_input=True)); `solo_learn` pads by 2
+# (a 34 x 34 first feature map from 32 px) with nn.Conv2d's own initialisation (vturrisi/solo-learn
+# solo/methods/base.py, for cifar10 and cifar100).
+SmallInputStem = Literal["sce", "solo_learn"]
 BACKBONE_NAMES = tuple(TORCHVISION_BUILDERS) + tuple(CIFAR_DEPTHS) + tuple(RIDE_BUILDERS) + tuple(VIT_SIZES) + ("timm:<model_name>",)
 WEIGHTS_KEY = "model.init_args.backbone.weights"
 
@@ -52,13 +57,14 @@ class BackboneSpec:
     small_input: bool = False
     weights: str | None = None
     kwargs: dict[str, Any] = field(default_factory=dict)
+    small_input_stem: SmallInputStem = "sce"
 
     def build(self) -> tuple[nn.Module, int]:
-        return build_backbone(self.name, self.small_input, self.weights, **self.kwargs)
+        return build_backbone(self.name, self.small_input, self.weights, small_input_stem=self.small_input_stem, **self.kwargs)
 
 
 def build_backbone(
-    name: str, small_input: bool = False, weights: str | None = None, **kwargs: Any
+    name: str, small_input: bool = False, weights: str | None = None, small_input_stem: SmallInputStem = "sce", **kwargs: Any
 ) -> tuple[nn.Module, int]:
     """Return `(trunk, feature_dim)`; the trunk maps images to pooled features of size `feature_dim`.
 
@@ -69,7 +75,8 @@ def build_backbone(
     `vit_base` (timm's, with the official recipes' options, see `backbones.vit`) and `timm:<model_name>`.
 
     `small_input=True` replaces the 7x7/2 stem and max-pool by a 3x3 stride-1 convolution (no bias,
-    no pooling): the ResNet variant SCE, ReSSL and SimCLR use for 32-64 px images (CEA-LIST/SCE create_resnet(small_input=True)).
+    no pooling): the ResNet variant SCE, ReSSL and SimCLR use for 32-64 px images (CEA-LIST/SCE create_resnet(small_input=True));
+    `small_input_stem="solo_learn"` builds solo-learn's variant of it (`SmallInputStem`).
 
     `weights=None` keeps the random initialisation. A value ending in `.pth`/`.pt` or containing a
     `/` is a local state dict of the trunk as built here, loaded strictly; the `fc.*` keys of the
@@ -78,6 +85,10 @@ def build_backbone(
     `DEFAULT`, ...), downloaded by torchvision on first use: PaCo's Places-LT run starts ResNet-152
     from `IMAGENET1K_V1` (PaCo's training scripts). timm and CIFAR backbones take local files only.
     """
+    if small_input_stem not in SmallInputStem.__args__:
+        raise ValueError(f"backbone.small_input_stem must be one of {', '.join(SmallInputStem.__args__)}, got {small_input_stem!r}")
+    if small_input_stem != "sce" and not (small_input and name in TORCHVISION_BUILDERS):
+        raise ValueError(f"backbone.small_input_stem {small_input_stem!r} is a stem of the torchvision ResNets with small_input: true, not of {name!r} with small_input: {str(small_input).lower()}")
     weights_file = weights if weights is not None and _names_a_file(weights) else None
     weights_name = weights if weights_file is None else None
     if name.startswith("timm:"):
@@ -85,7 +96,7 @@ def build_backbone(
     elif name in CIFAR_DEPTHS:
         trunk, feature_dim = _build_cifar(name, small_input, weights_name, **kwargs)
     elif name in TORCHVISION_BUILDERS:
-        trunk, feature_dim = _build_torchvision(name, small_input, weights_name, **kwargs)
+        trunk, feature_dim = _build_torchvision(name, small_input, weights_name, small_input_stem, **kwargs)
     elif name in RIDE_BUILDERS:
         trunk, feature_dim = _build_ride(name, small_input, weights_name, **kwargs)
     elif name in VIT_SIZES:
@@ -101,7 +112,7 @@ def _names_a_file(weights: str) -> bool:
     return weights.endswith((".pth", ".pt")) or "/" in weights
 
 
-def _build_torchvision(name: str, small_input: bool, weights_name: str | None, **kwargs: Any) -> tuple[nn.Module, int]:
+def _build_torchvision(name: str, small_input: bool, weights_name: str | None, small_input_stem: SmallInputStem, **kwargs: Any) -> tuple[nn.Module, int]:
     if weights_name is not None and small_input:
         raise ValueError(
             f"{WEIGHTS_KEY}={weights_name!r} cannot be combined with small_input=True: the small-input stem "
@@ -115,10 +126,15 @@ def _build_torchvision(name: str, small_input: bool, weights_name: str | None, *
     feature_dim = trunk.fc.in_features
     trunk.fc = nn.Identity()
     if small_input:
-        trunk.conv1 = nn.Conv2d(3, trunk.conv1.out_channels, kernel_size=3, stride=1, padding=1, bias=False)
-        nn.init.kaiming_normal_(trunk.conv1.weight, mode="fan_out", nonlinearity="relu")
+        trunk.conv1 = nn.Conv2d(3, trunk.conv1.out_channels, kernel_size=3, stride=1, padding=small_input_padding(small_input_stem), bias=False)
+        if small_input_stem == "sce":
+            nn.init.kaiming_normal_(trunk.conv1.weight, mode="fan_out", nonlinearity="relu")
         trunk.maxpool = nn.Identity()
     return trunk, feature_dim
+
+
+def small_input_padding(stem: SmallInputStem) -> int:
+    return 2 if stem == "solo_learn" else 1
 
 
 def _torchvision_weights(name: str, weights_name: str) -> torchvision.models.WeightsEnum:

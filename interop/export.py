@@ -42,7 +42,7 @@ import torch
 import torchvision
 
 from backbones import BackboneSpec, load_state_strictly
-from backbones.factory import TORCHVISION_BUILDERS
+from backbones.factory import TORCHVISION_BUILDERS, small_input_padding
 from backbones.vit import LAYER_NORM_EPS, VIT_SIZES, timm_arguments
 from datamodules.folders import IMAGENET_MEAN, IMAGENET_STD
 from engine.config import as_spec
@@ -105,7 +105,7 @@ def export(
         "checkpoint": str(checkpoint_path),
         "method": f"{method_class.__module__}.{method_class.__qualname__}",
         "encoder": encoder,
-        "trunk": {"name": spec.name, "small_input": spec.small_input, "kwargs": spec.kwargs, "feature_dim": feature_dim},
+        "trunk": {"name": spec.name, "small_input": spec.small_input, "small_input_stem": spec.small_input_stem, "kwargs": spec.kwargs, "feature_dim": feature_dim},
         "classifier": None if classifier is None else {"num_classes": len(classifier["weight"]), "tau_norm": tau, "keys": f"{classifier_prefix}*"},
         "load": _how_to_load(spec, format, files[-1].name, None if classifier is None else len(classifier["weight"])),
         **data_facts(checkpoint.get(RECORD_KEY, {}).get("config")),
@@ -223,7 +223,8 @@ def _how_to_load(spec: BackboneSpec, format: str, file: str, num_classes: int | 
         builder = f"torchvision.models.resnet.ResNet({', '.join(arguments)})"
     steps = [f"model = {builder}"]
     if spec.small_input:
-        steps += ["model.conv1 = torch.nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)", "model.maxpool = torch.nn.Identity()"]
+        padding = small_input_padding(spec.small_input_stem)
+        steps += [f"model.conv1 = torch.nn.Conv2d(3, 64, kernel_size=3, stride=1, padding={padding}, bias=False)", "model.maxpool = torch.nn.Identity()"]
     if not num_classes:
         steps.append("model.fc = torch.nn.Identity()")
     steps.append(f"model.load_state_dict(safetensors.torch.load_file({file!r}), strict=True)")

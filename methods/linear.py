@@ -69,7 +69,7 @@ def trunk_as_trained(recorded: BackboneSpec | dict | None, given: BackboneSpec |
         return given if given is not None else recorded
     trained, asked, default = as_spec(BackboneSpec, recorded), as_spec(BackboneSpec, given), BackboneSpec()
     # a field at BackboneSpec's default may be one the config left out (the parser fills it in): only the others count
-    differing = [(name, getattr(asked, name), f"with {getattr(trained, name)!r}") for name in ("name", "small_input")
+    differing = [(name, getattr(asked, name), f"with {getattr(trained, name)!r}") for name in ("name", "small_input", "small_input_stem")
                  if getattr(asked, name) != getattr(default, name) and getattr(asked, name) != getattr(trained, name)]
     differing += [(f"kwargs.{key}", value, f"with {trained.kwargs[key]!r}" if key in trained.kwargs else "without it")
                   for key, value in asked.kwargs.items() if key != "features" and trained.kwargs.get(key) != value]

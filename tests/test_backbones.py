@@ -101,6 +101,44 @@ def test_cifar_resnet_base_width_builds_pacos_widened_variant():
         build_backbone("cifar_resnet20", base_width=15)  # would fail at the first forward: the shortcut pads 7 + 7 channels onto 15
 
 
+def test_solo_learns_small_input_stem_pads_by_2_and_keeps_nn_conv2ds_initialisation():
+    """vturrisi/solo-learn solo/methods/base.py replaces conv1 of torchvision's resnet18 after its constructor by
+    nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=2, bias=False) and max-pool by Identity: built the same way
+    from the same seed, the trunk has the same weights and features, and a 32 px image gives a 34 x 34 first map."""
+    torch.manual_seed(0)
+    trunk, dim = build_backbone("resnet18", small_input=True, small_input_stem="solo_learn")
+    torch.manual_seed(0)
+    reference = torchvision.models.resnet18()
+    reference.fc, reference.maxpool = nn.Identity(), nn.Identity()
+    reference.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=2, bias=False)
+    state, expected_state = trunk.state_dict(), reference.state_dict()
+    assert dim == 512 and state.keys() == expected_state.keys()
+    assert all(torch.equal(state[key], expected_state[key]) for key in state)
+    sizes = []
+    trunk.conv1.register_forward_hook(lambda module, inputs, output: sizes.append(output.shape[-1]) and None)
+    image = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.equal(trunk.eval()(image), reference.eval()(image))
+    assert sizes == [34]
+    torch.manual_seed(0)
+    sce_stem = build_backbone("resnet18", small_input=True)[0].conv1
+    assert sce_stem.padding == (1, 1) and not torch.equal(sce_stem.weight, trunk.conv1.weight)  # kaiming-normal fan-out there
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        ({"name": "resnet18", "small_input_stem": "solo_learn"}, "backbone.small_input_stem 'solo_learn' is a stem of the torchvision ResNets with small_input: true, not of 'resnet18' with small_input: false"),
+        ({"name": "cifar_resnet32", "small_input_stem": "solo_learn"}, "not of 'cifar_resnet32' with small_input: false"),
+        ({"name": "vit_tiny", "small_input": True, "small_input_stem": "solo_learn"}, "not of 'vit_tiny' with small_input: true"),
+        ({"name": "resnet18", "small_input": True, "small_input_stem": "solo-learn"}, "backbone.small_input_stem must be one of sce, solo_learn, got 'solo-learn'"),
+    ],
+)
+def test_a_small_input_stem_the_trunk_cannot_have_is_refused_naming_it(arguments, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        build_backbone(**arguments)
+
+
 def test_small_input_is_refused_for_cifar_resnets():
     with pytest.raises(ValueError, match="small_input=True is meaningless for 'cifar_resnet32'"):
         build_backbone("cifar_resnet32", small_input=True)

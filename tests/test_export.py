@@ -44,21 +44,21 @@ def moco(backbone: BackboneSpec) -> MoCoV2:
     return model
 
 
-def torchvision_model(name: str, small_input: bool, num_classes: int | None = None) -> nn.Module:
+def torchvision_model(name: str, small_input: bool, num_classes: int | None = None, padding: int = 1) -> nn.Module:
     """The torchvision model of the name, built as the README says (small stem: 3x3 conv1, no max-pool)."""
     model = getattr(torchvision.models, name)(**({"num_classes": num_classes} if num_classes else {}))
     if small_input:
-        model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
+        model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=padding, bias=False)
         model.maxpool = nn.Identity()
     if num_classes is None:
         model.fc = nn.Identity()
     return model
 
 
-@pytest.mark.parametrize("name, small_input", [("resnet18", True), ("resnet50", False), ("resnext50_32x4d", False)])
+@pytest.mark.parametrize("name, small_input, stem", [("resnet18", True, "sce"), ("resnet18", True, "solo_learn"), ("resnet50", False, "sce"), ("resnext50_32x4d", False, "sce")])
 @pytest.mark.slow
-def test_an_exported_trunk_loads_strictly_into_torchvision_and_gives_the_same_features(name, small_input, tmp_path, monkeypatch):
-    model = SimCLR(backbone=BackboneSpec(name, small_input=small_input), projector=TINY_PROJECTOR, knn_k=0)
+def test_an_exported_trunk_loads_strictly_into_torchvision_and_gives_the_same_features(name, small_input, stem, tmp_path, monkeypatch):
+    model = SimCLR(backbone=BackboneSpec(name, small_input=small_input, small_input_stem=stem), projector=TINY_PROJECTOR, knn_k=0)
     randomised(model.backbone)
     files = export(saved(model, tmp_path / "last.ckpt"), "torchvision", tmp_path / "export" / "trunk")
     assert [file.name for file in files] == ["trunk.pth", "trunk.safetensors", "trunk.json"]
@@ -66,7 +66,7 @@ def test_an_exported_trunk_loads_strictly_into_torchvision_and_gives_the_same_fe
     with torch.no_grad():
         expected = model.backbone.eval()(image)
         for state in (torch.load(files[0], weights_only=True), load_file(files[1])):
-            exported = torchvision_model(name, small_input)
+            exported = torchvision_model(name, small_input, padding=2 if stem == "solo_learn" else 1)
             exported.load_state_dict(state, strict=True)
             assert torch.equal(exported.eval()(image), expected)
         recipe = {"torch": torch, "torchvision": torchvision, "safetensors": __import__("safetensors.torch")}
@@ -86,7 +86,7 @@ def test_an_exported_timm_trunk_loads_strictly_into_timm_and_gives_the_same_feat
             assert torch.equal(exported.eval()(IMAGES), expected)
         overlaid = timm.create_model("test_resnet", pretrained=True, pretrained_cfg_overlay={"file": str(safetensors)}, num_classes=0)
         assert torch.equal(overlaid.eval()(IMAGES), expected)
-    assert json.loads(record.read_text())["trunk"] == {"name": "timm:test_resnet", "small_input": False, "kwargs": {}, "feature_dim": 96}
+    assert json.loads(record.read_text())["trunk"] == {"name": "timm:test_resnet", "small_input": False, "small_input_stem": "sce", "kwargs": {}, "feature_dim": 96}
 
 
 PREDICTOR = MLPSpec(hidden_dim=32, output_dim=TINY_PROJECTOR.output_dim)
@@ -314,7 +314,7 @@ def test_the_record_beside_the_export_says_where_it_came_from(digits_run, capsys
         "checkpoint": None,
         "method": "methods.moco.MoCoV2",
         "encoder": "online",
-        "trunk": {"name": "timm:test_resnet", "small_input": False, "kwargs": {}, "feature_dim": 96},
+        "trunk": {"name": "timm:test_resnet", "small_input": False, "small_input_stem": "sce", "kwargs": {}, "feature_dim": 96},
         "classifier": None,
         "load": None,
         "dataset": "datamodules.DigitsDataModule",

@@ -6,8 +6,10 @@ import torch
 from helpers import TINY_BACKBONE, TINY_PROJECTOR, cpu_trainer, digits
 
 from backbones import BackboneSpec
+from engine.checkpoint_record import CheckpointMismatch
 from engine.optim import OptimizerSpec, ScheduleSpec
 from methods import LinearProbe, MoCoV2
+from methods.linear import trunk_as_trained
 from methods.momentum import MomentumSpec
 
 LINEAR_VIEWS = {"image": {"preset": "crop_pad_flip"}}
@@ -44,6 +46,13 @@ def test_backbone_is_loaded_from_the_checkpoint_with_its_recorded_spec(pretraine
 def test_a_backbone_other_than_the_one_the_checkpoint_was_trained_with_is_refused(pretrained_checkpoint, backbone, message):
     with pytest.raises(ValueError, match=message):
         LinearProbe(pretrained_ckpt=str(pretrained_checkpoint[0]), backbone=backbone)
+
+
+def test_a_small_input_stem_other_than_the_trained_one_is_refused():
+    """Both stems have the same tensor shapes (solo-learn's pads by 2): the weights would load strictly into the other."""
+    with pytest.raises(CheckpointMismatch, match="model.backbone.small_input_stem 'solo_learn', but run.ckpt was trained with 'sce'"):
+        trunk_as_trained(BackboneSpec("resnet18", small_input=True), BackboneSpec("resnet18", small_input=True, small_input_stem="solo_learn"), "run.ckpt")
+    assert trunk_as_trained(BackboneSpec("resnet18", small_input=True, small_input_stem="solo_learn"), BackboneSpec(), "run.ckpt").small_input_stem == "solo_learn"
 
 
 def test_a_vit_checkpoint_is_probed_with_its_own_head_count_and_the_configs_features(tmp_path):
