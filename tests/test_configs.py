@@ -87,3 +87,24 @@ def test_weight_decay_reaches_the_parameters_the_header_states(config):
         assert not undecayed
     else:
         assert all(param.ndim > 1 for param in decayed) and all(param.ndim <= 1 for param in undecayed) and decayed and undecayed
+
+
+# The configs that follow a solo-learn pretraining recipe (vturrisi/solo-learn scripts/pretrain/, or its code for TCL's
+# self-supervised setting); the Digits-M stand-ins cite solo-learn for single settings only.
+SOLO_LEARN_RECIPES = [config for config in CONFIGS if "_digits" not in config.stem
+                      and re.search(r"solo-learn scripts/pretrain/|vturrisi/solo-learn at 9187ea3; TCL", header(config))]
+
+
+@pytest.mark.parametrize("config", SOLO_LEARN_RECIPES, ids=[config.name for config in SOLO_LEARN_RECIPES])
+def test_a_solo_learn_recipe_warms_up_from_3e_5_and_builds_solo_learns_cifar_stem(config):
+    """solo/methods/base.py at 9187ea3: warmup_cosine from warmup_start_lr 3e-5 to the peak at the last warm-up step
+    (solo/utils/lr_scheduler.py) for every recipe, and for cifar10 / cifar100 conv1 with padding 2."""
+    resolved = yaml.safe_load(config.read_text())
+    init_args, dataset = resolved["model"]["init_args"], resolved["data"]["class_path"]
+    assert (init_args["schedule"]["warmup_shape"], init_args["schedule"]["warmup_start_lr"]) == ("s/(W-1)", 3e-5)
+    assert init_args["backbone"].get("small_input_stem", "sce") == ("solo_learn" if "CIFAR" in dataset else "sce")
+    assert "CIFAR" in dataset or "ImageNet100" in dataset
+
+
+def test_the_solo_learn_recipes_are_found_for_both_kinds_of_dataset():
+    assert {config.stem.rsplit("_", 1)[-1] for config in SOLO_LEARN_RECIPES} == {"cifar10", "cifar100", "imagenet100"}
