@@ -16,9 +16,9 @@ resumes an interrupted run from its last.ckpt (and starts one that has none). Ea
 `log.txt` (the command and its output), `reproduce.json` (launcher, command, pid or Slurm job id, exit code, log)
 and `reproduce.lock`, which the launcher and the training process hold locked (flock) while either lives. The
 status of a stage is the first that applies: done (results file; stale when its record says they are of other
-arguments: other overrides or `--` arguments, another config; it is then neither run nor counted); running (the
-lock is held; on Slurm: squeue lists the job as running; queued while it waits; submitted when squeue is not there
-to ask); failed (it ended with an error, or the Slurm job left the queue without results: exit code and log);
+arguments: other overrides or `--` arguments, another config, other values in the config file; it is then neither
+run nor counted); running (the lock is held; on Slurm: squeue lists the job as running; queued while it waits;
+submitted when squeue is not there to ask); failed (it ended with an error, or the Slurm job left the queue without results: exit code and log);
 interrupted (ended by SIGTERM, with the exit status 143 of the saved last.ckpt, by Ctrl-C or another signal, or its
 launcher vanished; also a checkpoint without a record); not started.
 
@@ -64,7 +64,7 @@ from engine.files import write_atomically  # noqa: E402
 from engine.tracking import stored_run_id, wandb_mode  # noqa: E402
 from scripts import sweep  # noqa: E402
 from scripts.slurm import job, submit  # noqa: E402
-from scripts.tables import Metric, Row, Table, load_table  # noqa: E402
+from scripts.tables import MAX_SEEDS, Metric, Row, Table, load_table  # noqa: E402
 
 STATE, LOCK, LOG = "reproduce.json", "reproduce.lock", "log.txt"
 INTERRUPTED_EXITS = (143, 130)  # the CLI's exit after saving last.ckpt on SIGTERM; a shell's for Ctrl-C
@@ -131,14 +131,13 @@ def plan(rows: list[Row], seeds: int | None, out: Path, extra: list[str], evalua
 
 
 def read_value(run: Run, metric: Metric) -> float | None:
-    path = run.directory / metric.stage / metric.results
-    return json.loads(path.read_text())["metrics"].get(metric.key) if path.is_file() else None
+    return sweep.read_metric_value(run.directory / metric.stage / metric.results, metric.key)
 
 
 # ----------------------------------------------------------------- status
 def read_state(directory: Path) -> dict | None:
     path = directory / STATE
-    return json.loads(path.read_text()) if path.is_file() else None
+    return sweep.read_json(path, "record of the stage") if path.is_file() else None
 
 
 def write_state(directory: Path, record: dict) -> None:
@@ -175,8 +174,7 @@ def queue_state(job_id: str) -> str | None:
 
 def stage_status(stage: Stage) -> Status:
     if stage.results.is_file():
-        made_with = (read_state(stage.directory) or {}).get("arguments")  # None: recorded before arguments were
-        if (how := sweep.other_arguments(made_with, sweep.stage_arguments(stage.command))) is not None:
+        if (how := sweep.made_differently(read_state(stage.directory), stage.command)) is not None:
             return Status("stale", f"its results were made {how}: remove {shown(stage.directory)} to run it with this "
                                    "command's arguments, or give another --out")
         return Status("done")
@@ -261,7 +259,7 @@ def execute(stage: Stage) -> str:
             # the training process inherits the locked descriptor: the stage counts as running while it lives
             process = subprocess.Popen(stage.command, stdout=stream, stderr=subprocess.STDOUT, cwd=ROOT, pass_fds=(lock.fileno(),))
         record = {"launcher": "local", "host": socket.gethostname(), "pid": process.pid, "command": stage.command,
-                  "arguments": sweep.stage_arguments(stage.command), "log": str(log), "started": time.time(), "exit_code": None}
+                  **sweep.stage_record(stage.command), "log": str(log), "started": time.time(), "exit_code": None}
         write_state(stage.directory, record)
         try:
             code, interrupted = process.wait(), False
@@ -331,7 +329,7 @@ def submit_runs(runs: list[Run], table: Table, args) -> None:
             ((script, job_id),) = submit.write_and_submit(render_job(stage, run, table, args, after), args.dry_run)
             if job_id is not None:
                 write_state(stage.directory, {"launcher": "slurm", "job_id": job_id, "job_file": str(script), "after": after,
-                                              "arguments": sweep.stage_arguments(stage.command), "log": str(stage.directory / "slurm.err"),
+                                              **sweep.stage_record(stage.command), "log": str(stage.directory / "slurm.err"),
                                               "submitted": time.time()})
                 if stage.name == "pretrain":
                     pretraining_job = job_id
@@ -485,11 +483,21 @@ def main(argv: list[str]) -> int:
     ids = [row.id for row in table.rows]
     if unknown := [name for name in args.rows or [] if name not in ids]:
         raise SystemExit(f"error: --rows {' '.join(unknown)}: {shown(table.path)} has no such row (its rows: {', '.join(ids)})")
-    if args.seeds is not None and args.seeds < 1:
-        raise SystemExit(f"error: --seeds {args.seeds} is not a positive number of seeds")
+    if args.seeds is not None and not 1 <= args.seeds <= MAX_SEEDS:
+        raise SystemExit(f"error: --seeds {args.seeds} is not a number of seeds from 1 to {MAX_SEEDS}")
     out = (args.out or Path("runs/tables") / table.path.stem).resolve()
+    if out.exists() and not out.is_dir():
+        raise SystemExit(f"error: --out {shown(out)} is a file, not a folder")
     rows = [row for row in table.rows if args.rows is None or row.id in args.rows]
     runs = plan(rows, args.seeds, out, args.extra, args.evaluation_override)
+    try:
+        return launch(args, table, runs, out)
+    except ValueError as error:  # a record or results file the runs left unreadable
+        raise SystemExit(f"error: {error}") from None
+
+
+def launch(args, table: Table, runs: list[Run], out: Path) -> int:
+    """Run, submit, print or collect the planned runs, as the command line asks."""
     if args.collect:
         print(assemble(table, runs, out))
         return 0

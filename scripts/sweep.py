@@ -10,8 +10,8 @@ Every (grid point, seed) is one `main_pretrain.py fit` run in `OUT/<point>_seed<
 Arguments after `--` are passed to every pretraining run. A run whose results file already exists is
 skipped and an interrupted one resumes from its `last.ckpt` (`--ckpt_path last`), so re-running the
 command resumes an interrupted sweep; a failed run is reported and the others go on. Each stage directory
-records the arguments it ran with (`sweep.json`): results made with other ones (an earlier sweep's `--`
-arguments in the same `--out`) are stale, reported and left out of the table, never taken for this sweep's.
+records the arguments it ran with and its config's values (`sweep.json`): results made with other ones (an earlier
+sweep's `--` arguments in the same `--out`, a config edited since) are stale, reported and left out of the table, never taken for this sweep's.
 The table `OUT/results.md` gives, per grid point, mean ± std and the 95% confidence interval (Student t) over
 seeds; `OUT/results.csv` has one row per run.
 
@@ -25,6 +25,7 @@ The tasks write no table (they end together); `--collect` then builds it from th
 
 import argparse
 import csv
+import hashlib
 import itertools
 import json
 import math
@@ -40,7 +41,7 @@ from scipy import stats
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script: make `scripts` importable
-from engine.config import split_overrides  # noqa: E402
+from engine.config import load_yaml, split_overrides  # noqa: E402
 from engine.files import write_atomically  # noqa: E402
 from scripts.slurm import job  # noqa: E402
 
@@ -74,7 +75,10 @@ def parse_grid(entries: list[str]) -> list[tuple[str, list[str]]]:
         key, separator, values = entry.partition("=")
         if not separator or not key or not values:
             raise ValueError(f"--grid {entry!r} must look like key=value1,value2")
-        grid.append((key, values.split(",")))
+        listed = values.split(",")
+        if repeated := sorted({value for value in listed if listed.count(value) > 1}):
+            raise ValueError(f"--grid {entry!r} repeats {', '.join(repeated)}: each run would count as two")
+        grid.append((key, listed))
     return grid
 
 
@@ -121,6 +125,51 @@ def stage_arguments(command: list[str]) -> list[str]:
     return [Path(command[1]).name, command[2], command[3], config_name, *(argument for argument in command[5:] if not argument.startswith(RUN_PLACEMENT))]
 
 
+def config_values(config: str) -> str:
+    """SHA-256 of a config file's values (not its comments or layout), recorded beside each stage's arguments: the
+    arguments name the config's path only, and results made before its values were edited are not of this config."""
+    return hashlib.sha256(json.dumps(load_yaml(Path(config).read_text()), sort_keys=True, default=str).encode()).hexdigest()
+
+
+def stage_record(command: list[str]) -> dict:
+    """What a stage records of how its results are made (`made_differently` compares it with a later command)."""
+    return {"arguments": stage_arguments(command), "config_values": config_values(command[4])}
+
+
+def made_differently(record: dict | None, command: list[str]) -> str | None:
+    """How results recorded with `record` were made otherwise than `command` would make them ("with A and without
+    B", "with other values in CONFIG"), or None (also for a record older than what it lacks)."""
+    if record is None:
+        return None
+    if (how := other_arguments(record.get("arguments"), stage_arguments(command))) is not None:
+        return how
+    if record.get("config_values") not in (None, config_values(command[4])):
+        return f"with other values in {command[4]} (edited since)"
+    return None
+
+
+def read_json(path: Path, what: str) -> dict:
+    """A JSON object the runs wrote; a file cut short or overwritten is an error naming it, not a traceback."""
+    try:
+        value = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path}: the {what} is not readable JSON ({error}); remove it to run its stage again") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: the {what} is a JSON {type(value).__name__}, not an object; remove it to run its stage again")
+    return value
+
+
+def read_metric_value(path: Path, key: str) -> float | None:
+    """The metric `key` of a results file (None when the file or the key is absent)."""
+    if not path.is_file():
+        return None
+    metrics = read_json(path, "results file").get("metrics")
+    value = metrics.get(key) if isinstance(metrics, dict) else None
+    if value is not None and not isinstance(value, (int, float)):
+        raise ValueError(f"{path}: metric {key} is {value!r}, not a number; remove the file to run its stage again")
+    return value
+
+
 def other_arguments(made_with: list[str] | None, planned: list[str]) -> str | None:
     """How the arguments results were made with differ from the planned ones ("with A and without B"), or None
     when they do not (or were not recorded)."""
@@ -145,8 +194,7 @@ def stale(run: Run, args) -> str | None:
         record = directory / RECORD
         if not (directory / "results_val.json").is_file():
             continue  # no results to mistake (a failed run's record is rewritten when it runs again)
-        made_with = json.loads(record.read_text())["arguments"] if record.is_file() else None
-        if (how := other_arguments(made_with, stage_arguments(command))) is not None:
+        if (how := made_differently(read_json(record, "record of the stage") if record.is_file() else None, command)) is not None:
             return f"{directory.relative_to(run.directory.parent)}'s results were made {how}: remove {run.directory} to run it with these arguments, or give another --out"
     return None
 
@@ -160,7 +208,7 @@ def perform(run: Run, args) -> bool:
         if (directory / "results_val.json").is_file():
             continue
         print(f"[{run.point_name} seed {run.seed}] {shlex.join(command[1:])}", flush=True)
-        write_atomically(directory / RECORD, lambda partial: partial.write_text(json.dumps({"arguments": stage_arguments(command)})))
+        write_atomically(directory / RECORD, lambda partial: partial.write_text(json.dumps(stage_record(command))))
         if not execute(command, run.directory / "log.txt"):
             print(f"  failed: see {run.directory / 'log.txt'}", flush=True)
             return False
@@ -169,10 +217,19 @@ def perform(run: Run, args) -> bool:
 
 def read_finished_metric(run: Run, metric: str) -> float | None:
     stage, _, key = metric.rpartition(":")
-    path = run.directory / stage / "results_val.json" if stage else run.directory / "results_val.json"
-    if not path.is_file():
-        return None
-    return json.loads(path.read_text())["metrics"].get(key)
+    return read_metric_value(run.directory / stage / "results_val.json" if stage else run.directory / "results_val.json", key)
+
+
+def unreported_metric(runs: list[Run], metrics: list[str]) -> str | None:
+    """The first asked metric that the finished results of its stage all lack (a misspelt key would fill its column
+    with "missing"), with the keys they have; None while no result of its stage exists to tell."""
+    for metric in metrics:
+        stage, _, key = metric.rpartition(":")
+        files = [path for run in runs if (path := run.directory / stage / "results_val.json").is_file()]
+        if files and all(read_metric_value(path, key) is None for path in files):
+            reported = sorted(read_json(files[0], "results file").get("metrics") or {})
+            return f"{metric}: no finished run reports {key} ({files[0]} has {', '.join(reported) or 'no metric'})"
+    return None
 
 
 def summarise(values: list[float]) -> dict[str, float]:
@@ -278,6 +335,10 @@ def main(argv: list[str]) -> int:
     for path, flag in ((args.config, "--config"), (args.linear, "--linear")):
         if path is not None and not Path(path).is_file():
             raise SystemExit(f"error: {flag} {path!r} is not an existing file")
+    if repeated := sorted({seed for seed in args.seeds if args.seeds.count(seed) > 1 or seed < 0}):
+        raise SystemExit(f"error: --seeds {' '.join(map(str, args.seeds))}: seed {repeated[0]} is repeated or negative (each seed is one run)")
+    if args.out.exists() and not args.out.is_dir():
+        raise SystemExit(f"error: --out {args.out} is a file, not a folder")
     try:
         runs = expand(parse_grid(args.grid), args.seeds, args.out.resolve())
     except ValueError as error:
@@ -289,9 +350,9 @@ def main(argv: list[str]) -> int:
             raise SystemExit(f"error: {error}") from None
         print(f"sbatch {script}   # then: python scripts/sweep.py --collect {shlex.join(sweep_argv(args))}")
         return 0
-    args.out.mkdir(parents=True, exist_ok=True)
     if args.only is not None and not 0 <= args.only < len(runs):
         raise SystemExit(f"error: --only {args.only} is outside the {len(runs)} runs of this sweep (0..{len(runs) - 1})")
+    args.out.mkdir(parents=True, exist_ok=True)
     if args.only is not None:
         # An array task: Slurm signals every process of the step (SIGUSR1 before the time limit, SIGTERM
         # when it ends the job). The training run handles them (hpc checkpoint and requeue; last.ckpt);
@@ -300,15 +361,20 @@ def main(argv: list[str]) -> int:
         for signum in (signal.SIGUSR1, signal.SIGTERM):
             signal.signal(signum, lambda signum, frame: None)
     selected = [runs[args.only]] if args.only is not None else runs
-    failed = [] if args.collect else [run for run in selected if not perform(run, args)]
-    defaults = DEFAULT_METRICS[: 2 if not args.linear else 3]
-    # A default metric that no run reports (e.g. no kNN monitor on a classifier) is left out of the table.
-    metrics = [*(m for m in defaults if any(read_finished_metric(run, m) is not None for run in runs)), *args.metrics]
-    if args.only is not None and not args.collect:  # the array's tasks end together: one writer of the table, `--collect`
-        print(f"{selected[0].point_name} seed {selected[0].seed}: {'failed' if failed else 'done'}; the table: "
-              f"python scripts/sweep.py --collect {shlex.join(sweep_argv(args))}")
-    else:
-        print(collect(runs, metrics, args.out, frozenset(run.directory for run in runs if stale(run, args) is not None)))
+    try:
+        if unreported := unreported_metric(runs, args.metrics):
+            raise SystemExit(f"error: --metrics {unreported}")
+        failed = [] if args.collect else [run for run in selected if not perform(run, args)]
+        defaults = DEFAULT_METRICS[: 2 if not args.linear else 3]
+        # A default metric that no run reports (e.g. no kNN monitor on a classifier) is left out of the table.
+        metrics = [*(m for m in defaults if any(read_finished_metric(run, m) is not None for run in runs)), *args.metrics]
+        if args.only is not None and not args.collect:  # the array's tasks end together: one writer of the table, `--collect`
+            print(f"{selected[0].point_name} seed {selected[0].seed}: {'failed' if failed else 'done'}; the table: "
+                  f"python scripts/sweep.py --collect {shlex.join(sweep_argv(args))}")
+        else:
+            print(collect(runs, metrics, args.out, frozenset(run.directory for run in runs if stale(run, args) is not None)))
+    except ValueError as error:
+        raise SystemExit(f"error: {error}") from None
     for run in failed:
         print(f"{'stale' if stale(run, args) else 'failed'}: {run.point_name} seed {run.seed} (log: {run.directory / 'log.txt'})")
     return 1 if failed else 0

@@ -40,6 +40,7 @@ CIFAR-10"). A stand-in table's sources are free text (its numbers are the stood-
 tests/test_reproduce.py holds every shipped table file to this.
 """
 
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ROW_KEYS = ("id", "label", "pretrain", "evaluation", "paper", "source", "seeds")  # each required
 OPTIONAL_ROW_KEYS = ("note",)
 TABLE_KEYS = ("title", "kind", "stand_in", "not_covered", "rows")
+MAX_SEEDS = 100  # a row's seeds: more is a typo (each seed is one training run)
 KINDS = ("paper", "baselines")  # what the rows' sources are: a paper's supplement table, a repository's README
 ROW_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 SHOT_GROUPS = {"many": "many_top1", "medium": "medium_top1", "few": "few_top1", "all": "top1"}
@@ -177,13 +179,13 @@ def parse_row(entry, stand_in: bool) -> Row:
     if not isinstance(paper, dict) or not set(paper) <= set(names):
         raise ValueError(f"its paper {paper!r} is not a mapping of its metrics ({', '.join(names)}) to numbers")
     for name, number in paper.items():
-        if number is not None and (isinstance(number, bool) or not isinstance(number, (int, float))):
-            raise ValueError(f"its paper number for {name} ({number!r}) is not a number")
+        if number is not None and (isinstance(number, bool) or not isinstance(number, (int, float)) or not math.isfinite(number)):
+            raise ValueError(f"its paper number for {name} ({number!r}) is not a finite number")
     if not stand_in and all(number is None for number in paper.values()):
         raise ValueError("gives no paper number (only a stand-in table's rows may have none)")
     seeds = entry["seeds"]
-    if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
-        raise ValueError(f"its seeds {seeds!r} is not a positive number of seeds")
+    if isinstance(seeds, bool) or not isinstance(seeds, int) or not 1 <= seeds <= MAX_SEEDS:
+        raise ValueError(f"its seeds {seeds!r} is not a number of seeds from 1 to {MAX_SEEDS}")
     return Row(entry["id"], entry["label"], config, overrides, evaluations, dict(paper), entry["source"], seeds, entry.get("note"))
 
 
@@ -204,8 +206,11 @@ def load_table(path: Path) -> Table:
     if kind not in KINDS:
         raise ValueError(f"{shown}: kind {kind!r} is none of {', '.join(KINDS)}")
     not_covered = data.get("not_covered") or []
-    if not isinstance(not_covered, list) or not all(isinstance(item, dict) and set(item) == {"label", "reason"} for item in not_covered):
-        raise ValueError(f"{shown}: not_covered is not a list of {{label, reason}}")
+    if not isinstance(not_covered, list) or not all(isinstance(item, dict) and set(item) == {"label", "reason"}
+                                                    and all(isinstance(text, str) for text in item.values()) for item in not_covered):
+        raise ValueError(f"{shown}: not_covered is not a list of {{label, reason}} texts")
+    if not isinstance(data.get("stand_in", ""), str):
+        raise ValueError(f"{shown}: stand_in {data['stand_in']!r} is not a text (the paper's table the stand-in stands in for)")
     rows = []
     for number, entry in enumerate(data["rows"], start=1):
         name = entry.get("id") or entry.get("label") if isinstance(entry, dict) else None

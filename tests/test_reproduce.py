@@ -125,7 +125,9 @@ def test_every_baselines_table_row_gives_the_numbers_its_config_header_targets()
         (a_row("b", evaluation="kmeans"), "row 2 (b) its evaluation 'kmeans' is none of"),
         (a_row("b", paper="{linear: 90.0}"), "row 2 (b) its paper {'linear': 90.0} is not a mapping of its metrics (probe, knn)"),
         (a_row("b", paper="{probe: null}"), "row 2 (b) gives no paper number"),
-        (a_row("b", seeds=0), "row 2 (b) its seeds 0 is not a positive number"),
+        (a_row("b", seeds=0), "row 2 (b) its seeds 0 is not a number of seeds from 1 to 100"),
+        (a_row("b", seeds=100000000000), "row 2 (b) its seeds 100000000000 is not a number of seeds from 1 to 100"),
+        (a_row("b", paper="{probe: .nan}"), "row 2 (b) its paper number for probe (nan) is not a finite number"),
         (a_row("b", extra="    colour: red\n"), "row 2 (b) has unknown keys ['colour']"),
         (a_row("a"), "row 2 (a) repeats the id of an earlier row"),
     ],
@@ -139,6 +141,17 @@ def test_a_bad_row_is_one_error_line_naming_the_file_and_the_row_before_anything
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize(
+    "head, problem",
+    [('not_covered: [{label: 5, reason: [1, 2]}]\n', "not_covered is not a list of {label, reason} texts"),
+     ("stand_in: 5\n", "stand_in 5 is not a text (the paper's table the stand-in stands in for)")],
+)
+def test_a_table_whose_texts_are_not_texts_is_refused(head, problem, tmp_path):
+    path = write_table(tmp_path / "t.yaml", a_row("a"), head='title: "a test table"\n' + head)
+    with pytest.raises(SystemExit, match=rf"^error: {re.escape(str(path))}: {re.escape(problem)}$"):
+        reproduce.main([str(path), "--dry-run"])
+
+
 def test_a_table_of_an_unknown_kind_is_refused(tmp_path):
     path = write_table(tmp_path / "t.yaml", a_row("a"), head='title: "a test table"\nkind: survey\n')
     with pytest.raises(SystemExit, match=rf"^error: {re.escape(str(path))}: kind 'survey' is none of paper, baselines$"):
@@ -149,7 +162,7 @@ def test_unknown_rows_and_bad_seeds_are_refused(tmp_path):
     path = write_table(tmp_path / "t.yaml", a_row("a"))
     with pytest.raises(SystemExit, match=r"error: --rows zz: .* has no such row \(its rows: a\)"):
         reproduce.main([str(path), "--rows", "zz", "--dry-run"])
-    with pytest.raises(SystemExit, match="error: --seeds 0 is not a positive number of seeds"):
+    with pytest.raises(SystemExit, match="error: --seeds 0 is not a number of seeds from 1 to 100"):
         reproduce.main([str(path), "--seeds", "0", "--dry-run"])
 
 
@@ -212,6 +225,37 @@ def test_results_made_with_other_arguments_are_stale_neither_run_again_nor_count
     reproduce.run_locally(runs)  # runs nothing: a stale stage is named, and its run's later stages wait
     printed = capsys.readouterr().out
     assert printed.count(": stale (its results were made with") == 2 and "$ " not in printed and "main_pretrain.py" not in printed
+
+
+def test_results_made_before_the_rows_config_was_edited_are_stale(tmp_path):
+    """The stage's record holds its config's values (their SHA-256): the same path with other values is another run."""
+    config = tmp_path / "pretrain.yaml"
+    config.write_text((ROOT / "configs/moco_digits.yaml").read_text())
+    path = write_table(tmp_path / "t.yaml", a_row("a", config=str(config), seeds=1))
+    ((stage, *_),) = (run.stages for run in reproduce.plan(list(load_table(path).rows), None, tmp_path / "out", [], []))
+    write_results(stage.directory, {"val/probe_top1": 0.5})
+    record(stage.directory, exit_code=0, **sweep.stage_record(stage.command))
+    assert reproduce.stage_status(stage).state == "done"
+    config.write_text(config.read_text().replace("temperature: 0.2", "temperature: 0.5", 1))
+    assert str(reproduce.stage_status(stage)).startswith(f"stale (its results were made with other values in {config} (edited since): remove ")
+
+
+@pytest.mark.parametrize("content", ['{"metrics": {"val/pro', '["a list"]'])
+def test_a_results_file_cut_short_is_one_error_line_naming_it_when_the_table_is_collected(content, tmp_path, capsys):
+    path = write_table(tmp_path / "t.yaml", a_row("a", seeds=1))
+    out = tmp_path / "out"
+    ((stage, *_),) = (run.stages for run in reproduce.plan(list(load_table(path).rows), None, out, [], []))
+    write_results(stage.directory, {})
+    (stage.directory / "results_val.json").write_text(content)
+    with pytest.raises(SystemExit, match=re.escape(f"error: {stage.directory / 'results_val.json'}: the results file is ")):
+        reproduce.main([str(path), "--out", str(out), "--collect"])
+
+
+def test_an_out_that_is_a_file_is_one_error_line(tmp_path):
+    path = write_table(tmp_path / "t.yaml", a_row("a", seeds=1))
+    (tmp_path / "out").write_text("")
+    with pytest.raises(SystemExit, match="error: --out .*out is a file, not a folder"):
+        reproduce.main([str(path), "--out", str(tmp_path / "out"), "--collect"])
 
 
 def test_the_collect_command_printed_after_a_submission_names_the_arguments_the_results_are_of(tmp_path):

@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import re
 import shlex
 import signal
 from pathlib import Path
@@ -142,9 +143,71 @@ def test_slurm_mode_refuses_an_override_of_the_jobs_devices_and_writes_nothing(t
     assert not (tmp_path / "sweep").exists()
 
 
-def test_only_refuses_an_index_outside_the_sweep(tmp_path):
+def test_only_refuses_an_index_outside_the_sweep_before_making_its_folder(tmp_path):
     with pytest.raises(SystemExit, match="--only 2 is outside the 2 runs"):
-        sweep.main(["--config", PRETRAIN_DIGITS, "--out", str(tmp_path), "--seeds", "0", "1", "--only", "2"])
+        sweep.main(["--config", PRETRAIN_DIGITS, "--out", str(tmp_path / "sweep"), "--seeds", "0", "1", "--only", "2"])
+    assert not (tmp_path / "sweep").exists()
+
+
+def test_results_made_before_the_configs_values_were_edited_are_stale_and_a_comment_edit_is_not(tmp_path):
+    """The record names the config by its path: its values' SHA-256 beside the arguments tells an edited file."""
+    config = tmp_path / "pretrain.yaml"
+    config.write_text(Path(PRETRAIN_DIGITS).read_text())
+    args = sweep.parse_args(["--config", str(config), "--out", str(tmp_path / "out")])
+    (run,) = sweep.expand([], [0], tmp_path / "out")
+    ((directory, command),) = sweep.stages(run, args)
+    write_results(directory, {"val/knn_top1": 0.5})
+    (directory / sweep.RECORD).write_text(json.dumps(sweep.stage_record(command)))
+    config.write_text("# a new comment\n" + config.read_text())
+    assert sweep.stale(run, args) is None
+    config.write_text(config.read_text().replace("temperature: 0.2", "temperature: 0.5", 1))
+    assert sweep.stale(run, args) == (f"base_seed0's results were made with other values in {config} (edited since): remove {run.directory} "
+                                      "to run it with these arguments, or give another --out")
+    (directory / sweep.RECORD).write_text(json.dumps({"arguments": sweep.stage_arguments(command)}))  # recorded before the values were
+    assert sweep.stale(run, args) is None
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["--seeds", "0", "0"], "error: --seeds 0 0: seed 0 is repeated or negative (each seed is one run)"),
+        (["--seeds", "-1"], "error: --seeds -1: seed -1 is repeated or negative"),
+        (["--grid", "model.init_args.temperature=0.1,0.1"], "error: --grid 'model.init_args.temperature=0.1,0.1' repeats 0.1: each run would count as two"),
+    ],
+)
+def test_a_seed_or_grid_value_given_twice_is_refused_before_anything_is_written(arguments, message, tmp_path, capsys):
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        sweep.main(["--config", PRETRAIN_DIGITS, "--out", str(tmp_path / "sweep"), *arguments])
+    assert not (tmp_path / "sweep").exists()
+
+
+def test_an_out_that_is_a_file_is_one_error_line(tmp_path):
+    (tmp_path / "sweep").write_text("")
+    with pytest.raises(SystemExit, match=re.escape(f"error: --out {tmp_path / 'sweep'} is a file, not a folder")):
+        sweep.main(["--config", PRETRAIN_DIGITS, "--out", str(tmp_path / "sweep"), "--collect"])
+
+
+@pytest.mark.parametrize(
+    "content, problem",
+    [('{"metrics": {"val/knn', "is not readable JSON"), ("[]", "is a JSON list, not an object"),
+     ('{"metrics": {"val/knn_top1": "abc"}}', "metric val/knn_top1 is 'abc', not a number")],
+)
+def test_a_results_file_cut_short_or_overwritten_is_one_error_line_naming_it(content, problem, tmp_path):
+    (run,) = sweep.expand([], [0], tmp_path)
+    write_results(run.directory, {})
+    (run.directory / "results_val.json").write_text(content)
+    with pytest.raises(SystemExit, match=re.escape(f"error: {run.directory / 'results_val.json'}: ") + ".*" + re.escape(problem)):
+        sweep.main(["--config", PRETRAIN_DIGITS, "--out", str(tmp_path), "--collect"])
+
+
+def test_a_metric_no_finished_run_reports_is_refused_naming_what_they_report(tmp_path):
+    (run,) = sweep.expand([], [0], tmp_path)
+    write_results(run.directory, {"val/knn_top1": 0.5, "val/knn_top5": 0.9})
+    with pytest.raises(SystemExit, match=re.escape(f"error: --metrics val/knn_top5x: no finished run reports val/knn_top5x "
+                                                   f"({run.directory / 'results_val.json'} has val/knn_top1, val/knn_top5)")):
+        sweep.main(["--config", PRETRAIN_DIGITS, "--out", str(tmp_path), "--collect", "--metrics", "val/knn_top5x"])
+    assert not (tmp_path / "results.md").exists()
+    assert sweep.main(["--config", PRETRAIN_DIGITS, "--out", str(tmp_path), "--collect", "--metrics", "val/knn_top5"]) == 0
 
 
 @pytest.mark.slow
