@@ -7,46 +7,27 @@ the norms of the fingerprints. `TOLERANCE` in `test_pinned_steps.py` is set from
     uv run --locked python tests/pinned_spread.py ATEN_CPU_CAPABILITY=default
 """
 
-import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-HERE = Path(__file__).parent
+sys.path.insert(1, str(Path(__file__).parents[1]))  # run as a script from tests/: the project's modules too
+from test_pinned_steps import run_cases  # noqa: E402
+
 DEFAULT_VARIANT = ["ONEDNN_MAX_CPU_ISA=SSE41", "MKL_ENABLE_INSTRUCTIONS=SSE4_2"]
 
 
-def run_cases(out: Path, environment: dict[str, str]) -> dict:
-    """Every pinned case's loss and fingerprints, computed in a fresh process with `environment` added."""
-    code = (
-        "import json, sys, tempfile, pathlib, torch, lightning as L\n"
-        f"sys.path[:0] = [{str(HERE)!r}, {str(HERE.parent)!r}]\n"
-        "import test_pinned_steps as pinned\n"
-        "from fingerprint import RECORDED_THREADS\n"
-        "torch.set_num_threads(RECORDED_THREADS); torch.use_deterministic_algorithms(True)\n"
-        "found = {}\n"
-        "for case, (config, overrides) in pinned.CASES.items():\n"
-        "    L.seed_everything(0, verbose=False)\n"
-        "    with tempfile.TemporaryDirectory() as run:\n"
-        "        found[case] = pinned.three_steps(config, overrides, pathlib.Path(run) / 'run')\n"
-        f"pathlib.Path({str(out)!r}).write_text(json.dumps(found))\n"
-    )
-    subprocess.run([sys.executable, "-c", code], env={**os.environ, "WANDB_MODE": "disabled", **environment}, check=True,
-                   cwd=HERE.parent, stdout=subprocess.DEVNULL)
-    return json.loads(out.read_text())
-
-
 def spread(reference: dict, other: dict) -> dict[str, tuple[float, str]]:
-    """The largest relative difference of the loss, a state and a change, and where it was."""
-    worst = {"loss": (0.0, ""), "state": (0.0, ""), "change": (0.0, "")}
+    """The largest relative difference of the loss, a state, a buffers' change and a parameters' change (the keys of
+    `TOLERANCE`), and where it was."""
+    worst = {"loss": (0.0, ""), "state": (0.0, ""), "change": (0.0, ""), "parameter_change": (0.0, "")}
     for case, found in reference.items():
         compared = other[case]
         loss = abs(found["loss"] - compared["loss"]) / max(abs(found["loss"]), 1.0)
         worst["loss"] = max(worst["loss"], (loss, case))
         for module, values in found["modules"].items():
-            for prefix, kind in (("", "state"), ("change_", "change")):
+            change = "parameter_change" if module.endswith(" parameters") else "change"
+            for prefix, kind in (("", "state"), ("change_", change)):
                 norm = values[f"{prefix}norm"]
                 pairs = [(values[f"{prefix}norm"], compared["modules"][module][f"{prefix}norm"])]
                 pairs += list(zip(values[f"{prefix}projections"], compared["modules"][module][f"{prefix}projections"]))
