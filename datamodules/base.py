@@ -306,6 +306,12 @@ class ContrastiveDataModule(L.LightningDataModule):
         labels = dataset_labels(self.splits["train"])
         return np.bincount(labels[labels >= 0], minlength=self.num_classes).tolist()
 
+    def check_sampler(self, max_epochs: int | None) -> None:
+        """`data.sampler`'s own checks against the training split and the run's `trainer.max_epochs` (the CLI calls
+        this before a run writes anything; the sampler itself is built with the training DataLoader)."""
+        if self.sampler != "instance":
+            ClassPrioritySampler(dataset_labels(self.splits["train"]), self.num_classes, self.sampler, max_epochs)
+
     def train_sampler(self, seed: int) -> EpochSampler:
         """The sampler of `data.sampler`, at the point of the epoch where a resumed run stopped. Where DataLoader
         workers draw the views, it gives each draw its seed: a worker's own random streams start anew with every

@@ -34,15 +34,21 @@ def long_tail_counts(num_classes: int, max_count: int, imbalance_ratio: float) -
         raise ValueError(f"a long-tailed split needs at least 2 classes (data.num_classes), got {num_classes}")
     if max_count < 1:
         raise ValueError(f"data.max_count must be >= 1, got {max_count}")
-    if imbalance_ratio < 1:
+    if not imbalance_ratio >= 1:  # NaN too
         raise ValueError(f"data.imbalance_ratio (head / tail images) must be >= 1, got {imbalance_ratio}")
     imbalance_factor = 1.0 / imbalance_ratio
-    return [int(max_count * imbalance_factor ** (label / (num_classes - 1.0))) for label in range(num_classes)]
+    counts = [int(max_count * imbalance_factor ** (label / (num_classes - 1.0))) for label in range(num_classes)]
+    if (empty := counts.index(0) if 0 in counts else None) is not None:
+        raise ValueError(f"data.imbalance_ratio {imbalance_ratio:g} with data.max_count {max_count} keeps no image of class {empty} "
+                         f"(int({max_count} / {imbalance_ratio:g}^({empty} / {num_classes - 1})) = 0): lower the ratio or raise max_count")
+    return counts
 
 
 def long_tail_indices(labels: np.ndarray, counts: list[int], seed: int = 0) -> np.ndarray:
     """Indices of the kept images, class by class: each class's indices shuffled by one generator
     seeded once with `seed` (LDAM-DRW's `np.random.seed(0)`), then the first `counts[c]` of them."""
+    if not 0 <= seed < 2**32:
+        raise ValueError(f"data.long_tail_seed must be in [0, 2**32), got {seed}")
     rng = np.random.RandomState(seed)
     kept = []
     for label, count in enumerate(counts):

@@ -45,6 +45,8 @@ class LabelSubset:
                              f"(a subset list such as SimCLR's 1percent.txt), got fraction={self.fraction}, list_file={self.list_file!r}")
         if self.fraction is not None and not 0 < self.fraction <= 1:
             raise ValueError(f"data.label_subset.fraction must lie in (0, 1], got {self.fraction}")
+        if not 0 <= self.seed < 2**32:
+            raise ValueError(f"data.label_subset.seed must be in [0, 2**32), got {self.seed}")
         if self.list_file is not None and not Path(self.list_file).expanduser().is_file():
             raise ValueError(f"data.label_subset.list_file {self.list_file!r} is not an existing file "
                              "(one training image file name per line, as SimCLR's imagenet_subsets/1percent.txt)")

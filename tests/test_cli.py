@@ -294,6 +294,17 @@ def test_a_multi_gpu_config_on_a_machine_without_gpus_is_one_error_line_naming_t
     assert not run_dir.exists()
 
 
+@pytest.mark.slow
+def test_a_progressive_sampler_without_a_number_of_epochs_is_one_error_line_before_anything_is_written(tmp_path, capsys):
+    """The sampler is built with the training DataLoader, after the run's directory holds its config: the CLI checks
+    `data.sampler` against the split and trainer.max_epochs before that."""
+    run_dir = tmp_path / "run"
+    line = run_failing(main_pretrain, ["fit", "--config", str(ROOT / "configs/ce_digits_lt.yaml"), "--data.init_args.sampler=progressive",
+                                       "--trainer.max_epochs=-1", "--trainer.max_steps=1", f"--trainer.default_root_dir={run_dir}"], capsys)
+    assert line == "error: data.sampler: progressive needs the number of epochs from trainer.max_epochs (>= 1), got -1"
+    assert not run_dir.exists()
+
+
 @pytest.mark.parametrize(
     "entry, arguments",
     [("main_pretrain.py", ["--config", PRETRAIN_DIGITS]),

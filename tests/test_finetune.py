@@ -91,8 +91,9 @@ def test_a_simclr_subset_list_selects_the_listed_training_images_of_a_folder(tmp
         (["--data.init_args.label_subset.fraction=1.5"], "error: data.init_args.label_subset.fraction must lie in (0, 1], got 1.5 (given on the command line)"),
         ([], "error: data.init_args.label_subset.list_file '/no/such/1percent.txt' is not an existing file"),
         (["--data.init_args.label_subset.list_file=/no/such/1percent.txt"], "error: data.label_subset needs exactly one of fraction"),
+        (["--data.init_args.label_subset.seed=-1"], "error: data.init_args.label_subset.seed must be in [0, 2**32), got -1 (given on the command line)"),
     ],
-    ids=["fraction-0", "fraction-above-1", "missing-list-file", "fraction-and-list-file"],
+    ids=["fraction-0", "fraction-above-1", "missing-list-file", "fraction-and-list-file", "negative-seed"],
 )
 def test_a_bad_label_subset_is_one_error_line_naming_the_key_and_nothing_is_written(override, expected, tmp_path, capsys):
     run_dir, config = tmp_path / "run", tmp_path / "listed.yaml"

@@ -20,7 +20,7 @@ from datamodules import (
     PlacesLTDataModule,
 )
 from datamodules.digits import ArrayImageDataset
-from datamodules.longtail import long_tail_counts
+from datamodules.longtail import long_tail_counts, long_tail_indices
 from datamodules.samplers import ClassPrioritySampler, EpochSampler, class_sampling_probabilities
 from datamodules.torchvision_datasets import RGBImages
 from helpers import TINY_BACKBONE, TINY_PROJECTOR, cpu_trainer
@@ -53,11 +53,19 @@ def test_the_profile_truncates_float_powers_in_natural_class_order():
         ((100, 500, 0.5), "data.imbalance_ratio (head / tail images) must be >= 1, got 0.5"),
         ((100, 0, 100), "data.max_count must be >= 1, got 0"),
         ((1, 500, 100), "at least 2 classes (data.num_classes), got 1"),
+        ((100, 500, float("nan")), "data.imbalance_ratio (head / tail images) must be >= 1, got nan"),
+        ((10, 5000, 10000), "data.imbalance_ratio 10000 with data.max_count 5000 keeps no image of class 9 (int(5000 / 10000^(9 / 9)) = 0): "
+                            "lower the ratio or raise max_count"),
     ],
 )
 def test_bad_profile_values_name_their_config_key(args, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         long_tail_counts(*args)
+
+
+def test_a_negative_long_tail_seed_names_its_config_key():
+    with pytest.raises(ValueError, match=re.escape("data.long_tail_seed must be in [0, 2**32), got -1")):
+        long_tail_indices(np.array([0, 1, 1]), [1, 1], seed=-1)
 
 
 # ---------------------------------------------------------------- CIFAR-LT from the balanced pickle batches

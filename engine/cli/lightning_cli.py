@@ -207,6 +207,8 @@ class ContrastlabCLI(LightningCLI):
         with one_error_line(ValueError):
             self.datamodule.setup("fit")  # opens the dataset files: a corrupt one is one error line too
             self.model.check_data(self.datamodule, self.trainer.world_size)
+            if hasattr(self.datamodule, "check_sampler"):  # a DataModule of batches only (tests' stand-ins) has none
+                self.datamodule.check_sampler(self.trainer.max_epochs)
         for message in (*self.model.expected_warnings(), *self.datamodule.expected_warnings()):
             warnings.filterwarnings("ignore", message=message)  # within quiet_run: for this run only
 
