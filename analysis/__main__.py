@@ -27,7 +27,7 @@ from pathlib import Path
 
 from analysis import embedding_map, few_shot
 from analysis.embedding_map import MAX_LEGEND_CLASSES, write_embedding_map
-from analysis.loading import add_checkpoint_arguments, default_out, load_checkpoint_and_data, load_method
+from analysis.loading import add_checkpoint_arguments, default_out, load_checkpoint_and_data, load_method, positive_int
 from analysis.representation import analyse
 from engine.config import split_overrides
 from engine.files import write_atomically
@@ -41,7 +41,7 @@ def embedding_map_command(argv: list[str]) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_checkpoint_arguments(parser)
     parser.add_argument("--space", choices=("trunk", "embedding"), default="trunk", help="which embeddings to map")
-    parser.add_argument("--max-samples", type=int, default=2048, help="images mapped (a fixed random subset)")
+    parser.add_argument("--max-samples", type=positive_int, default=2048, help="images mapped (a fixed random subset)")
     parser.add_argument("--max-classes", type=int, default=10, help=f"map the images of the first classes only (at most {MAX_LEGEND_CLASSES})")
     parser.add_argument("--seed", type=int, default=0, help="of the subset and of t-SNE")
     args = parser.parse_args(own)
@@ -65,7 +65,7 @@ def main(argv: list[str]) -> int:
     own, overrides = split_overrides(argv)
     parser = argparse.ArgumentParser(prog="python -m analysis", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_checkpoint_arguments(parser)
-    parser.add_argument("--max-samples", type=int, default=2048, help="images analysed (a fixed random subset)")
+    parser.add_argument("--max-samples", type=positive_int, default=2048, help="images analysed (a fixed random subset)")
     parser.add_argument("--view", help="the training view of the anchors (default: the method's first)")
     parser.add_argument("--temperature", type=float, help="of the entropy over negatives (default: the method's)")
     args = parser.parse_args(own)

@@ -31,6 +31,25 @@ def load_method(checkpoint_path: Path, checkpoint: dict | None = None) -> Pretra
     return method_class.load_from_checkpoint(checkpoint_path, map_location="cpu")
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: a count of images or classes (argparse's one error line names the option and the value)."""
+    value = int(text)
+    if value < 1:
+        raise ValueError(text)
+    return value
+
+
+def usable_device(text: str) -> str:
+    """An argparse type: a torch device this machine has (a CUDA device on a machine without one is refused)."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:  # not a device name
+        raise ValueError(text) from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(text)
+    return text
+
+
 def add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
     """The arguments every analysis command shares: the checkpoint, its format, the config, the split, where to write."""
     parser.add_argument("checkpoint", type=Path, help="a main_pretrain.py checkpoint, or a published one (--format)")
@@ -38,7 +57,7 @@ def add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, help="the pretraining config (for the data)")
     parser.add_argument("--split", default="val", help="the DataModule split to analyse")
     parser.add_argument("--out", type=Path, help="output folder (default: <run>/analysis)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", type=usable_device, default="cuda" if torch.cuda.is_available() else "cpu")
 
 
 def load_checkpoint_and_data(args: argparse.Namespace, overrides: list[str]) -> tuple[PretrainMethod, ContrastiveDataModule, str]:

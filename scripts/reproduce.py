@@ -392,7 +392,7 @@ def markdown(table: Table, entries: list[dict]) -> str:
             value = f"{entry['mean']:.{digits}f}" + (f" ± {entry['std']:.{digits}f}" if entry["std"] is not None else "") + f" (n={entry['n']})"
         links = " ".join([f"`{shown(entry['directory'])}/`", *(f"[s{seed}]({url})" for seed, url in entry["urls"] if url)])
         lines.append("| " + " | ".join([
-            entry["label"] if first else "", entry["metric"], "—" if entry["paper"] is None else f"{entry['paper']:.{digits}f}", value,
+            entry["label"].replace("|", "\\|") if first else "", entry["metric"], "—" if entry["paper"] is None else f"{entry['paper']:.{digits}f}", value,
             "—" if entry["difference"] is None else f"{entry['difference']:+.2f}", entry["status"] if first else "", links if first else "",
         ]) + " |")
     notes = ["", "Measured: mean ± sample standard deviation over the row's seeds (n), accuracies in %, shown once every seed "

@@ -154,3 +154,16 @@ def test_pretraining_logs_the_analysis_and_the_command_analyses_its_checkpoint(t
     assert capsys.readouterr().out.splitlines()[0].startswith("  1-shot top-1 ")
     with pytest.raises(SystemExit, match=r"error: --model.init_args.temperature=0.5: a contrastlab checkpoint '.*' analyses the method it was trained with"):
         analyse_checkpoint([*command, "--", *data, "--model.init_args.temperature=0.5"])  # it would change nothing: said, not ignored
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [(["--max-samples", "-5"], "argument --max-samples: invalid positive_int value: '-5'"),
+     (["embedding-map", "--max-samples", "0"], "argument --max-samples: invalid positive_int value: '0'"),
+     (["--device", "cuda"] if not torch.cuda.is_available() else ["--device", "nodevice"], "argument --device: invalid usable_device value:")],
+)
+def test_a_count_below_one_or_a_device_this_machine_lacks_is_refused_before_any_checkpoint_is_read(arguments, message, tmp_path, capsys):
+    command = arguments[:1] if arguments[0] == "embedding-map" else []
+    with pytest.raises(SystemExit) as exit_info:
+        analyse_checkpoint([*command, str(tmp_path / "absent.ckpt"), "--config", "configs/moco_digits.yaml", *arguments[len(command):]])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err

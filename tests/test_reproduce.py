@@ -471,3 +471,12 @@ def test_the_dry_run_of_every_table_resolves_each_row_and_prints_its_commands(tm
             configs.add(command[4])
     assert len(configs) > 50
     assert not any(tmp_path.iterdir())  # a dry run writes nothing
+
+
+def test_a_label_with_a_vertical_bar_keeps_the_markdown_tables_columns(tmp_path):
+    path = write_table(tmp_path / "t.yaml", a_row("a", seeds=1).replace("label: row a", "label: 'ResNet-18 | 200 ep'"))
+    out = tmp_path / "out"
+    write_results(out / "a" / "seed0", {"val/probe_top1": 0.5, "val/knn_top1": 0.4})
+    assert reproduce.main([str(path), "--out", str(out), "--collect"]) == 0
+    (line,) = [line for line in (out / "table.md").read_text().splitlines() if "ResNet-18" in line]
+    assert line.startswith("| ResNet-18 \\| 200 ep | ") and line.replace("\\|", "").count("|") == 8
