@@ -18,10 +18,11 @@ What is checked for each recorded call:
   process exits with 0, i.e. the config and every override parse and resolve (nothing is trained);
 - `uv run [--locked] python SCRIPT ARGS` and `uv run [--locked] python -m MODULE ARGS`: run in this process with
   `--help` (put before a `--` separator) it exits with 0, and run with ARGS its argparse parser accepts them (the
-  run stops right after parsing); when the parsed arguments name a `--config`, that config with the first point
-  of every `--grid` and the overrides after `--` resolves through `main_pretrain.py --print_config`, and a
+  run stops right after parsing); when the parsed arguments name a `--config`, that config with every point of
+  its `--grid` and the overrides after `--` resolves through `main_pretrain.py --print_config`, and a
   `--linear` config with its `--linear-override`s through `main_linear.py --print_config`;
 - `uv run [--locked] pytest ARGS`: the test files it names exist and its `-m` markers are registered;
+- `srun [OPTIONS] python ...` (a Slurm job file's task): as `uv run python ...`;
 - every call, `uv run` or not (`pip`, `sbatch`, `srun`, `wandb`, ...): every argument naming a path inside the
   repository (its first component is a top-level entry of the checkout, `runs/` excepted) exists.
 A failure names the file, the line and the command.
@@ -30,6 +31,7 @@ A failure names the file, the line and the command.
 import argparse
 import contextlib
 import io
+import itertools
 import re
 import runpy
 import shlex
@@ -196,8 +198,10 @@ def with_help(args: list[str]) -> list[str]:
     return [*args[: args.index("--")], "--help", *args[args.index("--") :]] if "--" in args else [*args, "--help"]
 
 
-def grid_first_points(grid: list[str]) -> list[str]:
-    return [f"--{key}={values.split(',')[0]}" for key, values in (item.split("=", 1) for item in grid)]
+def grid_points(grid: list[str]) -> list[list[str]]:
+    """The overrides of every point of a sweep's `--grid key=v1,v2 ...` (their product)."""
+    axes = [[f"--{key}={value}" for value in values.split(",")] for key, values in (item.split("=", 1) for item in grid)]
+    return [list(point) for point in itertools.product(*axes)]
 
 
 def check_python(argv: list[str], monkeypatch) -> list[str]:
@@ -226,9 +230,10 @@ def check_python(argv: list[str], monkeypatch) -> list[str]:
     options = vars(outcome.namespace)
     overrides = args[args.index("--") + 1 :] if "--" in args else []
     if isinstance(options.get("config"), str) and options["config"].endswith(".yaml"):
-        pretraining = ["fit", "--config", options["config"], *grid_first_points(options.get("grid") or []), *overrides]
-        if (problem := print_config(main_pretrain, pretraining)) is not None:
-            problems.append(f"its pretraining runs do not resolve ({shlex.join(pretraining)}): {problem}")
+        for point in grid_points(options.get("grid") or []):
+            pretraining = ["fit", "--config", options["config"], *point, *overrides]
+            if (problem := print_config(main_pretrain, pretraining)) is not None:
+                problems.append(f"its pretraining runs do not resolve ({shlex.join(pretraining)}): {problem}")
     if isinstance(options.get("linear"), str):
         linear = ["fit", "--config", options["linear"], *(options.get("linear_override") or [])]
         if (problem := print_config(main_linear, linear)) is not None:
@@ -267,6 +272,11 @@ def missing_paths(argv: list[str]) -> list[str]:
 
 def check_call(argv: list[str], monkeypatch) -> list[str]:
     problems = missing_paths(argv)
+    if argv[0] == "srun":  # a Slurm job's task (a job file's last line): srun's options, then the task's command
+        task = argv[1:]
+        while task and task[0].startswith("-"):
+            task = task[1:]
+        return [*problems, *check_python(task[1:], monkeypatch)] if task[:1] == ["python"] else problems
     if argv[0] != "uv":
         return problems
     if argv[1] != "run":
@@ -314,21 +324,26 @@ def test_the_readme_and_the_docs_hold_commands_and_the_readme_fits_300_lines():
 
 @pytest.mark.slow  # imports Lightning and resolves a config
 def test_a_command_with_an_unknown_override_fails_naming_file_line_and_command(tmp_path, monkeypatch):
-    """The check can fail: a misspelt override, a script option that does not exist and a missing config."""
+    """The check can fail: a misspelt override, a script option that does not exist, a missing config, a Slurm
+    task's misspelt override and a sweep's bad value in the second point of its grid."""
     monkeypatch.chdir(ROOT)
     page = tmp_path / "page.md"
     page.write_text("# page\n\n```bash\nuv run python main_pretrain.py fit --config configs/moco_digits.yaml \\\n"
                     "    --model.init_args.temprature 0.1\nuv run python scripts/compare.py runs/a --out runs/b --colour red\n"
-                    "srun python main_pretrain.py fit --config configs/no_such_config.yaml\n```\n")
+                    "srun python main_pretrain.py fit --config configs/no_such_config.yaml\n"
+                    "srun --ntasks=2 python main_pretrain.py fit --config configs/moco_digits.yaml --model.init_args.temprature=0.1\n"
+                    "uv run python scripts/sweep.py --config configs/moco_digits.yaml --out runs/s --grid model.init_args.temperature=0.1,warm\n```\n")
     commands, _ = shell_commands(page)
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     calls = recorded_calls(page, commands, scratch)
-    assert [(command.line, argv[0]) for command, argv in calls] == [(4, "uv"), (6, "uv"), (7, "srun")]
+    assert [(command.line, argv[0]) for command, argv in calls] == [(4, "uv"), (6, "uv"), (7, "srun"), (8, "srun"), (9, "uv")]
     problems = [check_call(argv, monkeypatch) for _, argv in calls]
     assert "temprature" in problems[0][0] and "print_config" in problems[0][0]
     assert "not accepted" in problems[1][-1] and "unrecognized arguments: --colour red" in problems[1][-1]
-    assert problems[2] == ["configs/no_such_config.yaml does not exist"]
+    assert problems[2][0] == "configs/no_such_config.yaml does not exist" and "no_such_config.yaml" in problems[2][1]
+    assert len(problems[3]) == 1 and "temprature" in problems[3][0]
+    assert len(problems[4]) == 1 and "--model.init_args.temperature=warm" in problems[4][0]
     assert calls[0][0].where() == (f"{page}:4: uv run python "
                                    "main_pretrain.py fit --config configs/moco_digits.yaml --model.init_args.temprature 0.1")
 
