@@ -4,7 +4,7 @@ A source is a paper and its part ("SCE supplementary, Table 2", "TCL supplementa
 supplementary, Eq. S.3") or an official repository and path ("CEA-LIST/SCE sce/configs/..."), never a file
 this repository does not ship: not "the seed" (the working copies of the papers' supplements), not "seed
 Table 2" / "seed eq. 3-5" / "TCL seed Table 1", not "spec §" or "the spec", not the tags "[recall]" and
-"[2nd]", and no path under /work/shared. A random seed ("3 seeds", `seed_everything`, "seed 0",
+"[2nd]", no path under /work/shared, no document given by an absolute path or as a PDF file, and no spec*.md. A random seed ("3 seeds", `seed_everything`, "seed 0",
 "the same seed") is not a citation and passes.
 """
 
@@ -29,7 +29,11 @@ UNSHIPPED_SOURCE = re.compile(
     r"|\b(?:sce|paco|jcl|tcl|npid|wang\s*&\s*liu)\s+seed\b"  # "TCL seed Table 1", "SCE seed D"
     r"|\bseed\s*/\s*spec\b|\bthe spec\b(?!\s+of\b)|\bspec\s*§|\bspec files?\b"  # "the spec of a view" is a ViewSpec
     r"|\[recall\]|\[2nd\]"
-    r"|/work/shared|\bshared/(?:seeds|specs)\b|\b\w+_supplementary\.txt\b",
+    r"|/work/shared|\bshared/(?:seeds|specs)\b|\b\w+_supplementary\.txt\b"
+    r"|(?<![\w.:/])/(?:[\w.-]+/)+[\w.-]+\.(?:pdf|md|tex|docx?)\b"  # a document on someone's disk: "/home/a/papers/x.pdf"
+    rf"|(?<![\w.:/])/(?:[\w.-]+/)+[\w.-]+\.txt,?\s+{SECTION_WORDS}"  # "/mnt/notes/supp.txt Sec. 2.1" (a data list is no citation)
+    r"|\b[\w/.-]+\.pdf\b"  # a PDF: a paper is cited by its name and part, the file is nobody else's
+    r"|\bspec\w*\.md\b",  # "SPEC.md §5.2", "spec_selfsup.md"
     re.IGNORECASE,
 )
 
@@ -75,6 +79,10 @@ def unshipped_citations(text: str) -> list[tuple[int, str]]:
         "| paper (seed / spec) |",
         "Supplement 2.2 (`shared/seeds/tcl_supplementary.txt`)",
         'Path("/work/shared/seeds/sce_supplementary.txt")',
+        "as /home/alice/papers/sce_supplementary.pdf says",
+        "(/mnt/notes/tcl_supp.txt Sec. 2.1)",
+        "the queue rule (SPEC.md §5.2)",
+        "PaCo's recipe (docs/papers/paco_supplement.pdf, Table 9)",
     ],
 )
 def test_a_citation_of_an_unshipped_source_is_found(cited):
