@@ -195,6 +195,10 @@ def stage_status(stage: Stage) -> Status:
         return Status("running", f"pid {record['pid']} on {record['host']}, log {log}")
     code = record.get("exit_code")
     if code is None or code < 0 or code in INTERRUPTED_EXITS or record.get("interrupted"):
+        # its run resumes only with the arguments it started with (the CLI refuses others): say so, keep its record
+        if (how := sweep.made_differently(record, stage.command)) is not None:
+            return Status("stale", f"its interrupted run was made {how}: remove {shown(stage.directory)} to start it with this "
+                                   "command's arguments, or give another --out")
         return Status("interrupted", f"exit {code}, log {log}" if code is not None else f"its launcher ended, log {log}")
     return Status("failed", f"exit {code}, log {log}" if code else f"exit 0 without {stage.results.name}, log {log}")
 

@@ -480,3 +480,17 @@ def test_a_label_with_a_vertical_bar_keeps_the_markdown_tables_columns(tmp_path)
     assert reproduce.main([str(path), "--out", str(out), "--collect"]) == 0
     (line,) = [line for line in (out / "table.md").read_text().splitlines() if "ResNet-18" in line]
     assert line.startswith("| ResNet-18 \\| 200 ep | ") and line.replace("\\|", "").count("|") == 8
+
+
+def test_an_interrupted_run_of_other_arguments_is_stale_and_keeps_its_record(tmp_path):
+    """Rerun after the table's override was edited, an interrupted run would be resumed with other settings, which the
+    CLI refuses: the stage says why instead of failing, and its record of the interruption stays."""
+    path = write_table(tmp_path / "t.yaml", a_row("a", seeds=1, overrides="model.init_args.temperature: 0.5"))
+    ((stage, *_),) = (run.stages for run in reproduce.plan(list(load_table(path).rows), None, tmp_path / "out", [], []))
+    made_with = [argument.replace("temperature=0.5", "temperature=0.2") for argument in sweep.stage_arguments(stage.command)]
+    record(stage.directory, exit_code=143, arguments=made_with)
+    status = reproduce.stage_status(stage)
+    assert str(status).startswith("stale (its interrupted run was made with --model.init_args.temperature=0.2 and without "
+                                  "--model.init_args.temperature=0.5: remove ")
+    record(stage.directory, exit_code=143, arguments=sweep.stage_arguments(stage.command))
+    assert reproduce.stage_status(stage).state == "interrupted"
