@@ -9,7 +9,8 @@ Every (grid point, seed) is one `main_pretrain.py fit` run in `OUT/<point>_seed<
 `log.txt`), followed, with `--linear`, by `main_linear.py fit` on its `last.ckpt` in `.../linear/`.
 Arguments after `--` are passed to every pretraining run. A run whose results file already exists is
 skipped and an interrupted one resumes from its `last.ckpt` (`--ckpt_path last`), so re-running the
-command resumes an interrupted sweep; a failed run is reported and the others go on. Each stage directory
+command resumes an interrupted sweep; a failed run is reported and the others go on; a run that another process
+trains (a second sweep of the same `--out`) is left to it. Each stage directory
 records the arguments it ran with and its config's values (`sweep.json`): results made with other ones (an earlier
 sweep's `--` arguments in the same `--out`, a config edited since) are stale, reported and left out of the table, never taken for this sweep's.
 The table `OUT/results.md` gives, per grid point, mean ± std and the 95% confidence interval (Student t) over
@@ -25,6 +26,7 @@ The tasks write no table (they end together); `--collect` then builds it from th
 
 import argparse
 import csv
+import fcntl
 import hashlib
 import itertools
 import json
@@ -199,14 +201,35 @@ def stale(run: Run, args) -> str | None:
     return None
 
 
+RUN_LOCK = "run.lock"  # engine.cli.run_lock.LOCK_FILE, which a training run holds while it lives (not imported: it loads Lightning)
+
+
+def held_elsewhere(directory: Path) -> str | None:
+    """Who holds a run directory's lock, while another living process (a sweep run at the same time) trains there."""
+    path = directory / RUN_LOCK
+    if not path.is_file():
+        return None
+    with path.open() as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return lock.read().strip() or "a process that has not yet said which"
+        fcntl.flock(lock, fcntl.LOCK_UN)
+    return None
+
+
 def perform(run: Run, args) -> bool:
-    """Run the stages of one sweep entry that have no results yet; False when one fails or has stale results."""
+    """Run the stages of one sweep entry that have no results yet; False when one fails or has stale results. A
+    stage that another process trains (another sweep of the same --out) is left to it: nothing is written."""
     if (why := stale(run, args)) is not None:
         print(f"[{run.point_name} seed {run.seed}] stale: {why}", flush=True)
         return False
     for directory, command in stages(run, args):
         if (directory / "results_val.json").is_file():
             continue
+        if (holder := held_elsewhere(directory)) is not None:
+            print(f"[{run.point_name} seed {run.seed}] running in another process ({holder}): left to it", flush=True)
+            return True
         print(f"[{run.point_name} seed {run.seed}] {shlex.join(command[1:])}", flush=True)
         write_atomically(directory / RECORD, lambda partial: partial.write_text(json.dumps(stage_record(command))))
         if not execute(command, run.directory / "log.txt"):

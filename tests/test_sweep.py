@@ -222,3 +222,20 @@ def test_a_real_run_is_collected_and_a_rerun_skips_it(tmp_path):
     assert "| base | 1 |" in (tmp_path / "results.md").read_text()
     assert sweep.main(args) == 0  # finished runs are not repeated
     assert (run_dir / "log.txt").read_text().count("$ ") == 1
+
+
+def test_a_run_another_sweep_trains_is_left_to_it_without_a_failure_or_a_line_in_its_log(tmp_path, capsys):
+    """A second sweep into the same --out meets the first one's run: the training run's own lock says so."""
+    from engine.cli.run_lock import LOCK_FILE, RunDirectoryLock
+
+    assert sweep.RUN_LOCK == LOCK_FILE
+    (run,) = sweep.expand([], [0], tmp_path)
+    lock = RunDirectoryLock(run.directory)
+    lock.acquire()  # as the first sweep's training process holds it
+    try:
+        assert sweep.main(["--config", PRETRAIN_DIGITS, "--out", str(tmp_path)]) == 0
+    finally:
+        lock.release()
+    printed = capsys.readouterr().out
+    assert f"[base seed 0] running in another process (process {os.getpid()} on " in printed and ": left to it" in printed
+    assert "failed" not in printed and not (run.directory / "log.txt").exists() and not (run.directory / sweep.RECORD).exists()
