@@ -228,7 +228,8 @@ class SplitFileDataModule(FolderDataModule):
                     raise ValueError(f"{where}: label {label} is outside [0, {self.num_classes}) (data.num_classes {self.num_classes})")
         self.samples = {split: [(str(self.root / relative), label) for relative, label, _ in entries] for split, entries in lines.items()}
         sizes = {path: file_size(path) for samples in self.samples.values() for path, _ in samples}
-        missing = [path for path, size in sizes.items() if size is None]
+        named_at = {str(self.root / relative): where for entries in reversed(lines.values()) for relative, _, where in reversed(entries)}  # first line naming it
+        missing = [f"{path} ({named_at[path]})" for path, size in sizes.items() if size is None]
         if missing:
             raise ValueError(f"{len(missing)} images named in the split files do not exist under data.root {str(self.root)!r}: {listing(missing)}")
         for split, samples in self.samples.items():  # empty files, counted up front: the listed files are looked up anyway

@@ -369,7 +369,7 @@ def test_a_malformed_split_file_line_is_named(tmp_path):
 def test_split_file_images_that_do_not_exist_are_listed_before_training(tmp_path):
     train_file, val_file = write_split_files(tmp_path, [0, 1, 1], [0, 1])
     (tmp_path / "train/1/train_2.jpg").unlink()
-    with pytest.raises(ValueError, match=r"1 images named in the split files do not exist .*train/1/train_2.jpg"):
+    with pytest.raises(ValueError, match=r"1 images named in the split files do not exist .*train/1/train_2.jpg " + re.escape(f"({train_file}:3)")):
         SplitFileDataModule(root=str(tmp_path), train_file=str(train_file), val_file=str(val_file), views=VIEWS)
 
 
