@@ -5,7 +5,7 @@ their trunk, a probe's checkpoint validates and the analysis rebuilds the method
 
 Resuming and validating give the numbers recorded in `expected.json`: the loss and the fingerprint of every module
 (`tests/fingerprint.py`) after one more step, bit for bit on the CPU kind that recorded them (and on an AVX-512 CPU,
-where each such test runs again in a pytest process held to the AVX2 kernels, `fingerprint.held_like`) and to the
+where these tests run again in one pytest process held to the AVX2 kernels, `fingerprint.held_like`) and to the
 tolerances of `test_pinned_steps.py` elsewhere; the accuracies of the probe. To record them anew, at a commit meant to change them:
 `CONTRASTLAB_REPIN=1 uv run --locked pytest tests/test_old_checkpoints.py` (on an AVX-512 machine with the variables of
 `fingerprint.HELD_TO_AVX2` set before it, so that the numbers stay the AVX2 kernels').
@@ -65,22 +65,37 @@ def check_recorded(case: str, found: dict) -> None:
         assert found.keys() == recorded.keys() and all(math.isclose(found[key], value, abs_tol=1e-4) for key, value in recorded.items()), case
 
 
-def ran_held(request, tmp_path) -> bool:
-    """On a machine that computes as the recording one only when held so (`fingerprint.held_like`), this test run
-    in a pytest process held so, where it compares bit for bit (asserted to pass); False where it runs here."""
+RECORDED_TESTS = ["test_an_old_pretraining_checkpoint_resumes_with_its_saved_config_to_the_recorded_state",
+                  "test_an_old_linear_probe_checkpoint_validates_to_the_recorded_accuracy"]
+
+
+@pytest.fixture(scope="module")
+def held_outcomes(tmp_path_factory) -> dict[str, str] | None:
+    """On a machine that computes as the recording one only when held so (`fingerprint.held_like`), the outcome
+    (PASSED, FAILED, ...) of each test that compares recorded numbers, run in one pytest process held so, where it
+    compares bit for bit; None where they run here."""
     environment = held_like(json.loads(EXPECTED.read_text())["machine"])
     if environment is None or os.environ.get("CONTRASTLAB_REPIN") == "1":
-        return False
+        return None
     inherited = {key: value for key, value in os.environ.items() if not key.startswith("PYTEST_XDIST")}  # a session of its own
-    result = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-n", "0", f"--basetemp={tmp_path / 'held'}", request.node.nodeid],
+    result = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rA", "-n", "0",
+                             f"--basetemp={tmp_path_factory.mktemp('held')}", "-k", " or ".join(RECORDED_TESTS), str(Path(__file__))],
                             cwd=ROOT, env={**inherited, **environment}, capture_output=True, text=True)
-    assert result.returncode == 0, result.stdout[-3000:]
+    outcomes = dict(reversed(line.split(" ", 1)) for line in result.stdout.splitlines() if line.startswith(("PASSED ", "FAILED ", "ERROR ")))
+    return {test.split("::", 1)[-1].split(" - ")[0]: outcome for test, outcome in outcomes.items()} | {"output": result.stdout[-3000:]}
+
+
+def ran_held(request, held_outcomes: dict[str, str] | None) -> bool:
+    """Whether this test ran in the held process (asserted to have passed there)."""
+    if held_outcomes is None:
+        return False
+    assert held_outcomes.get(request.node.name) == "PASSED", held_outcomes["output"]
     return True
 
 
 @pytest.mark.parametrize("name", ["moco", "paco"])
-def test_an_old_pretraining_checkpoint_resumes_with_its_saved_config_to_the_recorded_state(name, tmp_path, request):
-    if ran_held(request, tmp_path):
+def test_an_old_pretraining_checkpoint_resumes_with_its_saved_config_to_the_recorded_state(name, tmp_path, request, held_outcomes):
+    if ran_held(request, held_outcomes):
         return
     config, checkpoint = old_run(name, tmp_path)
     cli = main_pretrain.cli_main([
@@ -106,8 +121,8 @@ def test_the_linear_stage_probes_the_trunk_of_an_old_pretraining_checkpoint(tmp_
     assert trunk and all(torch.equal(tensor, saved[name]) for name, tensor in trunk.items())
 
 
-def test_an_old_linear_probe_checkpoint_validates_to_the_recorded_accuracy(tmp_path, request):
-    if ran_held(request, tmp_path):
+def test_an_old_linear_probe_checkpoint_validates_to_the_recorded_accuracy(tmp_path, request, held_outcomes):
+    if ran_held(request, held_outcomes):
         return
     config, checkpoint = old_run("linear", tmp_path)
     _, pretrained = old_run("moco", tmp_path)
