@@ -40,6 +40,8 @@ class LabelSubset:
     seed: int = 0
 
     def __post_init__(self):
+        if self.list_file == "None":  # jsonargparse 4.53 gives a command line's `list_file=null` here as the text 'None'
+            object.__setattr__(self, "list_file", None)
         if (self.fraction is None) == (self.list_file is None):
             raise ValueError("data.label_subset needs exactly one of fraction (a share of every class) or list_file "
                              f"(a subset list such as SimCLR's 1percent.txt), got fraction={self.fraction}, list_file={self.list_file!r}")

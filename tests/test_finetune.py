@@ -14,6 +14,8 @@ from test_datasets import save_image
 import main_linear
 from datamodules import ImageFolderDataModule
 from datamodules.base import dataset_labels
+from datamodules.subsets import LabelSubset
+from engine.cli import ContrastlabCLI
 from interop.export import export
 from methods import FineTune, LinearProbe, MoCoV2
 from methods.momentum import MomentumSpec
@@ -82,6 +84,15 @@ def test_a_simclr_subset_list_selects_the_listed_training_images_of_a_folder(tmp
     train = datamodule.splits["train"]
     assert [Path(train.dataset.paths[index]).name for index in train.indices] == ["n01443537_2.JPEG", "n01440764_0.JPEG"]
     assert dataset_labels(train).tolist() == [1, 0]
+
+
+def test_a_subset_list_replaced_by_a_fraction_on_the_command_line_trains_on_the_fraction(tmp_path):
+    """`list_file=null` reaches the DataModule as the text 'None' (jsonargparse, within a subclass's init_args)."""
+    config = tmp_path / "listed.yaml"
+    config.write_text(Path(FINETUNE_DIGITS).read_text().replace("{fraction: 0.1, seed: 0}", "{list_file: /no/such/1percent.txt}"))
+    cli = ContrastlabCLI(LinearProbe, args=["--config", str(config), "--data.init_args.label_subset.list_file=null", "--data.init_args.label_subset.fraction=0.5",
+                                            "--model.init_args.random_init=true", "--model.init_args.backbone.name=resnet18", "--trainer.logger=false"], run=False)
+    assert cli.datamodule.label_subset == LabelSubset(fraction=0.5)
 
 
 @pytest.mark.parametrize(
