@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks import Callback
 import main_linear
 import main_pretrain
 from datamodules.imagenet import IMAGENET100_WNIDS
-from engine.cli.lightning_cli import ContrastlabCLI
+from engine.cli.lightning_cli import ContrastlabCLI, instantiate_config
 
 ROOT = Path(__file__).parents[1]
 CONFIGS = sorted(ROOT.glob("configs/*.yaml"))
@@ -322,3 +322,19 @@ def test_a_run_prints_none_of_the_log_noise_that_the_project_causes_or_knowingly
     assert "val results: probe_top1" in output
     for noise in ("litlogger", "LeafSpec", "You have overridden `on_after_batch_transfer`", "module(s) in eval mode"):
         assert noise not in output
+
+
+@pytest.mark.parametrize(
+    "written, in_config, expected",
+    [(["--trainer.limit_val_batches=1"], None, 1), (["--trainer.limit_val_batches", "1"], None, 1), (["--trainer.limit_val_batches=1.0"], None, 1.0),
+     ([], "1", 1), ([], "1.0", 1.0), (["--trainer.limit_val_batches=1.0"], "1", 1.0), (["--trainer.limit_val_batches=1"], "1.0", 1),
+     (["--trainer.limit_val_batches=0.5"], None, 0.5)],
+)
+def test_a_batch_count_written_as_an_integer_is_a_number_of_batches_and_a_float_a_share(written, in_config, expected, tmp_path):
+    """Lightning reads limit_val_batches 1 as one batch and 1.0 as all of them; the parser makes both 1.0. The last
+    value written, in a --config file or on the command line, decides, for the trainer and the saved config."""
+    config = tmp_path / "config.yaml"
+    text = (ROOT / "configs/moco_digits.yaml").read_text()
+    config.write_text(text if in_config is None else text.replace("  max_epochs: 60\n", f"  max_epochs: 60\n  limit_val_batches: {in_config}\n"))
+    cli = instantiate_config(str(config), written)
+    assert repr(cli.trainer.limit_val_batches) == repr(expected) and repr(cli.config["trainer"]["limit_val_batches"]) == repr(expected)

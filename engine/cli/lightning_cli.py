@@ -45,7 +45,7 @@ from datamodules.base import ContrastiveDataModule
 from datamodules.folders import TooManyUnreadableImages
 from engine.checkpoint_record import CheckpointMismatch
 from engine.cli.errors import condense_parser_error, fail, last_line, located, one_error_line, root_cause
-from engine.cli.parsing import ContrastlabArgumentParser, SaveConfigToRun
+from engine.cli.parsing import ContrastlabArgumentParser, SaveConfigToRun, batch_counts_written_as_integers
 from engine.cli.quiet import quiet_run
 from engine.cli.resume import (
     LIGHTNING_CHECKPOINT_NAMES,
@@ -136,6 +136,8 @@ class ContrastlabCLI(LightningCLI):
         if not isinstance(seed, int) or isinstance(seed, bool):  # true means seed 0 every time (Lightning >= 2.2 seeds None as 0: Lightning-AI/pytorch-lightning #18846)
             fail(f"seed_everything must be an explicit integer (a config's seed_everything or --seed_everything), got {seed!r}")
         self._choose_cpu_precision(config)
+        for name, count in self._batch_counts_as_written(config["trainer"]).items():  # as the saved config records them
+            config["trainer"][name] = count
         ckpt_path = config.get("ckpt_path")
         if ckpt_path is None or ckpt_path in LIGHTNING_CHECKPOINT_NAMES or "://" in str(ckpt_path) or str(ckpt_path).startswith("registry"):
             return  # a name Lightning resolves (`last` is read in before_fit), a remote or registry path
@@ -184,6 +186,16 @@ class ContrastlabCLI(LightningCLI):
             if directory is not None:
                 config["trainer"]["default_root_dir"] = directory
         dump_config_for_hyperparameters(self)
+
+    def _batch_counts_as_written(self, trainer: dict) -> dict[str, int]:
+        """The Trainer's batch counts written as integers, which the parser made floats (`limit_val_batches=1` is one
+        batch, 1.0 all of them: engine.cli.parsing.BATCH_COUNTS)."""
+        return {name: int(trainer[name]) for name in batch_counts_written_as_integers(self.command_line)
+                if isinstance(trainer.get(name), float) and trainer[name].is_integer()}
+
+    def instantiate_trainer(self, **kwargs: Any):
+        # the parser's instantiation turns them into floats again
+        return super().instantiate_trainer(**kwargs, **self._batch_counts_as_written(self._get(self.config_init, "trainer", default={})))
 
     def instantiate_classes(self) -> None:
         trainer = (self.config[self.subcommand] if self.subcommand else self.config)["trainer"]

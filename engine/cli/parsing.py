@@ -16,6 +16,33 @@ from engine.config import SAFE_LOADER, load_yaml
 from engine.files import write_run_file
 
 
+# The Trainer's arguments that Lightning reads as a number of batches when an int and as a share when a float
+# (`limit_val_batches: 1` one batch, `1.0` all of them). jsonargparse gives their Union[int, float] values as floats
+# (Lightning-AI/pytorch-lightning issue 21259 for val_check_interval), so each is read back as the user wrote it.
+BATCH_COUNTS = ("limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches", "overfit_batches", "val_check_interval")
+
+
+def batch_counts_written_as_integers(command_line: list[str]) -> set[str]:
+    """The `BATCH_COUNTS` whose value, where the command line last sets it (a `--config` file's trainer section or a
+    `--trainer.KEY` argument, in order), is written as an integer."""
+    written, words = {}, iter(command_line)
+    for word in words:
+        key, separator, value = word.partition("=")
+        text = value if separator else None
+        if key == "--config":
+            try:
+                trainer = load_yaml(Path(text if text is not None else next(words, "")).read_text()).get("trainer") or {}
+            except (OSError, yaml.YAMLError, AttributeError):
+                continue  # the parser reports an unreadable config
+            written |= {name: trainer[name] for name in BATCH_COUNTS if isinstance(trainer, dict) and name in trainer}
+        elif key.removeprefix("--trainer.") in BATCH_COUNTS and key.startswith("--trainer."):
+            try:
+                written[key.removeprefix("--trainer.")] = load_yaml(text if text is not None else next(words, ""))
+            except yaml.YAMLError:
+                continue
+    return {name for name, value in written.items() if isinstance(value, int) and not isinstance(value, bool)}
+
+
 def fail_on_syntax_error(path, text: str) -> None:
     """End with one line naming the file, line and column of a YAML syntax error, worded by PyYAML's Python parser
     (libyaml's words differ, and a PyYAML without libyaml would give those)."""
