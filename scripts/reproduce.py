@@ -39,7 +39,6 @@ summary run in OUT/wandb (the runs' W&B project, group = the table file's name).
 """
 
 import argparse
-import contextlib
 import csv
 import fcntl
 import io
@@ -219,20 +218,7 @@ def unresolved(runs: list[Run]) -> str | None:
     stages of one entry point and subcommand resolve together, in one `--print_config` of `--config C ARGS` after
     `--config C ARGS` (the CLI checks each argument against the classes of the config it follows); only when that
     fails is each resolved alone, to name it. A row's seeds differ only in --seed_everything: seed 0 stands for them."""
-    import main_linear  # the CLI: imported only when stages are about to run
-    import main_pretrain
-
-    def resolve(entry: str, arguments: list[str]) -> str | None:
-        errors = io.StringIO()
-        with contextlib.chdir(ROOT), contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(errors):  # where stages run
-            try:
-                (main_linear if entry == "main_linear.py" else main_pretrain).cli_main([*arguments, "--print_config"])
-            except SystemExit as exit:
-                if exit.code not in (0, None):
-                    reasons = [line.removeprefix("error: ") for line in errors.getvalue().splitlines() if line.startswith("error: ")]
-                    return reasons[-1] if reasons else f"exit {exit.code}"
-        return None
-
+    resolve = sweep.resolution_problem
     groups: dict[tuple[str, str], list[tuple[Run, Stage, list[str]]]] = {}
     for run in (run for run in runs if run.seed == 0):
         for stage in run.stages:  # [python, script, subcommand, --config, CONFIG, arguments...]; the --ckpt_path file comes later

@@ -7,7 +7,8 @@
 
 Every (grid point, seed) is one `main_pretrain.py fit` run in `OUT/<point>_seed<S>/` (its log in
 `log.txt`), followed, with `--linear`, by `main_linear.py fit` on its `last.ckpt` in `.../linear/`.
-Arguments after `--` are passed to every pretraining run. A run whose results file already exists is
+Arguments after `--` are passed to every pretraining run; every grid point's stages are resolved by the CLI
+(`--print_config`) before anything is written. A run whose results file already exists is
 skipped and an interrupted one resumes from its `last.ckpt` (`--ckpt_path last`), so re-running the
 command resumes an interrupted sweep; a failed run is reported and the others go on; a run that another process
 trains (a second sweep of the same `--out`) is left to it. Each stage directory
@@ -25,9 +26,11 @@ The tasks write no table (they end together); `--collect` then builds it from th
 """
 
 import argparse
+import contextlib
 import csv
 import fcntl
 import hashlib
+import io
 import itertools
 import json
 import math
@@ -180,6 +183,34 @@ def other_arguments(made_with: list[str] | None, planned: list[str]) -> str | No
     extra, missing = [a for a in made_with if a not in planned], [a for a in planned if a not in made_with]
     how = " and ".join([*(["with " + " ".join(extra)] if extra else []), *(["without " + " ".join(missing)] if missing else [])])
     return how or "with these arguments in another order"
+
+
+def resolution_problem(entry: str, arguments: list[str]) -> str | None:
+    """None if the CLI of `entry` (main_pretrain.py or main_linear.py) resolves `arguments` with --print_config in this
+    process, where the stages run; else its error line."""
+    import main_linear  # the CLI: imported only when stages are about to run
+    import main_pretrain
+
+    errors = io.StringIO()
+    with contextlib.chdir(ROOT), contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(errors):
+        try:
+            (main_linear if entry == "main_linear.py" else main_pretrain).cli_main([*arguments, "--print_config"])
+        except SystemExit as exit:
+            if exit.code not in (0, None):
+                reasons = [line.removeprefix("error: ") for line in errors.getvalue().splitlines() if line.startswith("error: ")]
+                return reasons[-1] if reasons else f"exit {exit.code}"
+    return None
+
+
+def unresolved(runs: list[Run], args) -> str | None:
+    """The first grid point whose stages the CLI does not resolve (a misspelt key, a value of the wrong type), with the
+    CLI's error, before any run writes anything. A point's seeds differ only in --seed_everything: its first stands."""
+    for run in (run for run in runs if run.seed == runs[0].seed):
+        for _, command in stages(run, args):  # [python, script, subcommand, --config, CONFIG, arguments...]
+            entry = Path(command[1]).name
+            if (problem := resolution_problem(entry, [argument for argument in command[2:] if not argument.startswith("--ckpt_path=")])) is not None:
+                return f"{run.point_name}, {entry}: {problem}"
+    return None
 
 
 def stages(run: Run, args) -> list[tuple[Path, list[str]]]:
@@ -366,6 +397,8 @@ def main(argv: list[str]) -> int:
         runs = expand(parse_grid(args.grid), args.seeds, args.out.resolve())
     except ValueError as error:
         raise SystemExit(f"error: {error}") from None
+    if not args.collect and (problem := unresolved(runs, args)) is not None:
+        raise SystemExit(f"error: {problem}")
     if args.slurm:
         try:
             script = write_slurm_array(runs, args)

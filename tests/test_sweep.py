@@ -239,3 +239,16 @@ def test_a_run_another_sweep_trains_is_left_to_it_without_a_failure_or_a_line_in
     printed = capsys.readouterr().out
     assert f"[base seed 0] running in another process (process {os.getpid()} on " in printed and ": left to it" in printed
     assert "failed" not in printed and not (run.directory / "log.txt").exists() and not (run.directory / sweep.RECORD).exists()
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [(["--grid", "model.init_args.temprature=0.1"], "error: temprature=0.1, main_pretrain.py: "),
+     (["--grid", "model.init_args.temperature=0.1,warm"], "error: temperature=warm, main_pretrain.py: "),
+     (["--linear", LINEAR_DIGITS, "--linear-override=--model.init_args.probe_lrr=1"], "error: base, main_linear.py: ")],
+)
+def test_a_grid_point_or_override_the_cli_does_not_resolve_is_one_error_line_before_anything_is_written(arguments, message, tmp_path):
+    with pytest.raises(SystemExit) as exit_info:
+        sweep.main(["--config", PRETRAIN_DIGITS, "--out", str(tmp_path / "sweep"), *arguments])
+    assert str(exit_info.value).startswith(message) and "\n" not in str(exit_info.value)
+    assert not (tmp_path / "sweep").exists()
