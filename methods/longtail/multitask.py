@@ -8,8 +8,9 @@ and key views, momentum encoder, labelled queue), each query's loss the mean of 
 same-class samples, weighted by w_y = mean_c(E_c) / E_y with the effective number E_c = (1 - beta^{n_c}) /
 (1 - beta), beta 0.999 (dvlab-research/Parametric-Contrastive-Learning GPaCo/LT/losses.py, MultiTaskLoss
 cal_weight_for_classes). UNVERIFIED: the supplement gives no code for these baselines, and GPaCo's later
-multi-task code (GPaCo/LT/moco/builder.py) contrasts both views without a momentum encoder and puts the
-classifier on both views; here the contrast is PaCo's (query anchors, momentum keys). Table 13's "CE +
+multi-task code (GPaCo/LT/moco/builder.py at fe56535) contrasts both views without a momentum encoder (keys through
+the online encoder, with gradient), puts the classifier on both views and has a head without BatchNorm; here the
+contrast is PaCo's (query anchors, momentum keys). Table 13's "CE +
 Balanced Softmax" row (Balanced Softmax applied inside the contrast) is not defined precisely enough to reproduce.
 """
 
