@@ -60,7 +60,7 @@ def ema_update_(online: nn.Module, target: nn.Module, momentum: float) -> None:
 @dataclass
 class MomentumSpec:
     """The momentum branch of a config: EMA momentum and its schedule, and how BatchNorm statistics
-    are kept from leaking which key belongs to which query (MoCo issue #46 and its CIFAR colab)."""
+    are kept from leaking which key belongs to which query (facebookresearch/moco issue 47 and its CIFAR colab)."""
 
     base: float = 0.999  # m in theta_target <- m theta_target + (1 - m) theta_online
     schedule: MomentumSchedule = "constant"

@@ -1,4 +1,4 @@
-"""Keeping BatchNorm statistics from telling a query which key is its positive (MoCo issue #46): MoCo's shuffle-BN
+"""Keeping BatchNorm statistics from telling a query which key is its positive (facebookresearch/moco issue 47): MoCo's shuffle-BN
 across processes (`distributed_shuffled_forward`) and its one-device emulation of the CIFAR recipe that SCE and ReSSL
 follow on small datasets (`SplitBatchNorm2d` in the momentum trunk only, as CEA-LIST/SCE's `convert_to_split_batchnorm`;
 MoCo's CIFAR colab splits the BatchNorm of both encoders)."""

@@ -45,7 +45,7 @@ from datamodules.base import ContrastiveDataModule
 from datamodules.folders import TooManyUnreadableImages
 from engine.checkpoint_record import CheckpointMismatch
 from engine.cli.errors import condense_parser_error, fail, last_line, located, one_error_line, root_cause
-from engine.cli.parsing import ContrastlabArgumentParser, SaveConfigToRun, batch_counts_written_as_integers
+from engine.cli.parsing import ContrastlabArgumentParser, SaveConfigToRun, batch_counts_as_written
 from engine.cli.quiet import quiet_run
 from engine.cli.resume import (
     LIGHTNING_CHECKPOINT_NAMES,
@@ -136,7 +136,7 @@ class ContrastlabCLI(LightningCLI):
         if not isinstance(seed, int) or isinstance(seed, bool):  # true means seed 0 every time (Lightning >= 2.2 seeds None as 0: Lightning-AI/pytorch-lightning #18846)
             fail(f"seed_everything must be an explicit integer (a config's seed_everything or --seed_everything), got {seed!r}")
         self._choose_cpu_precision(config)
-        for name, count in self._batch_counts_as_written(config["trainer"]).items():  # as the saved config records them
+        for name, count in batch_counts_as_written(config["trainer"], self.command_line).items():  # `limit_val_batches=1`: one batch
             config["trainer"][name] = count
         ckpt_path = config.get("ckpt_path")
         if ckpt_path is None or ckpt_path in LIGHTNING_CHECKPOINT_NAMES or "://" in str(ckpt_path) or str(ckpt_path).startswith("registry"):
@@ -187,15 +187,8 @@ class ContrastlabCLI(LightningCLI):
                 config["trainer"]["default_root_dir"] = directory
         dump_config_for_hyperparameters(self)
 
-    def _batch_counts_as_written(self, trainer: dict) -> dict[str, int]:
-        """The Trainer's batch counts written as integers, which the parser made floats (`limit_val_batches=1` is one
-        batch, 1.0 all of them: engine.cli.parsing.BATCH_COUNTS)."""
-        return {name: int(trainer[name]) for name in batch_counts_written_as_integers(self.command_line)
-                if isinstance(trainer.get(name), float) and trainer[name].is_integer()}
-
-    def instantiate_trainer(self, **kwargs: Any):
-        # the parser's instantiation turns them into floats again
-        return super().instantiate_trainer(**kwargs, **self._batch_counts_as_written(self._get(self.config_init, "trainer", default={})))
+    def instantiate_trainer(self, **kwargs: Any):  # the parser's instantiation makes the batch counts floats again
+        return super().instantiate_trainer(**kwargs, **batch_counts_as_written(self._get(self.config_init, "trainer", default={}), self.command_line))
 
     def instantiate_classes(self) -> None:
         trainer = (self.config[self.subcommand] if self.subcommand else self.config)["trainer"]
@@ -219,8 +212,7 @@ class ContrastlabCLI(LightningCLI):
         with one_error_line(ValueError):
             self.datamodule.setup("fit")  # opens the dataset files: a corrupt one is one error line too
             self.model.check_data(self.datamodule, self.trainer.world_size)
-            if hasattr(self.datamodule, "check_sampler"):  # a DataModule of batches only (tests' stand-ins) has none
-                self.datamodule.check_sampler(self.trainer.max_epochs)
+            self.datamodule.check_sampler(self.trainer.max_epochs)
         for message in (*self.model.expected_warnings(), *self.datamodule.expected_warnings()):
             warnings.filterwarnings("ignore", message=message)  # within quiet_run: for this run only
 
@@ -287,10 +279,9 @@ class ContrastlabCLI(LightningCLI):
     def after_fit(self) -> None:
         limits = [callback for callback in self.trainer.callbacks if isinstance(callback, ProcessTimeLimit)]
         if limits and limits[0].reached():  # the run has not ended: no results, as after a SIGTERM
-            sys.stderr.write(
-                f"stopped at trainer.max_time {self.config[self.subcommand]['trainer']['max_time']} (this process's time) after "
-                f"global step {self.trainer.global_step} (checkpoints/last.ckpt): resume with --ckpt_path last\n"
-            )
+            max_time = self.config[self.subcommand]["trainer"]["max_time"]
+            sys.stderr.write(f"stopped at trainer.max_time {max_time} (this process's time) after global step {self.trainer.global_step} "
+                             "(checkpoints/last.ckpt): resume with --ckpt_path last\n")
             sys.exit(128 + signal.SIGTERM)
         validate_the_end_if_missed(self.trainer, self.model, self.datamodule)
         report_results(self.trainer, "val", "results_val.json")

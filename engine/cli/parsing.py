@@ -43,6 +43,12 @@ def batch_counts_written_as_integers(command_line: list[str]) -> set[str]:
     return {name for name, value in written.items() if isinstance(value, int) and not isinstance(value, bool)}
 
 
+def batch_counts_as_written(trainer, command_line: list[str]) -> dict[str, int]:
+    """The Trainer's batch counts written as integers, which the parser made floats (`BATCH_COUNTS`)."""
+    return {name: int(trainer[name]) for name in batch_counts_written_as_integers(command_line)
+            if isinstance(trainer.get(name), float) and trainer[name].is_integer()}
+
+
 def fail_on_syntax_error(path, text: str) -> None:
     """End with one line naming the file, line and column of a YAML syntax error, worded by PyYAML's Python parser
     (libyaml's words differ, and a PyYAML without libyaml would give those)."""
