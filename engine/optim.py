@@ -251,7 +251,7 @@ def configure_optimization(trainer, groups: list[dict], optimizer_spec: Optimize
     def schedule(group: dict) -> Callable[[int], float]:
         if group.get("fixed_lr"):
             return lambda step: 1.0  # a group marked `fixed_lr` keeps the peak learning rate
-        start_fraction = schedule_spec.warmup_start_lr / group["lr"] if schedule_spec.warmup_start_lr else 0.0
+        start_fraction = schedule_spec.warmup_start_lr / group["lr"] if schedule_spec.warmup_start_lr and group["lr"] else 0.0  # lr 0 stays 0
         return lambda step: lr_factor(step, steps_per_epoch, total_steps, schedule_spec, start_fraction)
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, [schedule(group) for group in optimizer.param_groups])

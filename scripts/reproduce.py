@@ -242,14 +242,14 @@ def execute(stage: Stage) -> str:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             return "running"  # another launcher took it since its status was read
-        log = stage.directory / LOG
+        log, made = stage.directory / LOG, sweep.stage_record(stage.command)  # before the process: nothing may fail after it starts
         with log.open("a") as stream:
             stream.write("$ " + shlex.join(stage.command) + "\n")
             stream.flush()
             # the training process inherits the locked descriptor: the stage counts as running while it lives
             process = subprocess.Popen(stage.command, stdout=stream, stderr=subprocess.STDOUT, cwd=ROOT, pass_fds=(lock.fileno(),))
         record = {"launcher": "local", "host": socket.gethostname(), "pid": process.pid, "command": stage.command,
-                  **sweep.stage_record(stage.command), "log": str(log), "started": time.time(), "exit_code": None}
+                  **made, "log": str(log), "started": time.time(), "exit_code": None}
         write_state(stage.directory, record)
         try:
             code, interrupted = process.wait(), False

@@ -125,7 +125,7 @@ def stage_arguments(command: list[str]) -> list[str]:
     """What a stage's results are of: its entry point, subcommand, config (relative to the project when inside it)
     and arguments, without where the run is and on how many processes ([python, script, subcommand, --config,
     CONFIG, arguments...])."""
-    config = Path(command[4]).resolve()
+    config = (ROOT / command[4]).resolve()  # as the stage reads it: it runs in the project (a relative path is the project's)
     config_name = str(config.relative_to(ROOT)) if config.is_relative_to(ROOT) else str(config)
     return [Path(command[1]).name, command[2], command[3], config_name, *(argument for argument in command[5:] if not argument.startswith(RUN_PLACEMENT))]
 
@@ -133,7 +133,7 @@ def stage_arguments(command: list[str]) -> list[str]:
 def config_values(config: str) -> str:
     """SHA-256 of a config file's values (not its comments or layout), recorded beside each stage's arguments: the
     arguments name the config's path only, and results made before its values were edited are not of this config."""
-    return hashlib.sha256(json.dumps(load_yaml(Path(config).read_text()), sort_keys=True, default=str).encode()).hexdigest()
+    return hashlib.sha256(json.dumps(load_yaml((ROOT / config).read_text()), sort_keys=True, default=str).encode()).hexdigest()
 
 
 def stage_record(command: list[str]) -> dict:
@@ -245,6 +245,8 @@ def held_elsewhere(directory: Path) -> str | None:
             fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
             return lock.read().strip() or "a process that has not yet said which"
+        except OSError:  # a filesystem without locks (engine.cli.run_lock warns of it when the run starts)
+            return None
         fcntl.flock(lock, fcntl.LOCK_UN)
     return None
 

@@ -338,3 +338,16 @@ def test_a_batch_count_written_as_an_integer_is_a_number_of_batches_and_a_float_
     config.write_text(text if in_config is None else text.replace("  max_epochs: 60\n", f"  max_epochs: 60\n  limit_val_batches: {in_config}\n"))
     cli = instantiate_config(str(config), written)
     assert repr(cli.trainer.limit_val_batches) == repr(expected) and repr(cli.config["trainer"]["limit_val_batches"]) == repr(expected)
+
+
+def test_batch_counts_are_read_from_every_way_of_giving_the_trainer_a_value(tmp_path):
+    from engine.cli.parsing import batch_counts_written_as_integers
+
+    (tmp_path / "top.yaml").write_text("trainer:\n  limit_val_batches: 1\n")
+    (tmp_path / "nested.yaml").write_text("fit:\n  trainer:\n    limit_val_batches: 1\n")
+    (tmp_path / "trainer.yaml").write_text("limit_val_batches: 1\n")
+    for command_line in (["-c", str(tmp_path / "top.yaml")], [f"--config={tmp_path / 'nested.yaml'}"], ["--trainer", "{limit_val_batches: 1}"],
+                         [f"--trainer={tmp_path / 'trainer.yaml'}"], ["--trainer.limit_val_batches", "1"]):
+        assert batch_counts_written_as_integers(command_line) == {"limit_val_batches"}, command_line
+    assert batch_counts_written_as_integers(["-c", str(tmp_path / "top.yaml"), "--trainer.limit_val_batches=1.0"]) == set()
+    assert batch_counts_written_as_integers(["--config", str(tmp_path / "absent.yaml")]) == set()

@@ -78,11 +78,11 @@ def held_outcomes(tmp_path_factory) -> dict[str, str] | None:
     if environment is None or os.environ.get("CONTRASTLAB_REPIN") == "1":
         return None
     inherited = {key: value for key, value in os.environ.items() if not key.startswith("PYTEST_XDIST")}  # a session of its own
-    result = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rA", "-n", "0",
+    result = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rpfE", "-n", "0",
                              f"--basetemp={tmp_path_factory.mktemp('held')}", "-k", " or ".join(RECORDED_TESTS), str(Path(__file__))],
                             cwd=ROOT, env={**inherited, **environment}, capture_output=True, text=True)
     outcomes = dict(reversed(line.split(" ", 1)) for line in result.stdout.splitlines() if line.startswith(("PASSED ", "FAILED ", "ERROR ")))
-    return {test.split("::", 1)[-1].split(" - ")[0]: outcome for test, outcome in outcomes.items()} | {"output": result.stdout[-3000:]}
+    return {test.split("::", 1)[-1].split(" - ")[0]: outcome for test, outcome in outcomes.items()} | {"output": result.stdout[-6000:]}
 
 
 def ran_held(request, held_outcomes: dict[str, str] | None) -> bool:

@@ -401,3 +401,13 @@ def test_a_warmup_start_lr_without_a_warmup_or_below_zero_is_refused_naming_both
         ScheduleSpec(warmup_start_lr=3e-5)
     with pytest.raises(ValueError, match="got -1.0 with warmup_epochs 10"):
         ScheduleSpec(warmup_epochs=10, warmup_start_lr=-1.0)
+
+
+def test_a_group_at_lr_0_stays_at_0_through_a_warmup_from_a_start_lr():
+    model = nn.ModuleDict({"backbone": nn.Linear(3, 3), "frozen_head": nn.Linear(3, 2)})
+    spec = OptimizerSpec(lr=1.0, lr_scaling="none")
+    groups = parameter_groups(model["backbone"].named_parameters(), spec) + [{"params": list(model["frozen_head"].parameters()), "lr": 0.0}]
+    trainer = SimpleNamespace(datamodule=SimpleNamespace(batch_size=256), world_size=1, accumulate_grad_batches=1, max_epochs=10, max_steps=-1,
+                              estimated_stepping_batches=100, num_training_batches=10, print=lambda *args: None)
+    optimization = configure_optimization(trainer, groups, spec, ScheduleSpec(warmup_epochs=2, warmup_shape="s/(W-1)", warmup_start_lr=3e-5))
+    assert [group["lr"] for group in optimization["optimizer"].param_groups] == [3e-5, 0.0]

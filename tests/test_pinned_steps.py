@@ -131,8 +131,10 @@ def run_cases(out: Path, environment: dict[str, str]) -> dict:
         "        found[case] = pinned.three_steps(config, overrides, pathlib.Path(run) / 'run')\n"
         f"pathlib.Path({str(out)!r}).write_text(json.dumps(found))\n"
     )
-    subprocess.run([sys.executable, "-c", code], env={**os.environ, "WANDB_MODE": "disabled", **environment}, check=True,
-                   cwd=here.parent, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    result = subprocess.run([sys.executable, "-c", code], env={**os.environ, "WANDB_MODE": "disabled", **environment}, cwd=here.parent,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if result.returncode != 0:  # every case's test reports it: say why
+        raise RuntimeError(f"the pinned cases' process ({' '.join(f'{key}={value}' for key, value in environment.items()) or 'this machine'}) failed:\n{result.stderr[-4000:]}")
     return json.loads(out.read_text())
 
 

@@ -252,3 +252,21 @@ def test_a_grid_point_or_override_the_cli_does_not_resolve_is_one_error_line_bef
         sweep.main(["--config", PRETRAIN_DIGITS, "--out", str(tmp_path / "sweep"), *arguments])
     assert str(exit_info.value).startswith(message) and "\n" not in str(exit_info.value)
     assert not (tmp_path / "sweep").exists()
+
+
+def test_a_stages_record_is_the_same_from_any_working_directory_and_a_filesystem_without_locks_runs_it(tmp_path, monkeypatch):
+    """The stages run in the project: a table's relative config path is the project's, wherever the command starts."""
+    import fcntl
+
+    command = sweep.pretrain_command(sweep.Run((), 0, tmp_path / "run"), "configs/moco_digits.yaml", [])
+    here = sweep.stage_record(command)
+    monkeypatch.chdir(tmp_path)
+    assert sweep.stage_record(command) == here and here["arguments"][3] == "configs/moco_digits.yaml"
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / sweep.RUN_LOCK).write_text("")
+
+    def no_locks(*args):
+        raise OSError(37, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    assert sweep.held_elsewhere(tmp_path / "run") is None

@@ -23,23 +23,31 @@ BATCH_COUNTS = ("limit_train_batches", "limit_val_batches", "limit_test_batches"
 
 
 def batch_counts_written_as_integers(command_line: list[str]) -> set[str]:
-    """The `BATCH_COUNTS` whose value, where the command line last sets it (a `--config` file's trainer section or a
-    `--trainer.KEY` argument, in order), is written as an integer."""
+    """The `BATCH_COUNTS` whose value, where the command line last sets it (a `--config`/`-c` file's trainer section, at
+    its top or under a subcommand, a `--trainer` mapping or file, or a `--trainer.KEY` argument, in order), is written
+    as an integer."""
+
+    def trainer_of(value) -> dict:
+        nested = [value.get(name) for name in ("fit", "validate", "test", "predict")] if isinstance(value, dict) else []
+        found = [part.get("trainer") for part in [value, *nested] if isinstance(part, dict)]
+        return next((trainer for trainer in reversed(found) if isinstance(trainer, dict)), {})
+
+    def read(text: str):  # a YAML text, or the path of a YAML file
+        try:
+            return load_yaml(Path(text).read_text()) if Path(text).is_file() else load_yaml(text)
+        except (OSError, ValueError, yaml.YAMLError):
+            return None  # the parser reports it
+
     written, words = {}, iter(command_line)
     for word in words:
         key, separator, value = word.partition("=")
         text = value if separator else None
-        if key == "--config":
-            try:
-                trainer = load_yaml(Path(text if text is not None else next(words, "")).read_text()).get("trainer") or {}
-            except (OSError, yaml.YAMLError, AttributeError):
-                continue  # the parser reports an unreadable config
-            written |= {name: trainer[name] for name in BATCH_COUNTS if isinstance(trainer, dict) and name in trainer}
-        elif key.removeprefix("--trainer.") in BATCH_COUNTS and key.startswith("--trainer."):
-            try:
-                written[key.removeprefix("--trainer.")] = load_yaml(text if text is not None else next(words, ""))
-            except yaml.YAMLError:
-                continue
+        if key in ("--config", "-c", "--trainer"):
+            loaded = read(text if text is not None else next(words, ""))
+            trainer = loaded if key == "--trainer" and isinstance(loaded, dict) else trainer_of(loaded)
+            written |= {name: trainer[name] for name in BATCH_COUNTS if name in trainer}
+        elif key.startswith("--trainer.") and key.removeprefix("--trainer.") in BATCH_COUNTS:
+            written[key.removeprefix("--trainer.")] = read(text if text is not None else next(words, ""))
     return {name for name, value in written.items() if isinstance(value, int) and not isinstance(value, bool)}
 
 
