@@ -78,7 +78,7 @@ def held_outcomes(tmp_path_factory) -> dict[str, str] | None:
     if environment is None or os.environ.get("CONTRASTLAB_REPIN") == "1":
         return None
     inherited = {key: value for key, value in os.environ.items() if not key.startswith("PYTEST_XDIST")}  # a session of its own
-    result = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rpfE", "-n", "0",
+    result = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rpfE", "--show-capture=no", "-n", "0",
                              f"--basetemp={tmp_path_factory.mktemp('held')}", "-k", " or ".join(RECORDED_TESTS), str(Path(__file__))],
                             cwd=ROOT, env={**inherited, **environment}, capture_output=True, text=True)
     outcomes = dict(reversed(line.split(" ", 1)) for line in result.stdout.splitlines() if line.startswith(("PASSED ", "FAILED ", "ERROR ")))
