@@ -19,6 +19,12 @@ from engine.optim import (
 )
 
 
+def ten_epochs_of_ten_steps(batch_size: int) -> SimpleNamespace:
+    """The numbers `configure_optimization` reads of a trainer: one process, 10 epochs of 10 optimizer steps."""
+    return SimpleNamespace(datamodule=SimpleNamespace(batch_size=batch_size), world_size=1, accumulate_grad_batches=1, max_epochs=10, max_steps=-1,
+                           estimated_stepping_batches=100, num_training_batches=10, print=lambda *args: None)
+
+
 def test_linear_warmup_then_cosine_per_step():
     spec = ScheduleSpec(warmup_epochs=2, decay="cosine")
     steps_per_epoch, total = 10, 100
@@ -305,8 +311,7 @@ def test_fixed_lr_modules_keep_the_peak_rate_while_the_other_groups_follow_the_s
     spec = OptimizerSpec(lr=0.05, lr_scaling="linear", weight_decay=1e-4, exclude_bias_and_norm=True, fixed_lr_modules=["predictor"])
     groups = parameter_groups(model.named_parameters(), spec)
     assert [(len(g["params"]), g["weight_decay"], g.get("fixed_lr", False)) for g in groups] == [(1, 1e-4, False), (1, 0.0, False), (1, 1e-4, True), (3, 0.0, True)]
-    trainer = SimpleNamespace(datamodule=SimpleNamespace(batch_size=512), world_size=1, accumulate_grad_batches=1, max_epochs=10, max_steps=-1,
-                              estimated_stepping_batches=100, num_training_batches=10, print=lambda *args: None)
+    trainer = ten_epochs_of_ten_steps(batch_size=512)
     optimization = configure_optimization(trainer, groups, spec, ScheduleSpec(decay="cosine", unit="epoch"))
     scheduler = optimization["lr_scheduler"]["scheduler"]
     for _ in range(50):  # to epoch 5 of 10: the cosine is at half the peak
@@ -325,8 +330,7 @@ def test_the_bias_and_norm_lr_ratio_gives_those_groups_barlow_twins_bias_rate_th
     """facebookresearch/barlowtwins main.py: --learning-rate-weights 0.2, --learning-rate-biases 0.0048 (ratio 0.024)."""
     model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
     spec = OptimizerSpec(lr=0.2, lr_scaling="linear", exclude_bias_and_norm=True, bias_and_norm_lr_ratio=0.024)
-    trainer = SimpleNamespace(datamodule=SimpleNamespace(batch_size=512), world_size=1, accumulate_grad_batches=1, max_epochs=10, max_steps=-1,
-                              estimated_stepping_batches=100, num_training_batches=10, print=lambda *args: None)
+    trainer = ten_epochs_of_ten_steps(batch_size=512)
     optimization = configure_optimization(trainer, parameter_groups(model.named_parameters(), spec), spec, ScheduleSpec(decay="cosine"))
     assert [group["lr"] for group in optimization["optimizer"].param_groups] == pytest.approx([0.4, 0.4 * 0.024])
     for _ in range(50):
@@ -367,8 +371,7 @@ def test_the_warmup_from_a_start_lr_is_solo_learns_linear_warmup_cosine_for_ever
     model = nn.ModuleDict({"backbone": nn.Linear(3, 3), "probe": nn.Linear(3, 2)})
     spec = OptimizerSpec(lr=1.0, lr_scaling="linear")
     groups = parameter_groups(model["backbone"].named_parameters(), spec) + [{"params": list(model["probe"].parameters()), "lr": 0.1}]
-    trainer = SimpleNamespace(datamodule=SimpleNamespace(batch_size=256), world_size=1, accumulate_grad_batches=1, max_epochs=10, max_steps=-1,
-                              estimated_stepping_batches=100, num_training_batches=10, print=lambda *args: None)
+    trainer = ten_epochs_of_ten_steps(batch_size=256)
     optimization = configure_optimization(trainer, groups, spec, ScheduleSpec(warmup_epochs=2, warmup_shape="s/(W-1)", warmup_start_lr=3e-5))
     optimizer, scheduler = optimization["optimizer"], optimization["lr_scheduler"]["scheduler"]
     warmup, total, start = 20, 100, 3e-5
@@ -407,7 +410,6 @@ def test_a_group_at_lr_0_stays_at_0_through_a_warmup_from_a_start_lr():
     model = nn.ModuleDict({"backbone": nn.Linear(3, 3), "frozen_head": nn.Linear(3, 2)})
     spec = OptimizerSpec(lr=1.0, lr_scaling="none")
     groups = parameter_groups(model["backbone"].named_parameters(), spec) + [{"params": list(model["frozen_head"].parameters()), "lr": 0.0}]
-    trainer = SimpleNamespace(datamodule=SimpleNamespace(batch_size=256), world_size=1, accumulate_grad_batches=1, max_epochs=10, max_steps=-1,
-                              estimated_stepping_batches=100, num_training_batches=10, print=lambda *args: None)
+    trainer = ten_epochs_of_ten_steps(batch_size=256)
     optimization = configure_optimization(trainer, groups, spec, ScheduleSpec(warmup_epochs=2, warmup_shape="s/(W-1)", warmup_start_lr=3e-5))
     assert [group["lr"] for group in optimization["optimizer"].param_groups] == [3e-5, 0.0]
