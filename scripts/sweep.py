@@ -399,7 +399,10 @@ def main(argv: list[str]) -> int:
         runs = expand(parse_grid(args.grid), args.seeds, args.out.resolve())
     except ValueError as error:
         raise SystemExit(f"error: {error}") from None
-    if not args.collect and (problem := unresolved(runs, args)) is not None:
+    if args.only is not None and not 0 <= args.only < len(runs):
+        raise SystemExit(f"error: --only {args.only} is outside the {len(runs)} runs of this sweep (0..{len(runs) - 1})")
+    # an array task resolves its own run only: the submitting command resolved every point (--slurm)
+    if not args.collect and (problem := unresolved([runs[args.only]] if args.only is not None else runs, args)) is not None:
         raise SystemExit(f"error: {problem}")
     if args.slurm:
         try:
@@ -408,8 +411,6 @@ def main(argv: list[str]) -> int:
             raise SystemExit(f"error: {error}") from None
         print(f"sbatch {script}   # then: python scripts/sweep.py --collect {shlex.join(sweep_argv(args))}")
         return 0
-    if args.only is not None and not 0 <= args.only < len(runs):
-        raise SystemExit(f"error: --only {args.only} is outside the {len(runs)} runs of this sweep (0..{len(runs) - 1})")
     args.out.mkdir(parents=True, exist_ok=True)
     if args.only is not None:
         # An array task: Slurm signals every process of the step (SIGUSR1 before the time limit, SIGTERM
