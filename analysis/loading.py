@@ -40,12 +40,13 @@ def positive_int(text: str) -> int:
 
 
 def usable_device(text: str) -> str:
-    """An argparse type: a torch device this machine has (a CUDA device on a machine without one is refused)."""
+    """An argparse type: a CPU or a CUDA device this machine has (torch also names devices it has no kernels for
+    here, e.g. `meta`, or that another build would have, e.g. `mps`)."""
     try:
         device = torch.device(text)
     except RuntimeError:  # not a device name
         raise ValueError(text) from None
-    if device.type == "cuda" and not torch.cuda.is_available():
+    if device.type not in ("cpu", "cuda") or (device.type == "cuda" and not (torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count())):
         raise ValueError(text)
     return text
 

@@ -214,7 +214,8 @@ def lr_factor(step: int, steps_per_epoch: int, total_steps: int, spec: ScheduleS
         if epoch < spec.warmup_epochs:  # the shape over epochs: (e + 1) / W in epoch e, as PaCo's adjust_learning_rate
             return start_fraction + (1.0 - start_fraction) * warmup_factor(epoch, spec.warmup_epochs, spec.warmup_shape)
         step = epoch * steps_per_epoch
-    warmup_steps = round(spec.warmup_epochs * steps_per_epoch)
+    # a warm-up shorter than a step still takes one (solo-learn's scheduler runs its first step at warmup_start_lr)
+    warmup_steps = max(round(spec.warmup_epochs * steps_per_epoch), 1) if spec.warmup_epochs > 0 else 0
     if step < warmup_steps:
         return start_fraction + (1.0 - start_fraction) * warmup_factor(step, warmup_steps, spec.warmup_shape)
     if spec.decay == "constant":

@@ -22,7 +22,9 @@ with the small-input stem (3x3 stride-1 convolution, no max-pool; `backbones.bui
 the same blocks under other names (WangFeng18's `avg_pool2d(out, 4)` is the global average at 32 px).
 """
 
+import json
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -166,6 +168,24 @@ def _part(state: dict[str, torch.Tensor], prefixes: tuple[str, ...]) -> dict[str
 def _as_sequential(head: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A head that is one bare Linear (MoCo v1's `fc`, NPID's `linear`) is layer 0 of a one-layer MLP."""
     return {f"0.{key}": value for key, value in head.items()} if set(head) == {"weight", "bias"} else head
+
+
+def exported_backbone(path: str, source: str) -> BackboneSpec | None:
+    """The trunk that the record `interop.export` writes beside its files (`<out>.json`) says `path` holds; None for a
+    file no such record lists. Only the record knows a small-input stem's padding: SCE's 1 and solo-learn's 2 have
+    the same weights, so `infer_backbone` would read solo-learn's as SCE's and probe other features."""
+    file = Path(path).expanduser()
+    record_path = file.with_suffix(".json")
+    if file.suffix not in (".pth", ".safetensors") or not record_path.is_file():
+        return None
+    try:
+        record = json.loads(record_path.read_text())
+        if not isinstance(record, dict) or file.name not in record.get("files", []):
+            return None  # a JSON file of another kind beside the weights
+        trunk = record["trunk"]
+        return BackboneSpec(trunk["name"], small_input=trunk["small_input"], small_input_stem=trunk["small_input_stem"], kwargs=trunk["kwargs"])
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"{source}: its export record {str(record_path)!r} is unreadable ({type(error).__name__}: {error})") from None
 
 
 def infer_backbone(trunk: dict[str, torch.Tensor], source: str) -> BackboneSpec:

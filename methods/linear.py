@@ -27,7 +27,7 @@ from engine.checkpoint_record import RECORD_KEY, CheckpointMismatch
 from engine.config import as_spec
 from engine.files import read_checkpoint
 from engine.optim import OptimizerSpec, ScheduleSpec
-from interop.official import official_trunk
+from interop.official import exported_backbone, official_trunk
 from methods.base import MethodBase
 from methods.checkpoints import require_method
 from methods.pretrain import PretrainMethod
@@ -39,15 +39,16 @@ ENCODER_PREFIXES = {"online": "backbone.", "momentum": "target_backbone."}
 def probed_trunk(
     path: str, format: str | None, backbone: BackboneSpec | dict | None, encoder: str = "online"
 ) -> tuple[dict[str, torch.Tensor], BackboneSpec | dict | None, dict]:
-    """The trunk weights to probe, the backbone spec (`backbone`, else the one the checkpoint records or its
-    weights show) and what the checkpoint says about its pretraining, from one read of the file: an official
+    """The trunk weights to probe, the backbone spec (`backbone`, else the one the checkpoint or its export record
+    names, or its weights show) and what the checkpoint says about its pretraining, from one read of the file: an official
     release (`interop.official`) or a contrastlab pretraining checkpoint's online (`backbone.*`) or momentum
     (`target_backbone.*`) trunk."""
     if encoder not in ENCODER_PREFIXES:
         raise ValueError(f"model.pretrained_encoder {encoder!r} is none of {list(ENCODER_PREFIXES)}")
     source = f"model.pretrained_ckpt {path!r}"
     checkpoint = read_checkpoint(path, source)
-    official = official_trunk(checkpoint, format, backbone, source, encoder)
+    exported = exported_backbone(path, source)  # an export's record names its trunk, stem included
+    official = official_trunk(checkpoint, format, trunk_as_trained(exported, backbone, source), source, encoder)
     if official is not None:
         return *official, pretraining_summary(checkpoint)
     needs = "the linear stage probes the trunk of a pretraining method (methods.PretrainMethod, e.g. methods.MoCoV2)"

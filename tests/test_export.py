@@ -75,6 +75,23 @@ def test_an_exported_trunk_loads_strictly_into_torchvision_and_gives_the_same_fe
         assert torch.equal(recipe["model"].eval()(image), expected)
 
 
+@pytest.mark.parametrize("stem", ["sce", "solo_learn"])
+def test_the_linear_stage_probes_an_exported_trunk_with_the_stem_its_record_names(stem, tmp_path):
+    """The weights of the two 3x3 stems are alike (padding is no weight): the export's record tells them apart."""
+    model = SimCLR(backbone=BackboneSpec("resnet18", small_input=True, small_input_stem=stem), projector=TINY_PROJECTOR, knn_k=0)
+    randomised(model.backbone)
+    pth, safetensors, record = export(saved(model, tmp_path / "last.ckpt"), "torchvision", tmp_path / "trunk")
+    with torch.no_grad():
+        expected = model.backbone.eval()(IMAGES[:1])
+        for file in (pth, safetensors):
+            probe = LinearProbe(pretrained_ckpt=str(file), pretrained_format="torchvision")
+            assert probe.backbone.conv1.padding == ((2, 2) if stem == "solo_learn" else (1, 1))
+            assert torch.equal(probe.backbone(IMAGES[:1]), expected)
+    record.write_text("{")
+    with pytest.raises(ValueError, match=rf"model.pretrained_ckpt '{pth}': its export record '{record}' is unreadable \(JSONDecodeError"):
+        LinearProbe(pretrained_ckpt=str(pth))
+
+
 def test_an_exported_timm_trunk_loads_strictly_into_timm_and_gives_the_same_features(tmp_path):
     model = moco(BackboneSpec("timm:test_resnet"))
     pth, safetensors, record = export(saved(model, tmp_path / "last.ckpt"), "timm", tmp_path / "trunk")

@@ -46,6 +46,14 @@ def test_the_warmup_shapes_of_the_official_codes(shape, first, last_warmup, afte
     assert lr_factor(10, 10, 100, spec) == pytest.approx({"(s+1)/W": 11 / 20, "s/W": 10 / 20, "s/(W-1)": 10 / 19}[shape])
 
 
+def test_a_warmup_shorter_than_one_step_takes_one_step_from_the_start_lr():
+    """0.3 epochs of 1 step round to 0 steps: the warm-up still runs its first step at warmup_start_lr, as
+    solo-learn's LinearWarmupCosineAnnealingLR does (its step 0 is below a warm-up of 0.3 steps)."""
+    spec = ScheduleSpec(warmup_epochs=0.3, decay="constant", warmup_shape="s/(W-1)", warmup_start_lr=3e-5)
+    assert [lr_factor(step, 1, 10, spec, start_fraction=3e-5 / 0.5) for step in (0, 1)] == [3e-5 / 0.5, 1.0]
+    assert lr_factor(0, 1, 10, ScheduleSpec(decay="constant", warmup_shape="s/(W-1)")) == 1.0  # no warm-up: none
+
+
 def test_an_unknown_warmup_shape_names_the_key():
     with pytest.raises(ValueError, match=r"schedule.warmup_shape must be one of \(s\+1\)/W, s/W, s/\(W-1\), got 's/2'"):
         ScheduleSpec(warmup_shape="s/2")
