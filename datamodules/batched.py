@@ -5,7 +5,8 @@ image and draws every random parameter per sample, like the per-image pipeline d
 to a batch would draw one set for the whole batch, which is wrong for two-view contrastive learning):
 
 - RandomResizedCrop: torchvision's sampling (10 tries of area and log-ratio, then the clamped centre
-  fallback) vectorised, resampled with `roi_align` (bilinear, averaging when it shrinks);
+  fallback) vectorised, resampled with `roi_align` (bilinear, averaging when it shrinks), or with `interpolation:
+  bicubic` by PIL's bicubic filter as two matrix products per batch (`bicubic_weights`);
 - ColorJitter: torchvision's tensor formulas for brightness, contrast, saturation (each clamped to [0, 1])
   and hue, in an order drawn per sample;
 - grayscale (ITU-R 601 weights as torchvision), PIL's Gaussian blur (three box blurs each way, as the
@@ -52,6 +53,33 @@ def crop_boxes(batch: int, height, width, scale, ratio, device, tries: int = 10)
     top = torch.where(found, torch.floor(torch.rand(batch, device=device) * (height - h + 1)), torch.div(height - h, 2, rounding_mode="floor"))
     left = torch.where(found, torch.floor(torch.rand(batch, device=device) * (width - w + 1)), torch.div(width - w, 2, rounding_mode="floor"))
     return torch.stack([left, top, left + w, top + h], dim=1)
+
+
+def bicubic_weights(start: torch.Tensor, length: torch.Tensor, size: int, extent: int) -> torch.Tensor:
+    """(B, size, extent): the weights that resample pixels [start, start + length) of each sample's axis of `extent`
+    pixels to `size` pixels as PIL's BICUBIC resize of that crop (Pillow src/libImaging/Resample.c: the cubic
+    convolution with a = -0.5, its support widened by the scale when it shrinks, so that it averages; the weights
+    of each output pixel normalised over the pixels of the crop), which torch's bicubic `interpolate` with
+    `antialias=True` computes too."""
+    scale = (length / size)[:, None, None]
+    centres = start[:, None, None] + (torch.arange(size, device=start.device) + 0.5)[None, :, None] * scale
+    pixels = torch.arange(extent, device=start.device)[None, None, :]
+    distance = ((pixels + 0.5 - centres) / scale.clamp(min=1.0)).abs()
+    a = -0.5
+    near = ((a + 2) * distance - (a + 3)) * distance * distance + 1
+    far = (((distance - 5) * distance + 8) * distance - 4) * a
+    weights = torch.where(distance < 1, near, torch.where(distance < 2, far, 0.0))
+    weights = weights * ((pixels >= start[:, None, None]) & (pixels < (start + length)[:, None, None]))
+    return weights / weights.sum(dim=-1, keepdim=True)
+
+
+def bicubic_crops(images: torch.Tensor, boxes: torch.Tensor, size: int) -> torch.Tensor:
+    """The (x1, y1, x2, y2) `boxes` of float (B, C, H, W) `images` resampled bicubically to size x size: rows, then
+    columns, clamped to [0, 1] as PIL clamps to 8 bits (PIL also rounds to 8 bits between its two passes, and takes
+    them in either order: up to a few levels of 255 apart where the cubic overshoots at sharp edges)."""
+    columns = bicubic_weights(boxes[:, 0], boxes[:, 2] - boxes[:, 0], size, images.shape[-1])
+    rows = bicubic_weights(boxes[:, 1], boxes[:, 3] - boxes[:, 1], size, images.shape[-2])
+    return (rows[:, None] @ (images @ columns.transpose(1, 2)[:, None])).clamp(0, 1)
 
 
 def _per_sample(size: int | torch.Tensor, batch: int, device) -> torch.Tensor:
@@ -205,20 +233,23 @@ class BatchedAugment:
                 images = torch.where((step == 3).view(-1, 1, 1, 1), adjust_hue(images, factors[3]), blended)
         return images
 
+    def resample(self, images: torch.Tensor, boxes: torch.Tensor) -> torch.Tensor:
+        """The (x1, y1, x2, y2) `boxes` of float (B, C, H, W) `images` resampled to size x size, as `spec.interpolation` says."""
+        if self.spec.interpolation == "bicubic":
+            return bicubic_crops(images, boxes, self.spec.size)
+        indexed = torch.cat([torch.arange(len(boxes), device=boxes.device, dtype=boxes.dtype)[:, None], boxes], dim=1)
+        return roi_align(images, indexed, self.spec.size, spatial_scale=1.0, sampling_ratio=-1, aligned=True)
+
     def resized_crops(self, images: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
         """A random crop of every image (drawn from its own height and width), resampled to size x size:
         float (B, C, size, size) in [0, 1]. A list of images of different sizes is resampled image by image."""
         batch, device = len(images), images[0].device
         if isinstance(images, torch.Tensor):
             boxes = crop_boxes(batch, images.shape[-2], images.shape[-1], self.spec.scale, self.spec.ratio, device)
-            indexed = torch.cat([torch.arange(batch, device=device, dtype=boxes.dtype)[:, None], boxes], dim=1)
-            return roi_align(_unit_range(images), indexed, self.spec.size, spatial_scale=1.0, sampling_ratio=-1, aligned=True)
+            return self.resample(_unit_range(images), boxes)
         heights, widths = torch.tensor([image.shape[-2:] for image in images], dtype=torch.float32).to(device, non_blocking=True).unbind(1)
         boxes = crop_boxes(batch, heights, widths, self.spec.scale, self.spec.ratio, device)
-        return torch.cat([
-            roi_align(_unit_range(image)[None], [box[None]], self.spec.size, spatial_scale=1.0, sampling_ratio=-1, aligned=True)
-            for image, box in zip(images, boxes)
-        ])
+        return torch.cat([self.resample(_unit_range(image)[None], box[None]) for image, box in zip(images, boxes)])
 
     @torch.no_grad()
     def __call__(self, images: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:

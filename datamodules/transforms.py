@@ -23,7 +23,7 @@ from torchvision.transforms import v2 as T
 from datamodules.batched import BatchedAugment
 from datamodules.paco_autoaugment import PacoAutoAugment
 from datamodules.tcl_autoaugment import TCLAutoAugment
-from datamodules.view_spec import CONTRASTIVE_PRESETS, FIELDS, PACO_RANDCLS, ViewSpec, accepted_keys, view_spec
+from datamodules.view_spec import CONTRASTIVE_PRESETS, FIELDS, INTERPOLATIONS, PACO_RANDCLS, ViewSpec, accepted_keys, view_spec
 
 
 class PILGaussianBlur:
@@ -62,7 +62,7 @@ def augment(spec: ViewSpec) -> T.Compose:
     operations and the blur, so its position does not matter."""
     return T.Compose(
         [
-            T.RandomResizedCrop(spec.size, scale=spec.scale, ratio=spec.ratio),
+            T.RandomResizedCrop(spec.size, scale=spec.scale, ratio=spec.ratio, interpolation=T.InterpolationMode(spec.interpolation)),
             T.RandomApply([T.ColorJitter(*spec.jitter)], p=spec.jitter_prob),
             T.RandomGrayscale(p=spec.gray_prob),
             T.RandomApply([PILGaussianBlur(spec.blur_sigma)], p=spec.blur_prob),
@@ -153,12 +153,15 @@ def crop_pad_flip(size: int, mean, std, padding: int = 4, resize: int | None = N
     return T.Compose([*([T.Resize(resize)] if resize else []), T.RandomCrop(size, padding=padding), T.RandomHorizontalFlip(), ToNormalizedTensor(mean, std)])
 
 
-def center(size: int, mean, std, resize: int | list[int] | None = None) -> T.Compose:
+def center(size: int, mean, std, resize: int | list[int] | None = None, interpolation: str = "bilinear") -> T.Compose:
     """Evaluation view: resize the short side to `resize` (default: `size`, i.e. no crop margin for
     small datasets; 256 for 224 px ImageNet) then center-crop `size` (SCE supplementary, Sec. D). A pair `[h, w]`
     resizes the whole image to exactly h x w, aspect ratio not kept (TCL's ImageNet-100 test view,
-    `Resize((224, 224))` in its train.py), so `[size, size]` crops nothing."""
-    return T.Compose([T.Resize(resize or size), T.CenterCrop(size), ToNormalizedTensor(mean, std)])
+    `Resize((224, 224))` in its train.py), so `[size, size]` crops nothing. `interpolation: bicubic` resizes as
+    DINO's eval_linear.py (`Resize(256, interpolation=3)`)."""
+    if interpolation not in INTERPOLATIONS:
+        raise ValueError(f"interpolation must be one of {', '.join(INTERPOLATIONS)}, got {interpolation!r}")
+    return T.Compose([T.Resize(resize or size, interpolation=T.InterpolationMode(interpolation)), T.CenterCrop(size), ToNormalizedTensor(mean, std)])
 
 
 PER_IMAGE_PRESETS: dict[str, Callable[..., T.Compose]] = {

@@ -31,6 +31,8 @@ class ViewSpec:
     solarize_prob: float = 0.0
     solarize_threshold: float = 0.5
     flip: bool = True
+    # how the crop is resampled: torchvision's default, or bicubic as solo-learn, DINO, Barlow Twins and VICReg crop
+    interpolation: str = "bilinear"
 
     def __post_init__(self):
         for name, length in LENGTHS.items():  # config lists as tuples
@@ -47,6 +49,7 @@ class ViewSpec:
             ("blur_sigma", 0 <= self.blur_sigma[0] <= self.blur_sigma[1], "(min, max) with 0 <= min <= max"),
             *((name, 0 <= getattr(self, name) <= 1, "a probability in [0, 1]") for name in ("jitter_prob", "gray_prob", "blur_prob", "solarize_prob")),
             ("solarize_threshold", 0 <= self.solarize_threshold <= 1, "a fraction of 255 in [0, 1]"),
+            ("interpolation", self.interpolation in INTERPOLATIONS, f"one of {', '.join(INTERPOLATIONS)}"),
         ]
         for name, valid, meaning in checks:
             if not valid:  # torchvision would accept some (a reversed scale: a warning) or fail later without the key
@@ -54,6 +57,7 @@ class ViewSpec:
                 raise ValueError(f"{name} must be {meaning}, got {list(value) if isinstance(value, tuple) else value!r}")
 
 
+INTERPOLATIONS = ("bilinear", "bicubic")
 LENGTHS = {"mean": 3, "std": 3, "scale": 2, "ratio": 2, "jitter": 4, "blur_sigma": 2}
 
 

@@ -11,7 +11,7 @@ from PIL import Image, ImageFilter
 from torchvision.transforms import v2 as T
 from torchvision.transforms.v2 import functional as TF
 
-from datamodules.batched import BatchedAugment, adjust_hue, by_kind, crop_boxes, gaussian_blur, rgb_to_gray
+from datamodules.batched import BatchedAugment, adjust_hue, bicubic_crops, by_kind, crop_boxes, gaussian_blur, rgb_to_gray
 from datamodules.transforms import augment
 from datamodules.view_spec import CONTRASTIVE_PRESETS, ViewSpec
 from helpers import TINY_BACKBONE, TINY_PROJECTOR, digits
@@ -165,6 +165,76 @@ def test_blur_is_pils_gaussian_blur_of_the_per_image_pipeline():
         blurred = gaussian_blur(image[None] / 255, torch.tensor([sigma]), max_sigma=2.0)[0]
         assert (blurred - expected).abs().max() < 3.5 / 255, sigma
         assert (blurred - expected).abs().mean() < 1.2 / 255, sigma
+
+
+def random_boxes(batch: int, height: int, width: int, generator: torch.Generator) -> torch.Tensor:
+    """(B, 4) whole-pixel (x1, y1, x2, y2) boxes inside a height x width image, as `crop_boxes` draws them."""
+    w = torch.randint(1, width + 1, (batch,), generator=generator)
+    h = torch.randint(1, height + 1, (batch,), generator=generator)
+    left = (torch.rand(batch, generator=generator) * (width - w + 1)).floor()
+    top = (torch.rand(batch, generator=generator) * (height - h + 1)).floor()
+    return torch.stack([left, top, left + w, top + h], dim=1).float()
+
+
+def test_bicubic_crops_are_torchs_antialiased_bicubic_resize_of_each_crop():
+    """Shrinking, enlarging and both at once: each crop as torch's bicubic interpolate with antialias (PIL's filter)."""
+    generator = torch.Generator().manual_seed(3)
+    images = torch.rand(64, 3, 40, 28, generator=generator)
+    boxes = random_boxes(64, 40, 28, generator)
+    for size in (8, 16, 48):
+        crops = bicubic_crops(images, boxes, size)
+        for image, (x1, y1, x2, y2), crop in zip(images, boxes.long().tolist(), crops):
+            expected = torch.nn.functional.interpolate(image[None, :, y1:y2, x1:x2], size=(size, size), mode="bicubic", antialias=True, align_corners=False)
+            torch.testing.assert_close(crop, expected[0].clamp(0, 1), atol=1e-5, rtol=0)
+
+
+def smooth_image(height: int, width: int) -> torch.Tensor:
+    """A uint8 (3, H, W) image of slow colour waves, like a photograph's (bicubic overshoot stays small)."""
+    ys, xs = torch.meshgrid(torch.linspace(0, 6, height), torch.linspace(0, 4, width), indexing="ij")
+    return (torch.stack([xs.sin(), (xs * ys / 4).cos(), (ys / 2).sin() * xs.cos()]) * 110 + 128).round().to(torch.uint8)
+
+
+def test_bicubic_crops_are_pils_bicubic_resize_up_to_its_8_bit_passes():
+    """Against PIL's crop-then-resize (torchvision's RandomResizedCrop of a PIL image) of a smooth image: PIL
+    rounds to 8 bits after each of its two passes, so they agree to about a level of 255."""
+    image = smooth_image(48, 40)
+    pil = Image.fromarray(image.permute(1, 2, 0).numpy().copy())
+    boxes = random_boxes(32, 48, 40, torch.Generator().manual_seed(4))
+    for size in (12, 32, 64):
+        crops = bicubic_crops(image.expand(32, -1, -1, -1) / 255, boxes, size)
+        for (x1, y1, x2, y2), crop in zip(boxes.long().tolist(), crops):
+            expected = torch.from_numpy(np.array(pil.crop((x1, y1, x2, y2)).resize((size, size), Image.BICUBIC))).permute(2, 0, 1) / 255
+            assert (crop - expected).abs().max() <= 1.5 / 255 and (crop - expected).abs().mean() < 0.5 / 255
+
+
+def test_the_per_image_pipeline_crops_bicubically_when_asked():
+    """torchvision's RandomResizedCrop with bicubic interpolation, drawing what the bilinear one draws."""
+    image = Image.fromarray(NOISE.permute(1, 2, 0).numpy())
+    spec = dict(scale=(0.2, 1.0), jitter_prob=0.0, gray_prob=0.0, flip=False)
+    views = []
+    for mode in ("bicubic", "bilinear"):
+        torch.manual_seed(0)
+        views.append(augment(ViewSpec(24, MEAN, STD, **spec, interpolation=mode))(image))
+    torch.manual_seed(0)
+    crop = T.RandomResizedCrop(24, scale=(0.2, 1.0), interpolation=T.InterpolationMode.BICUBIC)(image)
+    expected = torch.from_numpy(np.array(crop)).permute(2, 0, 1) / 255
+    torch.testing.assert_close(unnormalize(views[0][None])[0], expected, atol=1e-6, rtol=0)
+    assert (views[0] - views[1]).abs().max() > 0.1  # the two interpolations do differ on this image
+
+
+@pytest.mark.parametrize("interpolation", ["bilinear", "bicubic"])
+def test_both_pipelines_resample_a_whole_image_crop_alike(interpolation):
+    """The crop that is the whole image, enlarged 1.5x: the batched view is the per-image pipeline's (PIL's
+    bicubic, or bilinear) up to PIL's 8-bit rounding, and the two interpolations differ by far more."""
+    image = smooth_image(16, 16)
+    batched, per_image = draw_both_pipelines(image, 2, 24, **ALONE, interpolation=interpolation)
+    other = draw_both_pipelines(image, 2, 24, **ALONE, interpolation={"bilinear": "bicubic", "bicubic": "bilinear"}[interpolation])[0]
+    assert (batched - per_image).abs().max() <= 1.5 / 255 < (batched - other).abs().max()
+
+
+def test_an_unknown_interpolation_is_refused_naming_the_key():
+    with pytest.raises(ValueError, match="interpolation must be one of bilinear, bicubic, got 'nearest'"):
+        ViewSpec(32, MEAN, STD, interpolation="nearest")
 
 
 def draw_both_pipelines(image: torch.Tensor, count: int, size: int, **parameters) -> tuple[torch.Tensor, torch.Tensor]:

@@ -111,3 +111,14 @@ def test_evaluation_view_given_a_pair_resizes_the_whole_image_without_cropping()
     cropped = build_view("eval_view", {"preset": "center", "resize": 16}, DEFAULTS)(IMAGE)
     torch.testing.assert_close(squashed, whole_image)
     assert not torch.allclose(squashed, cropped)
+
+
+def test_the_evaluation_view_resizes_bicubically_when_asked_and_names_an_unknown_interpolation():
+    """DINO's eval_linear.py resizes with interpolation=3 (PIL's bicubic) before its centre crop."""
+    bicubic = build_view("eval_view", {"preset": "center", "resize": 18, "interpolation": "bicubic"}, DEFAULTS)(IMAGE)
+    resized = IMAGE.resize((21, 18), Image.BICUBIC)  # the short side (20) to 18, the long one (24) to int(21.6)
+    expected = build_view("eval_view", {"preset": "center", "resize": [18, 21]}, DEFAULTS)(resized)
+    torch.testing.assert_close(bicubic, expected)
+    assert not torch.allclose(bicubic, build_view("eval_view", {"preset": "center", "resize": 18}, DEFAULTS)(IMAGE))
+    with pytest.raises(ValueError, match="view 'eval_view': interpolation must be one of bilinear, bicubic, got 'lanczos'"):
+        build_view("eval_view", {"preset": "center", "interpolation": "lanczos"}, DEFAULTS)
