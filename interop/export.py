@@ -47,7 +47,7 @@ from backbones.vit import LAYER_NORM_EPS, VIT_SIZES, timm_arguments
 from datamodules.folders import IMAGENET_MEAN, IMAGENET_STD
 from engine.config import as_spec
 from engine.checkpoint_record import RECORD_KEY, VERSION
-from engine.files import write_atomically
+from engine.files import WriteFailed, write_atomically
 from interop.official import layout_of
 from methods import FineTune, LongTailClassifier, PretrainMethod
 from methods.checkpoints import read_method_checkpoint
@@ -82,27 +82,20 @@ def export(
     tau = (tau_norm if tau_norm is not None else hyperparameters.get("tau_norm", 0.0)) if is_classifier else None
     classifier = _classifier(checkpoint["state_dict"], tau) if is_classifier and format != "detectron2" else None
 
-    out = out or checkpoint_path.resolve().parent.parent / "export" / f"{checkpoint_path.stem}_{format}{'' if encoder == method_class.evaluated_encoder else '_' + encoder}"
+    folder = checkpoint_path.resolve().parent
+    run = folder.parent if folder.name == "checkpoints" else folder  # as probe_run_directory finds the run of a checkpoint
+    out = out or run / "export" / f"{checkpoint_path.stem}_{format}{'' if encoder == method_class.evaluated_encoder else '_' + encoder}"
     out = out.with_suffix("") if out.suffix in EXPORT_SUFFIXES else out
     classifier_prefix = _classifier_prefix(spec, format, source) if classifier else None
     suffixes = (".pkl",) if format == "detectron2" else (".pth", ".safetensors")
     existing = [str(path) for path in (out.with_name(out.name + suffix) for suffix in (*suffixes, ".json")) if path.exists()]
     if existing and not force:
         raise ValueError(f"--out: {', '.join(existing)} already exists: give another --out, or --force to overwrite")
-    if format == "detectron2":
-        files = [out.with_name(out.name + ".pkl")]
-        weights = {"model": {detectron2_name(key): value.numpy() for key, value in trunk.items()}, "__author__": "contrastlab", "matching_heuristics": True}
-        write_atomically(files[0], lambda partial: partial.write_bytes(pickle.dumps(weights)))
-    else:
-        state = trunk | ({classifier_prefix + key: value for key, value in classifier.items()} if classifier else {})
-        files = [out.with_name(out.name + ".pth"), out.with_name(out.name + ".safetensors")]
-        write_atomically(files[0], lambda partial: torch.save(state, partial))
-        write_atomically(files[1], lambda partial: _save_safetensors(state, partial))
-
+    files = [out.with_name(out.name + suffix) for suffix in suffixes]
     record = {
         "format": format,
         "files": [file.name for file in files],
-        "checkpoint": str(checkpoint_path),
+        "checkpoint": str(checkpoint_path.resolve()),
         "method": f"{method_class.__module__}.{method_class.__qualname__}",
         "encoder": encoder,
         "trunk": {"name": spec.name, "small_input": spec.small_input, "small_input_stem": spec.small_input_stem, "kwargs": spec.kwargs, "feature_dim": feature_dim},
@@ -117,6 +110,16 @@ def export(
     if format == "detectron2":
         record["detectron2_config"] = detectron2_config(spec, record["normalisation"])
     json_path = out.with_name(out.name + ".json")
+    # Everything is known before the first file is written. The record goes last, and an overwritten one goes first:
+    # weights whose writing fails are never left beside a record of other weights (`exported_backbone` trusts it).
+    json_path.unlink(missing_ok=True)
+    if format == "detectron2":
+        weights = {"model": {detectron2_name(key): value.numpy() for key, value in trunk.items()}, "__author__": "contrastlab", "matching_heuristics": True}
+        write_atomically(files[0], lambda partial: partial.write_bytes(pickle.dumps(weights)))
+    else:
+        state = trunk | ({classifier_prefix + key: value for key, value in classifier.items()} if classifier else {})
+        write_atomically(files[0], lambda partial: torch.save(state, partial))
+        write_atomically(files[1], lambda partial: _save_safetensors(state, partial))
     write_atomically(json_path, lambda partial: partial.write_text(json.dumps(record, indent=1)))
     return [*files, json_path]
 
@@ -199,6 +202,19 @@ def detectron2_config(spec: BackboneSpec, normalisation: dict | None) -> dict:
     return settings | {"MODEL.PIXEL_MEAN": [round(255 * m, 3) for m in normalisation["mean"]], "MODEL.PIXEL_STD": [round(255 * s, 3) for s in normalisation["std"]]}
 
 
+def _token_features(features: dict | None) -> str:
+    """The ViT `features` option (`backbones.vit.TokenFeatures`) as a `features(images)` function of the loaded
+    `model`, whose own forward gives the last class token only."""
+    if features is None:
+        return ""
+    taken = (f"model.forward_intermediates(x, indices={features.get('last_blocks', 1)}, return_prefix_tokens=True, norm=True, "
+             "output_fmt='NLC', intermediates_only=True)")  # [(patch tokens, prefix tokens)] of the last blocks
+    class_tokens = "torch.cat([prefix[:, 0] for _, prefix in taken], dim=-1)"
+    if features.get("average_patch_tokens"):
+        class_tokens = f"torch.stack([{class_tokens}, taken[-1][0].mean(dim=1)], dim=-1).flatten(1)"
+    return f"; features = lambda x: (lambda taken: {class_tokens})({taken})"
+
+
 def _how_to_load(spec: BackboneSpec, format: str, file: str, num_classes: int | None) -> str:
     """Python that builds the exported model outside contrastlab and loads the file strictly."""
     if format == "detectron2":
@@ -208,11 +224,12 @@ def _how_to_load(spec: BackboneSpec, format: str, file: str, num_classes: int | 
         return (
             f"model = timm.models.vision_transformer.VisionTransformer({arguments}, num_classes={num_classes or 0}, "
             f"norm_layer=functools.partial(torch.nn.LayerNorm, eps={LAYER_NORM_EPS})); "
-            f"model.load_state_dict(safetensors.torch.load_file({file!r}), strict=True)"
+            f"model.load_state_dict(safetensors.torch.load_file({file!r}), strict=True)" + _token_features(spec.kwargs.get("features"))
         )
     if format == "timm":
+        arguments = "".join(f", {key}={value!r}" for key, value in spec.kwargs.items())
         return (
-            f"model = timm.create_model({spec.name.removeprefix('timm:')!r}, num_classes={num_classes or 0}); "
+            f"model = timm.create_model({spec.name.removeprefix('timm:')!r}, num_classes={num_classes or 0}{arguments}); "
             f"model.load_state_dict(safetensors.torch.load_file({file!r}), strict=True)"
         )
     arguments = [f"{key}={value!r}" for key, value in spec.kwargs.items()] + ([f"num_classes={num_classes}"] if num_classes else [])
@@ -232,16 +249,29 @@ def _how_to_load(spec: BackboneSpec, format: str, file: str, num_classes: int | 
 
 
 def data_facts(config: dict | None) -> dict:
-    """Dataset, image size and normalisation of the run, from its resolved config (null without one)."""
+    """Dataset, image size and normalisation of the run, from its resolved config (null where it does not say). The
+    normalisation is the evaluation view's (a view's own mean / std, else the DataModule's); training views that
+    normalised otherwise are listed in `training_normalisation` (npid_cifar100 normalises with CIFAR-10's mean)."""
     data = (config or {}).get("data") or {}
     if "class_path" not in data:
         return {"dataset": None, "image_size": None, "normalisation": None}
     module_name, _, class_name = data["class_path"].rpartition(".")
-    data_class = getattr(importlib.import_module(module_name), class_name)
+    try:
+        data_class = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError):  # a DataModule of the user's, not importable here: what the config says
+        data_class = None
     init_args = data.get("init_args") or {}
     value = lambda name: init_args.get(name, getattr(data_class, name, None))  # noqa: E731  (folders take them as arguments)
-    normalisation = {"mean": list(value("mean")), "std": list(value("std"))} if value("mean") is not None else None
-    return {"dataset": data["class_path"], "image_size": value("image_size"), "normalisation": normalisation}
+
+    def normalisation(view: dict | None) -> dict | None:
+        mean, std = ((view or {}).get(key, value(key)) for key in ("mean", "std"))
+        return None if mean is None or std is None else {"mean": list(mean), "std": list(std)}
+
+    evaluated = normalisation(init_args.get("eval_view"))
+    differing = {name: normalisation(view) for name, view in (init_args.get("views") or {}).items() if normalisation(view) != evaluated}
+    return {"dataset": data["class_path"], "image_size": value("image_size"), "normalisation": evaluated} | (
+        {"training_normalisation": differing} if differing else {}
+    )
 
 
 def config_hash(config: dict | None) -> str | None:
@@ -255,12 +285,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--format", required=True, choices=EXPORT_FORMATS, help="what to write (see formats above)")
     parser.add_argument("--encoder", choices=tuple(ENCODER_PREFIXES), help="which trunk (default: the one the method's paper evaluates: online; DINO's teacher, momentum)")
     parser.add_argument("--tau-norm", type=float, help="tau of the classifier's normalisation (default: the model's tau_norm)")
-    parser.add_argument("--out", type=Path, help="path of the files without suffix (default: <run>/export/<checkpoint>_<format>)")
+    parser.add_argument("--out", type=Path, help="path of the files without suffix (default: <run>/export/<checkpoint>_<format>, the run being the folder above checkpoints/, else the checkpoint's own)")
     parser.add_argument("--force", action="store_true", help="overwrite export files that exist")
     args = parser.parse_args(argv)
     try:
         written = export(args.checkpoint, args.format, args.out, args.encoder, args.tau_norm, args.force)
-    except ValueError as error:
+    except (ValueError, WriteFailed) as error:
         raise SystemExit(f"error: {error}") from None
     print("\n".join(str(path) for path in written))
     return 0

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from backbones import BACKBONE_NAMES, BackboneSpec, attention_heads, load_state_strictly
+from backbones.vit import VIT_SIZES
 from engine.config import as_spec
 from engine.files import is_state_dict, read_checkpoint
 
@@ -125,8 +126,13 @@ def detect_format(checkpoint: Any, backbone_name: str | None, source: str) -> st
 def layout_of(format: str, backbone_name: str | None, source: str) -> Layout:
     if format != "timm":
         return LAYOUTS[format]
+    if backbone_name in VIT_SIZES:  # contrastlab's ViTs are timm's VisionTransformer (`interop.export --format timm`)
+        return Layout(None, ("",), not_trunk=("head.",), classifier=("head.",))
     if not (backbone_name or "").startswith("timm:"):
-        raise ValueError(f"{source} (format timm): give the timm trunk it holds as model.backbone (name 'timm:<model_name>')")
+        raise ValueError(
+            f"{source} (format timm): give the timm trunk it holds as model.backbone (name 'timm:<model_name>', or "
+            f"{', '.join(VIT_SIZES)} for a Vision Transformer that contrastlab exported)"
+        )
     from timm.models import get_pretrained_cfg_value  # lazily: timm is only needed for timm trunks
 
     classifiers = get_pretrained_cfg_value(backbone_name.removeprefix("timm:"), "classifier") or ()
@@ -183,7 +189,8 @@ def exported_backbone(path: str, source: str) -> BackboneSpec | None:
         if not isinstance(record, dict) or file.name not in record.get("files", []):
             return None  # a JSON file of another kind beside the weights
         trunk = record["trunk"]
-        return BackboneSpec(trunk["name"], small_input=trunk["small_input"], small_input_stem=trunk["small_input_stem"], kwargs=trunk["kwargs"])
+        stem = trunk.get("small_input_stem", "sce")  # the one stem before the key was recorded (7331032)
+        return BackboneSpec(trunk["name"], small_input=trunk["small_input"], small_input_stem=stem, kwargs=trunk["kwargs"])
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise ValueError(f"{source}: its export record {str(record_path)!r} is unreadable ({type(error).__name__}: {error})") from None
 
@@ -275,6 +282,10 @@ def load_official_classifier(trunk: torch.nn.Module, classifier: torch.nn.Module
             f"{source} (format {weights.format}) holds no classifier (PaCo's centres, a torchvision or timm fc): "
             "probe its trunk with main_linear.py"
         )
+    recorded = exported_backbone(path, source)
+    for key in ("name", "small_input", "small_input_stem"):  # the weights would load strictly into another stem too
+        if recorded is not None and getattr(recorded, key) != getattr(backbone, key):
+            raise ValueError(f"model.backbone.{key} {getattr(backbone, key)!r}, but {source} was exported from a trunk with {getattr(recorded, key)!r} (its export record): give that")
     load_state_strictly(trunk, weights.trunk, source, f"backbone {backbone.name!r} (small_input={backbone.small_input})")
     load_state_strictly(classifier, weights.classifier, source, f"the classifier (nn.Linear {classifier.in_features} -> {classifier.out_features})")
 

@@ -1,6 +1,7 @@
 """Trunks out of contrastlab (`python -m interop.export`): each export is loaded strictly by the library it
 targets, built there as a user would build it, and gives contrastlab's features or predictions bit for bit."""
 
+import errno
 import functools
 import hashlib
 import json
@@ -21,7 +22,8 @@ import main_pretrain
 from backbones import BackboneSpec, MLPSpec
 from engine.checkpoint_record import VERSION
 from helpers import TINY_PROJECTOR, randomised
-from interop.export import export, main as export_command
+from datamodules import DigitsDataModule
+from interop.export import data_facts, export, main as export_command
 from methods import BYOL, DINO, NNCLR, BarlowTwins, CrossEntropy, LinearProbe, MoCoV2, MoCoV3, PaCo, SimCLR, SimSiam, SwAV, VICReg
 from methods.longtail import tau_normalised
 
@@ -404,3 +406,87 @@ def test_both_exported_files_have_the_mode_of_a_new_file(tmp_path):
     pth, safetensors, record = export(saved(moco(BackboneSpec("resnet18", small_input=True)), tmp_path / "last.ckpt"), "torchvision", tmp_path / "trunk")
     modes = {path.suffix: path.stat().st_mode & 0o777 for path in (pth, safetensors, record)}
     assert modes[".safetensors"] == modes[".pth"] == modes[".json"]
+
+
+# ----------------------------------------------------------------- the record is true, and written last
+def test_the_load_line_of_a_timm_export_builds_the_trunk_with_the_backbone_s_arguments(tmp_path, monkeypatch):
+    model = moco(BackboneSpec("timm:test_resnet", kwargs={"global_pool": "max"}))
+    _, safetensors, record = export(saved(model, tmp_path / "last.ckpt"), "timm", tmp_path / "trunk")
+    recipe = {"torch": torch, "timm": timm, "safetensors": __import__("safetensors.torch")}
+    monkeypatch.chdir(safetensors.parent)
+    exec(json.loads(record.read_text())["load"], recipe)
+    with torch.no_grad():
+        images = torch.rand(2, 3, 64, 64, generator=torch.Generator().manual_seed(2))  # max and mean pooling differ here
+        assert torch.equal(recipe["model"].eval()(images), model.backbone.eval()(images))
+
+
+@pytest.mark.parametrize("features", [{"last_blocks": 2}, {"last_blocks": 1, "average_patch_tokens": True}])
+def test_a_vit_export_with_token_features_says_how_to_compute_them_and_probes_as_timm(features, tmp_path, monkeypatch):
+    vit = BackboneSpec("vit_small", kwargs=dict(img_size=16, patch_size=8, depth=2, num_heads=6, features=features))
+    model = SimCLR(backbone=vit, projector=TINY_PROJECTOR, knn_k=0)
+    _, safetensors, record = export(saved(model, tmp_path / "last.ckpt"), "timm", tmp_path / "trunk")
+    recipe = {"torch": torch, "timm": timm, "functools": functools, "safetensors": __import__("safetensors.torch")}
+    monkeypatch.chdir(safetensors.parent)
+    exec(json.loads(record.read_text())["load"], recipe)
+    with torch.no_grad():
+        expected = model.backbone.eval()(IMAGES)
+        assert expected.shape[1] == json.loads(record.read_text())["trunk"]["feature_dim"] == 768
+        assert torch.equal(recipe["features"](IMAGES), expected)
+        probe = LinearProbe(pretrained_ckpt=str(safetensors), pretrained_format="timm")  # the format it was written in
+        assert torch.equal(probe.backbone(IMAGES), expected)
+
+
+def test_the_record_gives_the_evaluation_view_s_normalisation_and_the_training_views_that_differ():
+    cifar10_mean = [0.4914, 0.4822, 0.4465]
+    digits = {"mean": list(DigitsDataModule.mean), "std": list(DigitsDataModule.std)}
+    views = {"query": {"preset": "mocov2", "mean": cifar10_mean}, "key": {"preset": "mocov2"}}
+    config = {"data": {"class_path": "datamodules.DigitsDataModule", "init_args": {"views": views, "eval_view": {"preset": "center", "mean": cifar10_mean}}}}
+    facts = data_facts(config)
+    assert facts["normalisation"] == {"mean": cifar10_mean, "std": digits["std"]} and facts["training_normalisation"] == {"key": digits}
+    assert "training_normalisation" not in data_facts({"data": {"class_path": "datamodules.DigitsDataModule", "init_args": {"views": {"key": {"preset": "mocov2"}}}}})
+    own = {"class_path": "mylab.data.MyDataModule", "init_args": {"mean": [0.5] * 3, "std": [0.25] * 3}}  # not importable here
+    assert data_facts({"data": own}) == {"dataset": "mylab.data.MyDataModule", "image_size": None, "normalisation": {"mean": [0.5] * 3, "std": [0.25] * 3}}
+    assert data_facts({"data": own | {"init_args": {}}})["normalisation"] is None
+
+
+def test_a_forced_export_that_cannot_write_leaves_no_record_of_the_previous_export_beside_its_weights(tmp_path, monkeypatch):
+    solo_learn = saved(moco(BackboneSpec("resnet18", small_input=True, small_input_stem="solo_learn")), tmp_path / "a.ckpt")
+    other = saved(moco(BackboneSpec("resnet18", small_input=True)), tmp_path / "b.ckpt")
+    assert export_command([str(solo_learn), "--format", "torchvision", "--out", str(tmp_path / "trunk")]) == 0
+
+    def unwritable(state, path):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr("interop.export._save_safetensors", unwritable)
+    with pytest.raises(SystemExit, match=r"^error: cannot write .*trunk.safetensors: Permission denied$"):
+        export_command([str(other), "--format", "torchvision", "--out", str(tmp_path / "trunk"), "--force"])
+    assert not (tmp_path / "trunk.json").exists()  # the .pth holds b's weights: a's record must not describe it
+
+
+def test_an_export_goes_beside_a_checkpoint_outside_a_run_and_records_its_absolute_path(tmp_path, monkeypatch):
+    downloads = tmp_path / "downloads"
+    downloads.mkdir()
+    saved(moco(BackboneSpec("resnet18", small_input=True)), downloads / "moco.ckpt")
+    monkeypatch.chdir(downloads)
+    pth, _, record = export(Path("moco.ckpt"), "torchvision")
+    assert pth == downloads / "export" / "moco_torchvision.pth"
+    assert json.loads(record.read_text())["checkpoint"] == str(downloads / "moco.ckpt")
+
+
+def test_a_record_written_before_the_stem_was_recorded_is_read_as_the_one_stem_there_was(tmp_path):
+    pth, _, record = export(saved(moco(BackboneSpec("resnet18", small_input=True)), tmp_path / "last.ckpt"), "torchvision", tmp_path / "trunk")
+    old = json.loads(record.read_text())
+    del old["trunk"]["small_input_stem"]
+    record.write_text(json.dumps(old))
+    assert LinearProbe(pretrained_ckpt=str(pth)).backbone.conv1.padding == (1, 1)
+
+
+def test_a_long_tail_classifier_reloaded_from_its_export_must_name_the_stem_its_record_names(tmp_path):
+    model = CrossEntropy(backbone=BackboneSpec("resnet18", small_input=True, small_input_stem="solo_learn"), num_classes=10)
+    randomised(model.backbone).eval()
+    pth = export(saved(model, tmp_path / "last.ckpt"), "torchvision", tmp_path / "classifier")[0]
+    with pytest.raises(ValueError, match=rf"model.backbone.small_input_stem 'sce', but model.pretrained_ckpt '{pth}' was exported from a trunk with 'solo_learn'"):
+        CrossEntropy(backbone=BackboneSpec("resnet18", small_input=True), num_classes=10, pretrained_ckpt=str(pth))
+    reloaded = CrossEntropy(backbone=BackboneSpec("resnet18", small_input=True, small_input_stem="solo_learn"), num_classes=10, pretrained_ckpt=str(pth))
+    with torch.no_grad():
+        assert torch.equal(reloaded.eval().classify(IMAGES), model.classify(IMAGES))
