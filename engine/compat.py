@@ -119,3 +119,11 @@ def wandb_credentials_for(host: str | None) -> object | None:
     from wandb.sdk.lib.wbauth import read_netrc_auth
 
     return read_netrc_auth(host=wandb_server(host))
+
+
+def save_last_checkpoint_unless_saved(trainer: Trainer, callback) -> None:
+    """The `ModelCheckpoint` callback's own `last.ckpt` of this step (its bookkeeping kept: `last_model_path`, the
+    step last saved), unless it wrote one at this step or writes one at this epoch's end itself."""
+    if callback._should_skip_saving_checkpoint(trainer) or callback._should_save_on_train_epoch_end(trainer):
+        return
+    callback._save_last_checkpoint(trainer, callback._monitor_candidates(trainer))

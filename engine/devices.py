@@ -63,3 +63,16 @@ def cpu_precision(requested: str, has_bf16_units: bool) -> str:
     if str(requested) in BF16_PRECISIONS and not has_bf16_units:
         return "32-true"
     return str(requested)
+
+
+def choose_cpu_precision(trainer: dict, bf16_on_cpu: str) -> str | None:
+    """For a run on the CPU: a bf16 precision becomes 32-true on a CPU without bf16 units (`trainer["precision"]` is
+    set, so config.yaml and the checkpoints record it) unless `bf16_on_cpu` is `always`; the line that says so at the
+    start of the run, or None."""
+    requested = trainer.get("precision")
+    chosen = cpu_precision(requested, cpu_has_bf16_units()) if bf16_on_cpu == "auto" else str(requested)
+    if chosen == str(requested):
+        return None
+    trainer["precision"] = chosen
+    return (f"trainer.precision {requested} -> {chosen}: this CPU has no bf16 units (AVX512-BF16 or AMX), where bf16 "
+            "trains about 10x slower than fp32; --bf16_on_cpu always keeps it")

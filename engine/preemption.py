@@ -16,9 +16,11 @@ from engine.compat import (
     cluster_environment,
     processed_epochs,
     reopen_stopped_epoch,
+    save_last_checkpoint_unless_saved,
     stop_at_the_end_of_this_step,
 )
 from engine.files import last_checkpoint_path
+from engine.optim import schedule_length
 
 
 class LastCheckpointOnSigterm(Callback):
@@ -34,6 +36,18 @@ class LastCheckpointOnSigterm(Callback):
         for callback in trainer.checkpoint_callbacks:
             if isinstance(callback, ModelCheckpoint) and callback.save_last and callback.dirpath:
                 trainer.save_checkpoint(last_checkpoint_path(callback), weights_only=False)  # the whole state, to resume from
+
+
+class LastCheckpointAtEveryEpoch(Callback):
+    """`last.ckpt` at the end of every epoch, and of the step where max_time stops a run. Lightning's ModelCheckpoint
+    writes it when it validates, which under `check_val_every_n_epoch` n > 1 (5, 10 or 20 in most configs) is every
+    n-th epoch: a run killed (a node failure, an out-of-memory kill) or interrupted by Ctrl-C lost up to n - 1 epochs,
+    and a run stopped by max_time resumed from its last validated epoch."""
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        for callback in trainer.checkpoint_callbacks:
+            if isinstance(callback, ModelCheckpoint) and callback.save_last and callback.dirpath:
+                save_last_checkpoint_unless_saved(trainer, callback)
 
 
 class PreemptionSignals(Callback):
@@ -108,9 +122,13 @@ class ProcessTimeLimit(Timer):
     def load_state_dict(self, state_dict: dict) -> None:
         """The time of an earlier process does not count."""
 
-    def reached(self) -> bool:
+    def cut_short(self, trainer) -> bool:
+        """Whether the time ran out before the run's end: training had steps left (to max_steps, or to the end of its
+        epochs). A run whose last step and time end together has ended, and reports its results."""
         remaining = self.time_remaining()
-        return remaining is not None and remaining <= 0
+        if remaining is None or remaining > 0:
+            return False
+        return not (0 <= trainer.max_steps <= trainer.global_step or trainer.global_step >= schedule_length(trainer))
 
 
 class ResumeInStoppedEpoch(Callback):

@@ -138,6 +138,11 @@ class WandbRun(WandbLogger):
         self.name_keys = name_keys or {}
         self.run_dir: Path | None = None
 
+    def check_name(self, config: dict) -> None:
+        """The run's name can be made from the resolved config: a `name_keys` entry the config lacks is a ValueError."""
+        if configured_run_name(self) is None:
+            run_name(config, self.name_keys)
+
     def start(self, root_dir: str | Path, config: dict, mode: str | None, stage: str = "fit", resumed: bool = False) -> None:
         """Bind the run to its directory and resolved config before its W&B run is created (which happens when
         the trainer sets up): name, `<root_dir>/wandb`, the id and the mode (`wandb_mode()`). A `fit` that resumes

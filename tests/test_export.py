@@ -339,7 +339,7 @@ def test_the_record_beside_the_export_says_where_it_came_from(digits_run, capsys
         "dataset": "datamodules.DigitsDataModule",
         "image_size": 32,
         "normalisation": {"mean": [0.195, 0.2033, 0.1866], "std": [0.1783, 0.1546, 0.1607]},
-        "epoch": 1,
+        "epoch": 0,  # last.ckpt of the end of epoch 0 (engine.preemption.LastCheckpointAtEveryEpoch), as at a validated epoch's end
         "step": 2,
         "config_sha256": hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest(),
         "contrastlab_version": VERSION,

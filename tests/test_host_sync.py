@@ -71,7 +71,9 @@ class HostReads(TorchDispatchMode):
             stack = traceback.extract_stack()
             frames = [frame for frame in stack if Path(frame.filename).parent.name in PROJECT_FOLDERS]
             loading = any("torch/utils/data/" in frame.filename for frame in stack)  # in DataLoader workers, off the step
-            if frames and not loading:
+            # a checkpoint (last.ckpt at an epoch's end) reads every tensor and generator state to write it, off the step
+            saving = any(frame.filename.endswith("checkpoint_connector.py") and frame.name == "dump_checkpoint" for frame in stack)
+            if frames and not (loading or saving):
                 frame = frames[-1]
                 self.found.append(f"{Path(frame.filename).parent.name}/{Path(frame.filename).name}:{frame.lineno} in {frame.name} ({func})")
         return func(*args, **(kwargs or {}))

@@ -15,6 +15,7 @@ from lightning.pytorch.callbacks import Callback, Timer
 from test_cli import PRETRAIN_DIGITS, TINY_RUN, run_failing
 
 import main_pretrain
+from engine.config import load_yaml
 from engine.preemption import ProcessTimeLimit
 
 QUIET = ["--trainer.logger=false", "--trainer.precision=32-true"]
@@ -154,6 +155,64 @@ def test_a_setting_added_since_the_checkpoint_is_kept_at_its_default_and_refused
     assert changed_setting(old, added(optimizer=optimizer | {"lars_lr_in_momentum": True})).startswith("model.init_args.optimizer.lars_lr_in_momentum True")
 
 
+def test_a_checkpoint_of_another_run_is_refused_into_a_directory_that_holds_a_run(finished_run, tmp_path, capsys):
+    """An explicit ckpt_path continues into an empty directory, never over another run's checkpoints and W&B run."""
+    other = pretrain(tmp_path / "other", "--seed_everything=1")
+    other_checkpoint = Path(other.trainer.default_root_dir) / "checkpoints" / "last.ckpt"
+    before = files_in(finished_run)
+    line = run_failing(main_pretrain, ["fit", "--config", PRETRAIN_DIGITS, *TINY_RUN, *QUIET, f"--trainer.default_root_dir={finished_run}",
+                                       "--seed_everything=1", f"--ckpt_path={other_checkpoint}"], capsys)
+    assert line == (f"error: {finished_run / 'checkpoints' / 'last.ckpt'} already holds a run, and ckpt_path {other_checkpoint} is not one of its "
+                    "checkpoints: the run would go on over that run's files; give another trainer.default_root_dir (or --ckpt_path last to resume the run there)")
+    assert files_in(finished_run) == before
+    assert pretrain(tmp_path / "empty", "--seed_everything=1", f"--ckpt_path={other_checkpoint}").trainer.global_step == 2
+
+
+def test_a_run_that_keeps_no_last_ckpt_still_holds_its_directory(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    pretrain(run_dir, "--checkpoint.save_last=false")
+    (checkpoint,) = (run_dir / "checkpoints").glob("*.ckpt")
+    before = files_in(run_dir)
+    line = run_failing(main_pretrain, ["fit", "--config", PRETRAIN_DIGITS, *TINY_RUN, *QUIET, f"--trainer.default_root_dir={run_dir}",
+                                       "--checkpoint.save_last=false", "--seed_everything=5"], capsys)
+    assert line == f"error: {checkpoint} already holds a run: resume it with --ckpt_path {checkpoint}, or start a new one under another trainer.default_root_dir"
+    assert files_in(run_dir) == before
+
+
+def test_config_yaml_records_a_batch_count_as_the_integer_the_run_used(tmp_path):
+    pretrain(tmp_path / "run", "--trainer.limit_train_batches=1", "--trainer.limit_val_batches=1")
+    trainer = load_yaml((tmp_path / "run" / "config.yaml").read_text())["trainer"]
+    recorded = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)["contrastlab"]["config"]["trainer"]
+    assert [type(section[key]) for section in (trainer, recorded) for key in ("limit_train_batches", "limit_val_batches")] == [int] * 4
+
+
+@pytest.mark.parametrize(
+    "first, resumed, changed",
+    [(["--trainer.max_epochs=-1", "--trainer.max_steps=2"], ["--trainer.max_steps=4"], "trainer.max_steps 4 (the run was trained with 2)"),
+     ([], ["--trainer.limit_train_batches=1"], "trainer.limit_train_batches 1 (the run was trained with 2)")],
+)
+@pytest.mark.slow
+def test_what_fixes_the_schedule_cannot_change_on_resume(first, resumed, changed, tmp_path, capsys):
+    """Without max_epochs, max_steps is the schedules' length; the batches of an epoch fix it in any case."""
+    run_dir = tmp_path / "run"
+    pretrain(run_dir, *first)
+    line = run_failing(main_pretrain, ["fit", "--config", PRETRAIN_DIGITS, *TINY_RUN, *QUIET, f"--trainer.default_root_dir={run_dir}", *first,
+                                       *resumed, "--ckpt_path=last"], capsys)
+    assert line.startswith(f"error: checkpoint {run_dir / 'checkpoints' / 'last.ckpt'} resumes a run with {changed}")
+
+
+@pytest.mark.parametrize(
+    "argument, message",
+    [("--ckpt_path=best", "error: ckpt_path 'best' names the best checkpoint of a fit in this process, which a new process has not written: give last or a checkpoint file"),
+     ("--trainer.logger.init_args.name_keys={lr: model.init_args.optimizer.lrr}",
+      "error: trainer.logger.init_args.name_keys.lr: the resolved config has no key 'model.init_args.optimizer.lrr'")],
+)
+def test_a_bad_ckpt_path_name_or_run_name_key_is_one_line_before_the_directory_is_made(argument, message, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    line = run_failing(main_pretrain, ["fit", "--config", PRETRAIN_DIGITS, *TINY_RUN, "--trainer.precision=32-true", f"--trainer.default_root_dir={run_dir}", argument], capsys)
+    assert line.startswith(message) and not run_dir.exists()
+
+
 # ----------------------------------------------------------------- stops inside an epoch resume exactly
 STOPPABLE = ["--trainer.max_epochs=2", "--trainer.limit_train_batches=4", "--trainer.limit_val_batches=0", "--trainer.num_sanity_val_steps=0",
              "--embedding_map.enabled=false"]
@@ -199,6 +258,71 @@ def test_a_run_stopped_by_max_time_says_so_writes_no_results_and_resumes_exactly
     resumed = pretrain(run_dir, *timed)
     assert resumed.trainer.global_step == 3 and json.loads((run_dir / "results_val.json").read_text())["global_step"] == 3
     assert_same_state(state_after(straight), torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"])
+
+
+def one_second_per_step(monkeypatch) -> None:
+    """Each training step takes one second of this process's time, plus what Lightning's Timer carries over from a
+    checkpoint (`_offset`)."""
+    monkeypatch.setattr(ProcessTimeLimit, "time_elapsed", lambda self, stage="train": float(getattr(self, "steps", 0)) + self._offset)
+    monkeypatch.setattr(ProcessTimeLimit, "on_train_batch_end", lambda self, trainer, *args: (
+        setattr(self, "steps", getattr(self, "steps", 0) + 1), Timer.on_train_batch_end(self, trainer, *args)))
+
+
+VALIDATED_EVERY_2 = [*STOPPABLE, "--trainer.limit_val_batches=1", "--trainer.check_val_every_n_epoch=2"]
+
+
+@pytest.mark.slow
+def test_a_max_time_stop_in_an_epoch_that_validates_nothing_saves_its_step_and_resumes_exactly(tmp_path, capsys, monkeypatch):
+    one_second_per_step(monkeypatch)
+    straight = pretrain(tmp_path / "straight", *VALIDATED_EVERY_2)
+    run_dir = tmp_path / "timed"
+    timed = [*VALIDATED_EVERY_2, "--trainer.max_time=00:00:00:02", "--ckpt_path=last"]
+    with pytest.raises(SystemExit):
+        pretrain(run_dir, *timed)  # step 2 of epoch 0, which is not validated: Lightning's ModelCheckpoint saves nothing there
+    assert "after global step 2 (checkpoints/last.ckpt)" in capsys.readouterr().err
+    assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 2
+    for _ in range(3):  # 2 steps each
+        try:
+            pretrain(run_dir, *timed)
+        except SystemExit:
+            pass
+    assert json.loads((run_dir / "results_val.json").read_text())["global_step"] == 8
+    assert_same_state(state_after(straight), torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"])
+
+
+@pytest.mark.slow
+def test_a_run_whose_time_runs_out_at_its_last_step_has_ended_and_reports_its_results(tmp_path, monkeypatch):
+    one_second_per_step(monkeypatch)
+    cli = pretrain(tmp_path / "run", *STOPPABLE, "--trainer.max_steps=3", "--trainer.max_time=00:00:00:03")  # no SystemExit
+    assert cli.trainer.global_step == 3 and json.loads((tmp_path / "run" / "results_val.json").read_text())["global_step"] == 3
+
+
+class LastCheckpointSteps(Callback):
+    """The step `last.ckpt` holds when each epoch starts, and a copy of the one epoch 1 starts from."""
+
+    def __init__(self):
+        self.steps = []
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        last = Path(trainer.default_root_dir) / "checkpoints" / "last.ckpt"
+        if trainer.current_epoch > 0:
+            self.steps.append(torch.load(last, weights_only=True)["global_step"])
+        if trainer.current_epoch == 1:
+            shutil.copyfile(last, last.with_name("epoch_0_end.ckpt.copy"))
+
+
+@pytest.mark.slow
+def test_last_ckpt_holds_the_end_of_every_epoch_when_validation_runs_every_n_epochs(tmp_path):
+    """A kill or a Ctrl-C loses at most the epoch it interrupts: last.ckpt is written at the end of each epoch, not
+    only at the validated ones, and a run resumed from an unvalidated epoch's end trains as the straight run."""
+    straight = pretrain(tmp_path / "run", *STOPPABLE, "--trainer.max_epochs=3", "--trainer.limit_val_batches=1", "--trainer.check_val_every_n_epoch=10",
+                        "--trainer.callbacks+=test_long_runs.LastCheckpointSteps")
+    assert next(callback for callback in straight.trainer.callbacks if isinstance(callback, LastCheckpointSteps)).steps == [4, 8]
+    copy = tmp_path / "run" / "checkpoints" / "epoch_0_end.ckpt.copy"
+    resumed = pretrain(tmp_path / "resumed", *STOPPABLE, "--trainer.max_epochs=3", "--trainer.limit_val_batches=1",
+                       "--trainer.check_val_every_n_epoch=10", f"--ckpt_path={copy}")
+    assert resumed.trainer.global_step == 12
+    assert_same_state(state_after(straight), state_after(resumed))
 
 
 @pytest.mark.parametrize("completed", [0, 1])  # the epoch's last.ckpt written at its end (0) or when training ended (1)

@@ -424,6 +424,22 @@ def test_a_requeued_slurm_job_without_an_hpc_checkpoint_resumes_from_last_ckpt(t
     assert cli.trainer.global_step == 4 and cli.trainer.ckpt_path == str(run_dir / "checkpoints" / "last.ckpt")
 
 
+@pytest.mark.slow
+def test_a_new_slurm_job_in_a_directory_with_an_hpc_checkpoint_is_refused_unless_requeued(tmp_path, monkeypatch, capsys):
+    """Only a requeued job (SLURM_RESTART_COUNT > 0) continues the run of its directory without --ckpt_path."""
+    run_dir = tmp_path / "run"
+    sigterm_at_first_step(run_dir)
+    shutil.copyfile(run_dir / "checkpoints" / "last.ckpt", run_dir / "hpc_ckpt_1.ckpt")
+    for name, value in SLURM_JOB.items():
+        monkeypatch.setenv(name, value)
+    command = ["fit", "--config", PRETRAIN_DIGITS, *SIGNALLED_RUN, "--trainer.max_epochs=2", f"--trainer.default_root_dir={run_dir}"]
+    before = {path: path.stat().st_mtime_ns for path in run_dir.rglob("*") if path.is_file()}
+    assert run_failing(main_pretrain, command, capsys).endswith("already holds a run: resume it with --ckpt_path last, or start a new one under another trainer.default_root_dir")
+    assert {path: path.stat().st_mtime_ns for path in run_dir.rglob("*") if path.is_file()} == before
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    assert main_pretrain.cli_main(command).trainer.global_step == 4
+
+
 
 @pytest.mark.parametrize("resume, newer", [("requeued-slurm-job", "last"), ("requeued-slurm-job", "hpc"), ("ckpt_path-last", "hpc")])
 @pytest.mark.slow

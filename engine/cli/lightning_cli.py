@@ -20,10 +20,11 @@
   (`engine.checkpoint_record`); on SIGTERM the current step is saved as `last.ckpt` and the process exits with
   status 143 (`engine.preemption`); checkpoints are written next to their target and renamed over it
   (`engine.files`);
-- which run a `fit` continues (`engine.cli.resume`): a directory that already holds `checkpoints/last.ckpt` is
+- which run a `fit` continues (`engine.cli.resume`): a directory that already holds a run's checkpoints is
   refused unless the run resumes (`--ckpt_path last`, which also starts a run that has no checkpoint yet; a
-  requeued Slurm job resumes from its hpc checkpoint, or from `last.ckpt` when it has none); the checkpoint it
-  restores is opened before anything is written;
+  requeued Slurm job resumes from its hpc checkpoint, or from `last.ckpt` when it has none), and so is a checkpoint
+  of another run there; the checkpoint it restores is opened before anything is written; `last.ckpt` is written at
+  every epoch's end, validated or not (`engine.preemption`);
 - the model class answers what the CLI needs to know of it (`MethodBase.default_run_directory`,
   `check_resume`, `wrong_checkpoint_hint`): a linear probe, for one, runs beside its pretraining checkpoint.
 """
@@ -45,7 +46,7 @@ from datamodules.base import ContrastiveDataModule
 from datamodules.folders import TooManyUnreadableImages
 from engine.checkpoint_record import CheckpointMismatch
 from engine.cli.errors import condense_parser_error, fail, last_line, located, one_error_line, root_cause
-from engine.cli.parsing import ContrastlabArgumentParser, SaveConfigToRun, batch_counts_as_written
+from engine.cli.parsing import ContrastlabArgumentParser, SaveConfigToRun, batch_counts_as_written, integer_batch_counts
 from engine.cli.quiet import quiet_run
 from engine.cli.resume import (
     LIGHTNING_CHECKPOINT_NAMES,
@@ -58,10 +59,10 @@ from engine.cli.run_lock import RunDirectoryInUse, RunDirectoryLock
 from engine.cli.results import FinalValidation, evaluated_position, report_results, validate_the_end_if_missed
 from engine.compat import dump_config_for_hyperparameters
 from engine.config import load_yaml
-from engine.devices import cpu_has_bf16_units, cpu_precision, keep_freed_host_memory
+from engine.devices import choose_cpu_precision, keep_freed_host_memory
 from engine.files import SameDirectoryCheckpointIO, UnreadableCheckpoint, WriteFailed, read_checkpoint
 from engine.non_finite import NonFiniteLossError, NonFiniteLossGuard
-from engine.preemption import LastCheckpointOnSigterm, PreemptionSignals, ProcessTimeLimit, ResumeInStoppedEpoch
+from engine.preemption import LastCheckpointAtEveryEpoch, LastCheckpointOnSigterm, PreemptionSignals, ProcessTimeLimit, ResumeInStoppedEpoch
 from engine.random_state import RandomStateCheckpoint
 from engine.tracking import TrainingThroughput, WandbRun, WandbUnavailable, wandb_mode
 from methods.base import MethodBase
@@ -92,7 +93,7 @@ class ContrastlabCLI(LightningCLI):
                     save_config_callback=SaveConfigToRun,
                     save_config_kwargs={"save_to_log_dir": False},  # SaveConfigToRun writes config.yaml from its one dump
                     trainer_defaults={"callbacks": [
-                        RandomStateCheckpoint(), LastCheckpointOnSigterm(), PreemptionSignals(), ResumeInStoppedEpoch(), TrainingThroughput(), FinalValidation(),
+                        RandomStateCheckpoint(), LastCheckpointOnSigterm(), LastCheckpointAtEveryEpoch(), PreemptionSignals(), ResumeInStoppedEpoch(), TrainingThroughput(), FinalValidation(),
                     ]},  # fmt: skip
                     auto_configure_optimizers=False,
                     args=args,
@@ -135,10 +136,14 @@ class ContrastlabCLI(LightningCLI):
         seed = config.get("seed_everything")
         if not isinstance(seed, int) or isinstance(seed, bool):  # true means seed 0 every time (Lightning >= 2.2 seeds None as 0: Lightning-AI/pytorch-lightning #18846)
             fail(f"seed_everything must be an explicit integer (a config's seed_everything or --seed_everything), got {seed!r}")
-        self._choose_cpu_precision(config)
+        accelerator = config["trainer"].get("accelerator")
+        on_cpu = accelerator == "cpu" or (accelerator in ("auto", None) and not (CUDAAccelerator.is_available() or MPSAccelerator.is_available()))
+        self.precision_note = choose_cpu_precision(config["trainer"], config.get("bf16_on_cpu", "auto")) if on_cpu else None  # said at the start
         for name, count in batch_counts_as_written(config["trainer"], self.command_line).items():  # `limit_val_batches=1`: one batch
             config["trainer"][name] = count
         ckpt_path = config.get("ckpt_path")
+        if ckpt_path == "best":  # Lightning's name for the best checkpoint of this process's fit: a new process has none
+            fail("ckpt_path 'best' names the best checkpoint of a fit in this process, which a new process has not written: give last or a checkpoint file")
         if ckpt_path is None or ckpt_path in LIGHTNING_CHECKPOINT_NAMES or "://" in str(ckpt_path) or str(ckpt_path).startswith("registry"):
             return  # a name Lightning resolves (`last` is read in before_fit), a remote or registry path
         if not Path(ckpt_path).is_file():
@@ -151,28 +156,13 @@ class ContrastlabCLI(LightningCLI):
                 check_unchanged(checkpoint, source, self.resolved_config())
         self.given_checkpoint = (checkpoint, source)
 
-    def _choose_cpu_precision(self, config) -> None:
-        """On a CPU without bf16 units a bf16 precision trains in 32-true, recorded as such in config.yaml and the
-        checkpoints, and said in one line at the start (`self.precision_note`)."""
-        trainer = config["trainer"]
-        accelerator = trainer.get("accelerator")
-        on_cpu = accelerator == "cpu" or (accelerator in ("auto", None) and not (CUDAAccelerator.is_available() or MPSAccelerator.is_available()))
-        if not on_cpu or config.get("bf16_on_cpu", "auto") != "auto":
-            return
-        requested = trainer.get("precision")
-        chosen = cpu_precision(requested, cpu_has_bf16_units())
-        if chosen != str(requested):
-            trainer["precision"] = chosen
-            self.precision_note = (
-                f"trainer.precision {requested} -> {chosen}: this CPU has no bf16 units (AVX512-BF16 or AMX), where bf16 "
-                "trains about 10x slower than fp32; --bf16_on_cpu always keeps it"
-            )
-
     def resolved_config(self) -> dict:
         """The resolved config of the subcommand as `config.yaml` and the checkpoints record it (plain YAML types)."""
         subcommand = self.config.get("subcommand")
         dumped = load_yaml(self.parser.dump(self.config, skip_none=False, skip_validation=True))  # as SaveConfigToRun dumps it
-        return dumped[subcommand] if subcommand else dumped
+        resolved = dumped[subcommand] if subcommand else dumped
+        resolved["trainer"].update(integer_batch_counts((self.config[subcommand] if subcommand else self.config)["trainer"]))
+        return resolved
 
     def before_instantiate_classes(self) -> None:
         """A model class may choose its run directory when trainer.default_root_dir is not given
@@ -249,11 +239,12 @@ class ContrastlabCLI(LightningCLI):
                 self.run_lock.acquire()
 
     def _tracking_mode(self) -> str | None:
-        """The W&B mode (`engine.tracking.wandb_mode`), decided before anything is written: an online run that
-        cannot log is one error line."""
+        """The W&B mode (`engine.tracking.wandb_mode`) and the run's name, decided before anything is written: an online
+        run that cannot log, or a name key that the config lacks, is one error line."""
         if not isinstance(self.trainer.logger, WandbRun):
             return None
-        with one_error_line(WandbUnavailable):
+        with one_error_line(WandbUnavailable, ValueError):
+            self.trainer.logger.check_name(self.config[self.subcommand].as_dict())
             return wandb_mode()
 
     def _start_tracking(self, mode: str | None, resumed: bool = False) -> None:
@@ -278,7 +269,7 @@ class ContrastlabCLI(LightningCLI):
 
     def after_fit(self) -> None:
         limits = [callback for callback in self.trainer.callbacks if isinstance(callback, ProcessTimeLimit)]
-        if limits and limits[0].reached():  # the run has not ended: no results, as after a SIGTERM
+        if limits and limits[0].cut_short(self.trainer):  # the run has not ended: no results, as after a SIGTERM
             max_time = self.config[self.subcommand]["trainer"]["max_time"]
             sys.stderr.write(f"stopped at trainer.max_time {max_time} (this process's time) after global step {self.trainer.global_step} "
                              "(checkpoints/last.ckpt): resume with --ckpt_path last\n")

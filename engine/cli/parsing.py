@@ -3,6 +3,7 @@ config written beside the run, into its W&B run and into every checkpoint (`Save
 
 import copy
 import os
+import re
 from functools import cached_property
 from pathlib import Path
 
@@ -57,6 +58,12 @@ def batch_counts_as_written(trainer, command_line: list[str]) -> dict[str, int]:
             if isinstance(trainer.get(name), float) and trainer[name].is_integer()}
 
 
+def integer_batch_counts(trainer) -> dict[str, int]:
+    """The `BATCH_COUNTS` the run reads as integers (set by `batch_counts_as_written`), which a dump of the config
+    writes as floats again."""
+    return {name: trainer[name] for name in BATCH_COUNTS if type(trainer.get(name)) is int}
+
+
 def fail_on_syntax_error(path, text: str) -> None:
     """End with one line naming the file, line and column of a YAML syntax error, worded by PyYAML's Python parser
     (libyaml's words differ, and a PyYAML without libyaml would give those)."""
@@ -105,8 +112,11 @@ class SaveConfigToRun(SaveConfigCallback):
     @cached_property
     def resolved_text(self) -> str:
         """The config as YAML text, as jsonargparse's `save` would write it, without validating it again (the CLI
-        validated it when it parsed it)."""
-        return self.parser.dump(self.config, skip_none=False, skip_validation=True)
+        validated it when it parsed it), with the batch counts as the run reads them (`BATCH_COUNTS`)."""
+        text = self.parser.dump(self.config, skip_none=False, skip_validation=True)
+        for name, count in integer_batch_counts(self.config.get("trainer") or {}).items():  # `limit_val_batches: 1.0` would be all batches
+            text = re.sub(rf"^(  {name}: ){count}\.0$", rf"\g<1>{count}", text, count=1, flags=re.MULTILINE)
+        return text
 
     @cached_property
     def resolved_config(self) -> dict:

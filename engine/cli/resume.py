@@ -39,12 +39,15 @@ def check_resumable(checkpoint: dict, source: str, config) -> None:
 
 # The settings a run is trained with, which a resumed run must keep: the model (every hyper-parameter, the optimizer
 # and its schedule), the data and its order (the dataset, batch size, views, sampler; the seed of the data order),
-# and what fixes the schedules and the gradient: the epochs, the accumulation and the precision. A resumed run that
-# changed one would restore the optimizer and the schedules of the old value while the config and W&B record the new
-# one (or restore a queue of another size). What a resumption may change: where and how much it runs (max_steps,
-# max_time, validation, logging, checkpoints) and how the data is loaded (workers).
+# and what fixes the schedules and the gradient: the epochs and the batches of each (and max_steps where no max_epochs
+# is given: then it is the schedules' length, `engine.optim.schedule_length`), the accumulation and the precision. A
+# resumed run that changed one would restore the optimizer and the schedules of the old value while the config and W&B
+# record the new one (or restore a queue of another size). What a resumption may change: where and how much it runs
+# (max_steps beside max_epochs, max_time, validation, logging, checkpoints) and how the data is loaded (workers).
 RUN_CONTROL_DATA_KEYS = ("num_workers", "persistent_workers", "pin_memory", "root")
-TRAINING_TRAINER_KEYS = ("max_epochs", "accumulate_grad_batches", "precision", "gradient_clip_val", "gradient_clip_algorithm", "sync_batchnorm")
+TRAINING_TRAINER_KEYS = (
+    "max_epochs", "limit_train_batches", "accumulate_grad_batches", "precision", "gradient_clip_val", "gradient_clip_algorithm", "sync_batchnorm",
+)  # fmt: skip
 
 
 def training_settings(config: dict) -> dict[str, object]:
@@ -52,6 +55,8 @@ def training_settings(config: dict) -> dict[str, object]:
     data = dict(config.get("data") or {})
     data["init_args"] = {key: value for key, value in (data.get("init_args") or {}).items() if key not in RUN_CONTROL_DATA_KEYS}
     trainer = {key: (config.get("trainer") or {}).get(key) for key in TRAINING_TRAINER_KEYS}
+    if trainer["max_epochs"] in (None, -1):
+        trainer["max_steps"] = (config.get("trainer") or {}).get("max_steps")
     return flattened({"model": config.get("model"), "data": data, "seed_everything": config.get("seed_everything"), "trainer": trainer})
 
 
@@ -176,19 +181,26 @@ def readable_checkpoint_to_resume(trainer, run: dict) -> tuple[Path, dict] | Non
 
 
 def refuse_to_overwrite_a_run(trainer, ckpt_path: str | None) -> str | None:
-    """A new `fit` must not overwrite the checkpoints of an earlier run in the same directory: one error line. Returns
-    the ckpt_path to use: `last` for a Slurm job requeued before it wrote an hpc checkpoint, else the given one."""
-    if ckpt_path is not None:
+    """A `fit` must not overwrite the checkpoints of an earlier run in the same directory (any of its checkpoints:
+    `last.ckpt`, the epochs' files of a run without one, `hpc_ckpt_*.ckpt`): one error line, unless it resumes that
+    run (`last`, `hpc`, one of the run's own files, a requeued Slurm job). A checkpoint of another run continues into
+    an empty directory only. Returns the ckpt_path to use: `last` for a Slurm job requeued before it wrote an hpc
+    checkpoint, else the given one."""
+    existing = [path for path in run_checkpoints(trainer) if path.is_file()]
+    if not existing or ckpt_path in LIGHTNING_CHECKPOINT_NAMES:
         return ckpt_path
-    root = Path(trainer.default_root_dir)
-    if SLURMEnvironment.detect() and any(root.glob("hpc_ckpt_*.ckpt")):
-        return ckpt_path  # a requeued Slurm job: resumed from its newest checkpoint (`checkpoint_to_resume`)
-    for callback in trainer.checkpoint_callbacks:
-        if isinstance(callback, ModelCheckpoint) and last_checkpoint_path(callback).is_file():
-            if SLURMEnvironment.detect() and int(os.environ.get("SLURM_RESTART_COUNT", 0)) > 0:
-                return "last"  # requeued after a preemption (SIGTERM) or a node failure, before any hpc checkpoint
-            fail(
-                f"{last_checkpoint_path(callback)} already holds a run: resume it with --ckpt_path last, or "
-                "start a new one under another trainer.default_root_dir"
-            )
-    return ckpt_path
+    last = next((path for path in existing if path.name == "last.ckpt"), None)
+    shown = last or max(existing, key=lambda path: path.stat().st_mtime)  # a run without last.ckpt: its newest
+    resume = "last" if last else str(shown)
+    if ckpt_path is not None:
+        if Path(ckpt_path).resolve() in {path.resolve() for path in existing}:
+            return ckpt_path
+        fail(
+            f"{shown} already holds a run, and ckpt_path {ckpt_path} is not one of its checkpoints: the run would go on "
+            f"over that run's files; give another trainer.default_root_dir (or --ckpt_path {resume} to resume the run there)"
+        )
+    if SLURMEnvironment.detect() and int(os.environ.get("SLURM_RESTART_COUNT", 0)) > 0:
+        # requeued after a preemption or a node failure: resumed from its newest hpc checkpoint (`checkpoint_to_resume`),
+        # or from last.ckpt before it wrote one
+        return ckpt_path if any(Path(trainer.default_root_dir).glob("hpc_ckpt_*.ckpt")) else "last"
+    fail(f"{shown} already holds a run: resume it with --ckpt_path {resume}, or start a new one under another trainer.default_root_dir")
