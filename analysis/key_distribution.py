@@ -31,7 +31,7 @@ from matplotlib.figure import Figure
 from torch import Tensor
 
 from analysis.figures import save_figure
-from analysis.loading import load_method
+from analysis.loading import load_method, positive_int
 from analysis.representation import embed, eval_mode, fixed_subset, isolated_randomness
 from datamodules.base import ContrastiveDataModule
 from engine.cli import instantiate_config
@@ -99,8 +99,8 @@ def main(argv: list[str]) -> int:
                         help="a main_pretrain.py checkpoint, its pretraining config (for the data) and optionally the "
                         "label of its histogram; repeat to overlay")
     parser.add_argument("--split", default="val")
-    parser.add_argument("--views-per-image", type=int, default=32)
-    parser.add_argument("--max-samples", type=int, default=2048, help="images (the paper: 32,768)")
+    parser.add_argument("--views-per-image", type=positive_int, default=32)
+    parser.add_argument("--max-samples", type=positive_int, default=2048, help="images (the paper: 32,768)")
     parser.add_argument("--view", help="the training view to augment with (default: each method's first)")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -116,6 +116,8 @@ def main(argv: list[str]) -> int:
             model = load_method(Path(checkpoint)).to(args.device)
             datamodule = instantiate_config(config, overrides).datamodule
             name = run[2] if len(run) == 3 else f"{type(model).__name__} ({Path(config).stem})"
+            if name in runs:  # one histogram, one entry of the record per label
+                raise ValueError(f"--run {checkpoint}: its label {name!r} is another run's too; give each run a LABEL of its own")
             runs[name] = key_distribution(model, datamodule, args.split, args.view, args.views_per_image, args.max_samples)
             record[name] = {"checkpoint": checkpoint, **summary(*runs[name])}
     except ValueError as error:

@@ -77,5 +77,7 @@ def load_checkpoint_and_data(args: argparse.Namespace, overrides: list[str]) -> 
 
 
 def default_out(args: argparse.Namespace) -> Path:
-    """`--out`, else the `analysis` folder of the checkpoint's run (`<run>/checkpoints/x.ckpt` -> `<run>/analysis`)."""
-    return args.out or args.checkpoint.resolve().parent.parent / "analysis"
+    """`--out`, else the `analysis` folder of the checkpoint's run (`<run>/checkpoints/x.ckpt` -> `<run>/analysis`), or of
+    the checkpoint's own folder for one outside a run (a published file), as the linear stage places its run."""
+    folder = args.checkpoint.resolve().parent
+    return args.out or (folder.parent if folder.name == "checkpoints" else folder) / "analysis"

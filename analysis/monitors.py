@@ -20,11 +20,11 @@ any predictor). It logs, as `val/<name>` (to the loggers and results_val.json):
   and of the projector outputs of the first view; at most min(images, dimensions);
 - `projector_std`: SimSiam's collapse indicator, the per-dimension std of the L2-normalised projector output averaged
   over dimensions (Chen & He 2021, Sec. 4.1): 0 when collapsed, about 1/sqrt(d) for an isotropic Gaussian;
-- `uniformity`: -L_uniformity (t = 2, Wang & Isola 2020) of the L2-normalised projector outputs of the first view,
-  the quantity `RepresentationAnalysis` logs under the same name (when that callback runs on the same split, its
-  value is the one logged: one name, one value);
-- `alignment`: L_align (alpha = 2, Wang & Isola 2020) between the L2-normalised projector outputs of the two views:
-  0 when the two augmentations of an image map to one point.
+- `projector_uniformity`: -L_uniformity (t = 2, Wang & Isola 2020) of the L2-normalised projector outputs of the
+  first view (`RepresentationAnalysis`'s `uniformity` is of the evaluation view's embeddings, after any predictor:
+  another quantity, under another name);
+- `projector_alignment`: L_align (alpha = 2, Wang & Isola 2020) between the L2-normalised projector outputs of the
+  two views: 0 when the two augmentations of an image map to one point.
 
 `EmbeddingMap`, when training ends: the t-SNE map of the validation embeddings by class
 (`analysis.embedding_map`), written to `<default_root_dir>/analysis/embedding_map.png` and, when a `WandbLogger` is
@@ -48,7 +48,6 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.utils.data import Subset
 
-from analysis.callback import RepresentationAnalysis
 from analysis.embedding_map import MAX_LEGEND_CLASSES, Space, write_embedding_map
 from analysis.metrics import alignment, normalised_std, rankme, uniformity
 from analysis.representation import checked_view, eval_mode, fixed_choice, isolated_randomness, split_dataset
@@ -91,8 +90,8 @@ def collapse_metrics(model: PretrainMethod, datamodule: ContrastiveDataModule, s
         "rankme_trunk": rankme(features).item(),
         "rankme_projector": rankme(projected).item(),
         "projector_std": normalised_std(projected).item(),
-        "uniformity": -uniformity(embedded).item(),
-        "alignment": alignment(embedded, embedded_other).item(),
+        "projector_uniformity": -uniformity(embedded).item(),
+        "projector_alignment": alignment(embedded, embedded_other).item(),
     }
 
 
@@ -132,13 +131,10 @@ class CollapseMonitor(Callback):
         if max_samples < 2:
             raise ValueError(f"max_samples must be >= 2, got {max_samples}")
         self.every_n_epochs, self.split, self.max_samples, self.views, self.seed = every_n_epochs, split, max_samples, views, seed
-        self.enabled, self.active, self.uniformity_logged_elsewhere = enabled, False, False
+        self.enabled, self.active = enabled, False
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         self.active = self.enabled and applies_to(pl_module, self)
-        self.uniformity_logged_elsewhere = any(
-            isinstance(callback, RepresentationAnalysis) and callback.split == self.split for callback in trainer.callbacks
-        )
 
     def on_validation_epoch_end(self, trainer, pl_module) -> None:
         # the results' validation: the last epoch's, a max_steps stop's, or the one after a fit that missed it
@@ -150,8 +146,7 @@ class CollapseMonitor(Callback):
         if samples < 2:
             return
         for name, value in collapse_metrics(pl_module, trainer.datamodule, self.split, self.views, samples, self.seed).items():
-            if not (name == "uniformity" and self.uniformity_logged_elsewhere):
-                pl_module.log(f"{self.split}/{name}", value, rank_zero_only=True)
+            pl_module.log(f"{self.split}/{name}", value, rank_zero_only=True)
 
 
 class EmbeddingMap(Callback):

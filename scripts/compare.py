@@ -5,11 +5,13 @@
 Each argument is a run, a W&B run, or a directory holding runs:
 - a run directory (a `trainer.default_root_dir`): the `config.yaml` and `results_val.json` the CLI writes there
   (without them, `lightning_logs/version_*/config.yaml` and the last logged values), the linear stage's
-  `linear/results_val.json` (`scripts/sweep.py --linear`), and the curves of its Lightning CSV log
+  `linear/results_val.json` (`scripts/sweep.py --linear`; one error line when its `config.yaml` probed another
+  checkpoint than the run's `last.ckpt`), and the curves of its Lightning CSV log
   (`lightning_logs/version_*/metrics.csv`) or else of its W&B runs (`wandb/*run-*`);
 - a W&B run directory (`<root>/wandb/offline-run-*` or `run-*`): config, summary and history from its `.wandb`
   log, parsed by W&B itself (`wandb leet inspect --json`); the directories of one resumed run (same id) are one
-  run; the linear stage, as above, from `<root>/linear`;
+  run, read in the order of their starts; the linear stage, as above, from `<root>/linear`; named beside its run
+  directory, it counts once;
 - any other directory: every run below it (a run's own subdirectories, e.g. its linear stage, belong to it).
 
 Runs whose `model`, `data`, `trainer` and `non_finite` settings differ only in their random seed and in run control
@@ -53,6 +55,7 @@ COLUMNS = {  # metric key -> (column, scale)
 LOSS_CURVE = "train/loss"
 VAL_CURVES = ("val/knn_top1", "val/probe_top1", "val/top1")  # the first that a run logged is plotted
 GROUPING_SECTIONS = ("model", "data", "trainer", "non_finite")
+DERIVED = ("model.num_classes",)  # linked from the data when the model is built: in the W&B config, not in config.yaml
 # Run control: where a run writes, what it logs and shows, and how often it validates (the last epoch is validated
 # in any case: engine.cli.results.FinalValidation). These differ between the repeats of one setting and never set rows
 # apart; how much of each epoch a run trains and validates (`limit_*`, `fast_dev_run`: a smoke run) does.
@@ -84,14 +87,19 @@ class Run:
         return self.config.get("seed_everything", "n/a")
 
     def setting(self) -> dict[str, str]:
-        """The flattened settings of `GROUPING_SECTIONS`, without run control (`RUN_CONTROL`)."""
+        """The flattened settings of `GROUPING_SECTIONS`, without run control (`RUN_CONTROL`) and what the data sets
+        (`DERIVED`)."""
         flat = flatten({section: self.config.get(section) for section in GROUPING_SECTIONS})
-        return {key: value for key, value in flat.items() if not key.startswith(RUN_CONTROL)}
+        return {key: value for key, value in flat.items() if not key.startswith(RUN_CONTROL) and key.replace(".init_args", "") not in DERIVED}
 
 
 def flatten(tree, prefix: str = "") -> dict[str, str]:
+    """Dotted keys and their values as JSON; a whole float as the integer it equals, since W&B's config stores
+    `0.0` as `0` (a run read from W&B and one read from its config.yaml have one setting)."""
     if isinstance(tree, dict):
         return {key: value for name, sub in tree.items() for key, value in flatten(sub, f"{prefix}{name}.").items()}
+    if isinstance(tree, float) and tree.is_integer():
+        tree = int(tree)
     return {prefix.rstrip("."): json.dumps(tree, default=str)}
 
 
@@ -155,31 +163,63 @@ def csv_rows(root: Path) -> list[dict]:
     return [row for path in versions for row in csv.DictReader(path.open())]
 
 
+def read_json(path: Path) -> dict:
+    """A results file's record; a damaged one is a ValueError naming it."""
+    try:
+        record = json.loads(path.read_text())
+        if not isinstance(record.get("metrics"), dict):
+            raise ValueError("it holds no 'metrics' mapping")
+        return record
+    except (OSError, ValueError, AttributeError) as error:
+        raise ValueError(f"{path}: not a results file ({error})") from None
+
+
+def read_yaml(path: Path) -> dict | None:
+    try:
+        return yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as error:
+        raise ValueError(f"{path}: not a readable config ({' '.join(str(error).split())})") from None
+
+
 def linear_metrics(root: Path) -> dict[str, float]:
+    """The linear stage's results in `<root>/linear`, when its config.yaml says it probed this run's last.ckpt (a probe
+    of another run's trunk, or of an earlier checkpoint, is refused: its numbers are not this run's)."""
     results = root / "linear" / "results_val.json"
     if not results.is_file():
         return {}
-    return {f"linear/{key}": value for key, value in json.loads(results.read_text())["metrics"].items()}
+    config = read_yaml(root / "linear" / "config.yaml") if (root / "linear" / "config.yaml").is_file() else None
+    probed = ((config or {}).get("model") or {}).get("init_args", {}).get("pretrained_ckpt")
+    last = (root / "checkpoints" / "last.ckpt").resolve()
+    if probed is not None and Path(probed).resolve() != last and not (not Path(probed).is_absolute() and str(last).endswith(f"/{probed}")):
+        raise ValueError(f"{root / 'linear'} probed {probed} (its config.yaml), not this run's {last}: its numbers are not this run's")
+    return {f"linear/{key}": value for key, value in read_json(results)["metrics"].items()}
 
 
 def read_run(root: Path) -> Run:
     """A run directory, from the files the CLI writes, its CSV log and its W&B runs."""
     config_files = [path for path in [root / "config.yaml", *sorted(root.glob("lightning_logs/version_*/config.yaml"))] if path.is_file()]
-    config = yaml.safe_load(config_files[0].read_text()) if config_files else None
+    config = read_yaml(config_files[0]) if config_files else None
     results = root / "results_val.json"
-    metrics = json.loads(results.read_text())["metrics"] if results.is_file() else {}
+    metrics = read_json(results)["metrics"] if results.is_file() else {}
     rows = csv_rows(root)
     curves = curves_from_rows(rows, "step")
+    linear = linear_metrics(root)
     sources = [name for name, found in (("config.yaml", config_files), ("results_val.json", metrics), ("CSV log", rows)) if found]
-    starts = sorted(root.glob("wandb/*run-*/run-*.wandb"), key=lambda log: log.parent.name.removeprefix("offline-"))  # by start time
+    starts = by_start([log.parent for log in root.glob("wandb/*run-*/run-*.wandb")])
     if starts and (config is None or not metrics or not curves):
-        log = read_wandb([path.parent for path in starts])
+        log = read_wandb(starts)
         config, metrics = config or log.config, metrics or log.summary
         curves = curves or curves_from_rows(log.history, "trainer/global_step")
         sources.append(f"W&B log ({log.name})")
     if not metrics:  # no results file (e.g. an interrupted run): the last value of every logged metric
         metrics = {key: float(value) for row in rows for key, value in row.items() if value not in ("", None) and key not in ("epoch", "step")}
-    return Run(root, ", ".join(sources), config or {}, metrics | linear_metrics(root), curves)
+    return Run(root, ", ".join(sources + ["linear/results_val.json"] * bool(linear)), config or {}, metrics | linear, curves)
+
+
+def by_start(run_dirs: list[Path]) -> list[Path]:
+    """The W&B directories of a run in the order it started them: `run-<time>-<id>` or `offline-run-<time>-<id>` (a run
+    started online and requeued offline has both: their names alone would put every offline start first)."""
+    return sorted(run_dirs, key=lambda run_dir: run_dir.name.removeprefix("offline-"))
 
 
 def read_wandb_run(run_dirs: list[Path]) -> Run:
@@ -204,7 +244,7 @@ def find_runs(path: Path) -> list[Run]:
             found.append(read_run(directory))
             subdirectories.clear()
         subdirectories.sort()
-    found += [read_wandb_run(sorted(directories)) for directories in wandb_dirs.values()]
+    found += [read_wandb_run(by_start(directories)) for directories in wandb_dirs.values()]
     if not found:
         raise ValueError(f"{path} is not a run (no config.yaml, results_*.json, lightning_logs/ or W&B run) and holds none")
     return found
@@ -294,6 +334,12 @@ def plot_curves(rows: list[tuple[str, list[Run]]], out: Path) -> None:
     plt.close(figure)
 
 
+def run_root(run: Run) -> Path:
+    """The run directory a run was read from: a W&B run's (`<root>/wandb/<run>`) when that is a run directory too."""
+    path = run.path.resolve()
+    return path.parent.parent if path.parent.name == "wandb" and is_run(path.parent.parent) else path
+
+
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("paths", nargs="+", type=Path, help="runs, W&B runs or directories holding runs")
@@ -304,7 +350,15 @@ def main(argv: list[str] | None = None) -> str:
         found = [run for path in args.paths for run in find_runs(path)]
     except ValueError as error:
         parser.exit(2, f"error: {error}\n")
-    runs = list({run.path.resolve(): run for run in found}.values())  # a run named twice (or with a folder above it) counts once
+    unique: dict[Path, Run] = {}  # a run named twice, with a folder above it or beside its W&B run, counts once
+    for run in found:
+        if run_root(run) not in unique or run.path.resolve() == run_root(run):  # its directory's files over its W&B log
+            unique[run_root(run)] = run
+    runs = list(unique.values())
+    unrecorded = [metric for metric in args.metrics if not any(metric in run.metrics for run in runs)]
+    if unrecorded:
+        recorded = sorted({metric for run in runs for metric in run.metrics})
+        parser.exit(2, f"error: --metrics {unrecorded[0]}: no run records it (they record {', '.join(recorded)})\n")
     columns = COLUMNS | {metric: (metric, 100.0 if "top" in metric else 1.0) for metric in args.metrics}
     rows = group(runs)
     markdown = write_table(rows, columns, args.out)

@@ -1,6 +1,7 @@
 """Tests of the analysis package: local separation and entropy against direct computations, the
 figures, `analyse` on a tiny model, the callback (files, logged metrics, W&B images) and the command."""
 
+import argparse
 import json
 import math
 import random
@@ -132,7 +133,7 @@ def test_pretraining_logs_the_analysis_and_the_command_analyses_its_checkpoint(t
                             "--trainer.enable_progress_bar=false", f"--trainer.default_root_dir={run_dir}", *data, *monitors])
     logged = json.loads((run_dir / "results_val.json").read_text())["metrics"]
     assert {"val/uniformity", "val/tolerance", "val/negative_entropy", "val/local_separation"} <= set(logged)
-    assert {"val/rankme_trunk", "val/rankme_projector", "val/projector_std", "val/alignment"} <= set(logged)  # the monitor's
+    assert {"val/rankme_trunk", "val/rankme_projector", "val/projector_std", "val/projector_uniformity", "val/projector_alignment"} <= set(logged)  # the monitor's
     assert_png(run_dir / "analysis" / "epoch000_local_separation.png")
     assert_png(run_dir / "analysis" / "embedding_map.png")  # at the end of training
 
@@ -170,3 +171,11 @@ def test_a_count_below_one_or_a_device_this_machine_lacks_is_refused_before_any_
     with pytest.raises(SystemExit) as exit_info:
         analyse_checkpoint([*command, str(tmp_path / "absent.ckpt"), "--config", "configs/moco_digits.yaml", *arguments[len(command):]])
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_without_out_the_analysis_goes_to_the_checkpoint_s_run_or_beside_a_checkpoint_outside_one(tmp_path):
+    from analysis.loading import default_out
+
+    assert default_out(argparse.Namespace(out=None, checkpoint=tmp_path / "run" / "checkpoints" / "last.ckpt")) == tmp_path / "run" / "analysis"
+    assert default_out(argparse.Namespace(out=None, checkpoint=tmp_path / "downloads" / "moco.ckpt")) == tmp_path / "downloads" / "analysis"
+    assert default_out(argparse.Namespace(out=tmp_path / "chosen", checkpoint=tmp_path / "downloads" / "moco.ckpt")) == tmp_path / "chosen"

@@ -32,6 +32,8 @@ def write_run(directory: Path, seed: int, metrics: dict, temperature: float = 0.
     if linear is not None:
         (directory / "linear").mkdir()
         (directory / "linear" / "results_val.json").write_text(json.dumps({"epoch": 10, "global_step": 20, "metrics": {"val/probe_top1": linear}}))
+        probed = {"model": {"init_args": {"pretrained_ckpt": str(directory / "checkpoints" / "last.ckpt")}}}
+        (directory / "linear" / "config.yaml").write_text(yaml.safe_dump(probed))
 
 
 def test_seeds_of_one_setting_make_one_row_of_mean_and_sample_std_and_missing_metrics_are_na(tmp_path):
@@ -102,3 +104,55 @@ def test_a_path_that_is_not_a_run_is_one_error_naming_it_and_nothing_is_written(
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.strip() == f"error: {tmp_path / name} {reason}"
     assert not (tmp_path / "out").exists()
+
+
+def test_a_linear_stage_that_probed_another_checkpoint_is_one_error_naming_it(tmp_path, capsys):
+    write_run(tmp_path / "a", 0, {"val/knn_top1": 0.2}, linear=0.4)
+    write_run(tmp_path / "b", 1, {"val/knn_top1": 0.3}, linear=0.5)
+    assert "linear/results_val.json" in compare.main([str(tmp_path / "a"), "--out", str(tmp_path / "out")])  # named among the sources
+    other = tmp_path / "b" / "checkpoints" / "last.ckpt"
+    (tmp_path / "a" / "linear" / "config.yaml").write_text(yaml.safe_dump({"model": {"init_args": {"pretrained_ckpt": str(other)}}}))
+    with pytest.raises(SystemExit):
+        compare.main([str(tmp_path / "a"), "--out", str(tmp_path / "out2")])
+    assert capsys.readouterr().err.strip() == (f"error: {tmp_path / 'a' / 'linear'} probed {other} (its config.yaml), not this run's "
+                                                f"{tmp_path / 'a' / 'checkpoints' / 'last.ckpt'}: its numbers are not this run's")
+    assert not (tmp_path / "out2").exists()
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [(("results_val.json", '{"metrics": {"val/knn'), "results_val.json: not a results file (Unterminated string"),
+     (("results_val.json", '{"epoch": 5}'), "results_val.json: not a results file (it holds no 'metrics' mapping)"),
+     (("config.yaml", "model: [\n"), "config.yaml: not a readable config (")],
+)
+def test_a_damaged_results_or_config_file_is_one_error_naming_it(damage, message, tmp_path, capsys):
+    write_run(tmp_path / "run", 0, {"val/knn_top1": 0.2})
+    (tmp_path / "run" / damage[0]).write_text(damage[1])
+    with pytest.raises(SystemExit):
+        compare.main([str(tmp_path / "run"), "--out", str(tmp_path / "out")])
+    error = capsys.readouterr().err.strip()
+    assert error.startswith(f"error: {tmp_path / 'run' / damage[0]}") and message in error and "\n" not in error
+
+
+def test_a_metric_that_no_run_records_is_one_error_before_anything_is_written(tmp_path, capsys):
+    write_run(tmp_path / "run", 0, {"val/knn_top1": 0.2})
+    with pytest.raises(SystemExit):
+        compare.main([str(tmp_path / "run"), "--out", str(tmp_path / "out"), "--metrics", "val/knn_tpo1"])
+    assert capsys.readouterr().err.strip() == "error: --metrics val/knn_tpo1: no run records it (they record val/knn_top1)"
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_whole_float_and_the_integer_w_and_b_stores_for_it_are_one_setting(tmp_path):
+    """W&B's config writes 0.0 as 0 and holds the model's num_classes, linked from the data: no row of its own."""
+    write_run(tmp_path / "a", 0, {"val/knn_top1": 0.2}, trainer={"gradient_clip_val": 0.0})
+    write_run(tmp_path / "b", 1, {"val/knn_top1": 0.4}, trainer={"gradient_clip_val": 0})
+    settings = yaml.safe_load((tmp_path / "b" / "config.yaml").read_text())
+    settings["model"]["init_args"]["num_classes"] = 10
+    (tmp_path / "b" / "config.yaml").write_text(yaml.safe_dump(settings))
+    rows = [line for line in compare.main([str(tmp_path), "--out", str(tmp_path / "out")]).splitlines() if line.startswith("| MoCoV2")]
+    assert len(rows) == 1 and rows[0].startswith("| MoCoV2 | Digits | – | 0, 1 |")
+
+
+def test_the_starts_of_a_run_are_read_in_time_order_whether_online_or_offline():
+    starts = [Path("wandb/offline-run-20261127_155525-x"), Path("wandb/run-20261127_155500-x"), Path("wandb/offline-run-20261127_150000-x")]
+    assert [start.name for start in compare.by_start(starts)] == ["offline-run-20261127_150000-x", "run-20261127_155500-x", "offline-run-20261127_155525-x"]

@@ -70,4 +70,10 @@ def test_the_command_overlays_the_histograms_of_checkpoints(tmp_path, capsys):
     assert 0 < record["JCL (jcl_digits)"]["similarity_mean"] < 1
     assert record["again"] == record["JCL (jcl_digits)"]  # the same checkpoint, the same seeded images and views
     assert (out / "key_distribution.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(SystemExit, match=rf"^error: --run {checkpoint}: its label 'JCL \(jcl_digits\)' is another run's too; give each run a LABEL of its own$"):
+        main(["--run", checkpoint, config, "--run", checkpoint, config, "--max-samples", "20", "--out", str(tmp_path / "twice"), "--", *data])
+    assert not (tmp_path / "twice").exists()  # one histogram of the two would have been drawn, the other dropped
+    with pytest.raises(SystemExit):
+        main(["--run", checkpoint, config, "--max-samples", "-590", "--out", str(tmp_path / "negative")])
+    assert "argument --max-samples: invalid positive_int value: '-590'" in capsys.readouterr().err
 

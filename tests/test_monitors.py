@@ -22,7 +22,7 @@ from helpers import TINY_PROJECTOR, digits
 
 SMALL_TRUNK = BackboneSpec(name="timm:test_resnet")  # 96-d features, the quickstart's trunk
 MOCO_VIEWS = {"query": {"preset": "mocov2"}, "key": {"preset": "mocov2"}}
-COLLAPSE_NAMES = {"rankme_trunk", "rankme_projector", "projector_std", "uniformity", "alignment"}
+COLLAPSE_NAMES = {"rankme_trunk", "rankme_projector", "projector_std", "projector_uniformity", "projector_alignment"}
 
 
 def tiny_moco() -> MoCoV2:
@@ -53,18 +53,18 @@ def test_collapse_metrics_are_the_same_at_every_call_in_eval_mode_and_leave_the_
     assert collapse_metrics(model.eval(), datamodule, max_samples=24) == metrics
     assert set(metrics) == COLLAPSE_NAMES
     assert 1 <= metrics["rankme_trunk"] <= 24 and 1 <= metrics["rankme_projector"] <= 24  # at most min(N, D)
-    assert 0 <= metrics["projector_std"] <= 1 and 0 < metrics["uniformity"] <= 4 and 0 <= metrics["alignment"] <= 4
-    assert metrics["alignment"] > 0  # two different augmentations of each image
+    assert 0 <= metrics["projector_std"] <= 1 and 0 < metrics["projector_uniformity"] <= 4 and 0 <= metrics["projector_alignment"] <= 4
+    assert metrics["projector_alignment"] > 0  # two different augmentations of each image
 
 
 def test_the_two_views_of_a_one_view_method_are_two_draws_of_its_view():
     model, datamodule = NPID(backbone=SMALL_TRUNK, projector=TINY_PROJECTOR, temperature=0.2, knn_k=0), digits({"image": {"preset": "npid"}}, batch_size=16)
-    assert collapse_metrics(model, datamodule, max_samples=16)["alignment"] > 0
+    assert collapse_metrics(model, datamodule, max_samples=16)["projector_alignment"] > 0
     with pytest.raises(ValueError, match=r"view 'weak' is not among the DataModule's views \['image'\]"):
         collapse_metrics(model, datamodule, views=["image", "weak"], max_samples=16)
 
 
-def test_the_monitor_logs_at_the_end_of_every_nth_and_of_the_last_epoch_and_leaves_uniformity_to_the_representation_analysis(tmp_path, monkeypatch):
+def test_the_monitor_logs_at_the_end_of_every_nth_and_of_the_last_epoch_under_names_of_its_own(tmp_path, monkeypatch):
     model, datamodule = tiny_moco(), digits(MOCO_VIEWS, batch_size=16)
     names = logged_names(monkeypatch, model)
     monitor = CollapseMonitor(every_n_epochs=5, max_samples=16)
@@ -73,18 +73,18 @@ def test_the_monitor_logs_at_the_end_of_every_nth_and_of_the_last_epoch_and_leav
         monitor.on_validation_epoch_end(fake_trainer(datamodule, tmp_path, current_epoch=epoch), model)
     assert names == []
     monitor.on_validation_epoch_end(fake_trainer(datamodule, tmp_path, current_epoch=9), model)
-    assert names == [f"val/{name}" for name in ("rankme_trunk", "rankme_projector", "projector_std", "uniformity", "alignment")]
+    assert names == [f"val/{name}" for name in ("rankme_trunk", "rankme_projector", "projector_std", "projector_uniformity", "projector_alignment")]
     for last in (dict(current_epoch=11, max_epochs=12), dict(current_epoch=6, should_stop=True), dict(current_epoch=6, state=SimpleNamespace(fn="validate"))):
         # the results' validation: max_epochs, max_steps, a validation after the fit (validate_the_end_if_missed)
         names.clear()
         monitor.on_validation_epoch_end(fake_trainer(datamodule, tmp_path, **last), model)
         assert len(names) == 5
 
-    names.clear()
+    names.clear()  # beside RepresentationAnalysis, whose val/uniformity is of other embeddings, nothing is left out
     with_analysis = fake_trainer(datamodule, tmp_path, callbacks=[RepresentationAnalysis(), monitor])
     monitor.setup(with_analysis, model, "fit")
     monitor.on_validation_epoch_end(with_analysis, model)
-    assert "val/uniformity" not in names and len(names) == 4
+    assert "val/uniformity" not in names and len(names) == 5
 
 
 def test_the_monitor_and_the_map_skip_a_module_that_is_not_a_pretraining_method_and_can_be_turned_off(tmp_path):
