@@ -27,7 +27,7 @@ from pathlib import Path
 
 from analysis import embedding_map, few_shot
 from analysis.embedding_map import MAX_LEGEND_CLASSES, write_embedding_map
-from analysis.loading import add_checkpoint_arguments, default_out, load_checkpoint_and_data, load_method, positive_int
+from analysis.loading import add_checkpoint_arguments, default_out, load_checkpoint_and_data, load_method, measured_on, positive_int
 from analysis.representation import analyse
 from engine.config import split_overrides
 from engine.files import write_atomically
@@ -78,7 +78,7 @@ def main(argv: list[str]) -> int:
     out = default_out(args)
     title = f"{type(model).__name__}, {Path(args.config).stem}, {args.split}"
     figures = report.write_figures(out, title=title)
-    record = {"checkpoint": str(args.checkpoint), "format": checkpoint_format, "split": args.split, "samples": len(report.positive), **report.scalars()}
+    record = {**measured_on(args, overrides, checkpoint_format, datamodule), "split": args.split, "samples": len(report.positive), **report.scalars()}
     write_atomically(out / "metrics.json", lambda partial: partial.write_text(json.dumps(record, indent=1)))
     print(json.dumps(record, indent=1))
     print("figures: " + ", ".join(str(path) for path in figures.values()))

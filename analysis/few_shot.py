@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from sklearn.linear_model import LogisticRegression
 from torch.utils.data import Subset
 
-from analysis.loading import add_checkpoint_arguments, default_out, load_checkpoint_and_data
+from analysis.loading import add_checkpoint_arguments, default_out, load_checkpoint_and_data, measured_on
 from analysis.representation import eval_embeddings, eval_mode, split_dataset
 from datamodules.base import ContrastiveDataModule, dataset_labels
 from datamodules.subsets import class_orders
@@ -116,7 +116,7 @@ def main(argv: list[str]) -> int:
         record = few_shot(model, datamodule, args.shots, args.draws, args.seed, args.split, args.regularisation)
     except ValueError as error:
         raise SystemExit(f"error: {error}") from None
-    record = {"checkpoint": str(args.checkpoint), "format": checkpoint_format, **record}
+    record = {**measured_on(args, overrides, checkpoint_format, datamodule), **record}
     out = default_out(args)
     write_atomically(out / "few_shot.json", lambda partial: partial.write_text(json.dumps(record, indent=1)))
     for k, result in record["shots"].items():

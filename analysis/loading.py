@@ -76,6 +76,13 @@ def load_checkpoint_and_data(args: argparse.Namespace, overrides: list[str]) -> 
     return model, cli.datamodule, official or "contrastlab"
 
 
+def measured_on(args: argparse.Namespace, overrides: list[str], checkpoint_format: str, datamodule) -> dict:
+    """What a written record measured: the checkpoint (absolute path) and its format, the config, its overrides and
+    the DataModule that gave the images."""
+    dataset = f"{type(datamodule).__module__}.{type(datamodule).__qualname__}"
+    return {"checkpoint": str(args.checkpoint.resolve()), "format": checkpoint_format, "config": args.config, "overrides": overrides, "dataset": dataset}
+
+
 def default_out(args: argparse.Namespace) -> Path:
     """`--out`, else the `analysis` folder of the checkpoint's run (`<run>/checkpoints/x.ckpt` -> `<run>/analysis`), or of
     the checkpoint's own folder for one outside a run (a published file), as the linear stage places its run."""

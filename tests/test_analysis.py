@@ -141,6 +141,7 @@ def test_pretraining_logs_the_analysis_and_the_command_analyses_its_checkpoint(t
     analyse_checkpoint([str(run_dir / "checkpoints" / "last.ckpt"), "--config", config, "--max-samples", "50", "--out", str(out), "--", *data])
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["samples"] == 50 and set(metrics) >= {"uniformity", "tolerance", "negative_entropy", "local_separation"}
+    assert (metrics["config"], metrics["overrides"], metrics["dataset"]) == (config, data, "datamodules.digits.DigitsDataModule")  # what it measured
     for name in ("local_separation", "negative_entropy"):
         assert_png(out / f"{name}.png")
 
@@ -152,6 +153,7 @@ def test_pretraining_logs_the_analysis_and_the_command_analyses_its_checkpoint(t
     analyse_checkpoint(["few-shot", *command, "--shots", "1", "2", "--draws", "2", "--", *data])
     few_shot = json.loads((out / "few_shot.json").read_text())
     assert few_shot["format"] == "contrastlab" and few_shot["eval_images"] == 300 and list(few_shot["shots"]) == ["1", "2"]
+    assert few_shot["checkpoint"] == str(run_dir / "checkpoints" / "last.ckpt") and few_shot["dataset"] == "datamodules.digits.DigitsDataModule"
     assert capsys.readouterr().out.splitlines()[0].startswith("  1-shot top-1 ")
     with pytest.raises(SystemExit, match=r"error: --model.init_args.temperature=0.5: a contrastlab checkpoint '.*' analyses the method it was trained with"):
         analyse_checkpoint([*command, "--", *data, "--model.init_args.temperature=0.5"])  # it would change nothing: said, not ignored
