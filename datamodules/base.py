@@ -149,16 +149,18 @@ def uint8_image_array(dataset: Dataset) -> np.ndarray | None:
     return images if images.dtype == np.uint8 and images.ndim == 4 and images.shape[-1] == 3 else None
 
 
-def decode_all(dataset: Dataset, num_workers: int) -> torch.Tensor:
-    """Every image of a dataset of one image size as one uint8 (N, C, H, W) tensor: a copy of a dataset held as
-    one array (the same bytes as decoding each image, without a PIL round trip per image), else decoded by
-    `num_workers` DataLoader workers (seeded by a generator of their own: decoding draws no number from the
-    global generator, which the views draw from)."""
+def decode_all(dataset: Dataset, num_workers: int) -> tuple[torch.Tensor, np.ndarray]:
+    """Every image of a dataset of one image size as one uint8 (N, C, H, W) tensor, and the labels of the images it
+    holds: a copy of a dataset held as one array (the same bytes as decoding each image, without a PIL round trip
+    per image), else decoded by `num_workers` DataLoader workers (seeded by a generator of their own: decoding draws
+    no number from the global generator, which the views draw from), where an unreadable file's replacement
+    (`datamodules.folders.ImageFiles`) comes with its own label."""
     images = uint8_image_array(dataset)
     if images is not None:
-        return torch.from_numpy(np.ascontiguousarray(images)).permute(0, 3, 1, 2).contiguous()
+        return torch.from_numpy(np.ascontiguousarray(images)).permute(0, 3, 1, 2).contiguous(), dataset_labels(dataset)
     loader = DataLoader(RawImageDataset(dataset), batch_size=1024, num_workers=num_workers, generator=torch.Generator())
-    return torch.cat([batch["image"] for batch in loader])
+    batches = list(loader)
+    return torch.cat([batch["image"] for batch in batches]), torch.cat([batch["label"] for batch in batches]).numpy()
 
 
 def process_group() -> dict[str, int]:
@@ -248,6 +250,7 @@ class ContrastiveDataModule(L.LightningDataModule):
         self.label_subset = None if label_subset is None else as_spec(LabelSubset, label_subset)  # checked here, before anything is written
         self.mode = pipeline_mode(pipeline, resident, self.uniform_image_size)
         self.resident_images: torch.Tensor | None = None  # the decoded training split, once decoded (RESIDENT)
+        self.resident_labels: np.ndarray | None = None  # the labels of the images decoded
         self.encoded_training: EncodedImages | None = None  # what the training loader serves (ENCODED)
         defaults = {"size": self.image_size, "mean": self.mean, "std": self.std}
         self.views = {name: build_view(name, spec, defaults, pipeline) for name, spec in (views or {}).items()}
@@ -370,7 +373,9 @@ class ContrastiveDataModule(L.LightningDataModule):
     def training_dataset(self, train: Dataset) -> tuple[Dataset, Callable | None]:
         """What the training DataLoader serves, and its collate function (None: PyTorch's default)."""
         if self.mode is Pipeline.RESIDENT:
-            return IndexBatches(dataset_labels(train)), already_batched
+            if self.resident_images is None:
+                self.resident_images, self.resident_labels = decode_all(train, self.num_workers)
+            return IndexBatches(self.resident_labels), already_batched
         served, collate_fn = self.served(train, self.views)
         if self.mode is Pipeline.ENCODED:  # kept: its files decode the batches
             self.encoded_training = served
@@ -395,9 +400,6 @@ class ContrastiveDataModule(L.LightningDataModule):
         self.setup()
         train = self.splits["train"]
         dataset, collate_fn = self.training_dataset(train)
-        if self.resident:
-            if self.resident_images is None:
-                self.resident_images = decode_all(train, self.num_workers)
         seed = int(os.environ.get("PL_GLOBAL_SEED", 0))  # the run's seed_everything
         # The worker seeds come from a generator of the loader's own: creating the iterator draws no number from the
         # global generator, so the main process's random streams, which draw the batched views (and the per-image

@@ -13,6 +13,7 @@ decoded there (`datamodules.encoded`), under the same handling of unreadable fil
 
 import math
 import os
+import re
 import stat
 from pathlib import Path
 from typing import Any
@@ -138,6 +139,14 @@ class ImageFolderDataModule(FolderDataModule):
         self.classes = self.find_classes()
         self.num_classes = len(self.classes)
         self.check_class_folders(list(dict.fromkeys(self.split_dirs.values())))  # test may be val
+        if not self.other_class_folders_ignored:  # their images would silently be left out of the evaluation
+            evaluated = dict.fromkeys(self.split_dirs[split] for split in ("val", "test"))  # test may be val
+            extra = sorted(Path(entry.path) for folder in evaluated if folder.is_dir() for entry in os.scandir(folder)
+                           if entry.is_dir() and entry.name not in self.classes)
+            if extra:
+                raise ValueError(f"{len(extra)} class folders are not among the training folder's classes: {listing(extra)}")
+
+    other_class_folders_ignored = False  # True where the classes are a fixed list read from a larger tree (ImageNet-100)
 
     def find_classes(self) -> list[str]:
         return folder_classes(self.split_dirs["train"])
@@ -251,14 +260,17 @@ class SplitFileDataModule(FolderDataModule):
         """`(relative path, label, "file:line")` for every non-empty line."""
         if not path.is_file():
             raise ValueError(f"data.{split}_file {str(path)!r} is not an existing file")
-        entries = []
+        entries, first_named = [], {}
         for number, line in enumerate(path.read_text().splitlines(), start=1):
             if not line.strip():
                 continue
             fields = line.rsplit(maxsplit=1)
             where = f"{path}:{number}"
-            if len(fields) != 2 or not fields[1].lstrip("-").isdigit():
+            if len(fields) != 2 or not re.fullmatch(r"-?[0-9]+", fields[1]):
                 raise ValueError(f"{where}: expected '<relative path> <integer label>', got {line!r}")
+            if fields[0] in first_named:  # seen twice an epoch, or under two labels
+                raise ValueError(f"{where}: {fields[0]} is listed again (first at line {first_named[fields[0]]})")
+            first_named[fields[0]] = number
             entries.append((fields[0], int(fields[1]), where))
         if not entries:
             raise ValueError(f"data.{split}_file {str(path)!r} lists no images")

@@ -65,6 +65,8 @@ class ImageNet100DataModule(ImageFolderDataModule):
     expected_layout = "train/<wnid>/*.JPEG and val/<wnid>/*.JPEG for the 100 ImageNet-100 wnids (other class folders are ignored)"
     how_to_get = IMAGENET_SOURCE
 
+    other_class_folders_ignored = True  # the other 900 classes of the ImageNet tree it reads
+
     def find_classes(self) -> list[str]:
         return sorted(IMAGENET100_WNIDS)
 

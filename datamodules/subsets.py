@@ -59,6 +59,8 @@ def labelled_subset(train: Dataset, labels: np.ndarray, spec: LabelSubset, descr
     against the split's file names (`ImageFiles.paths`); a split that is not a listing of image files has none and
     is refused, naming `description`."""
     if spec.fraction is not None:
+        if not (np.asarray(labels) >= 0).any():
+            raise ValueError(f"data.label_subset.fraction {spec.fraction}: {description} has no labelled images (every label is -1)")
         return subset(train, stratified_fraction(labels, spec.fraction, spec.seed).tolist())
     paths = getattr(train, "paths", None)
     if paths is None:

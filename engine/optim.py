@@ -113,6 +113,8 @@ class ScheduleSpec:
             raise ValueError(f"schedule.warmup_shape must be one of {', '.join(WarmupShape.__args__)}, got {self.warmup_shape!r}")
         if self.warmup_start_lr < 0 or (self.warmup_start_lr > 0 and self.warmup_epochs == 0):
             raise ValueError(f"schedule.warmup_start_lr must be >= 0, and 0 without warmup_epochs, got {self.warmup_start_lr} with warmup_epochs {self.warmup_epochs}")
+        if self.unit == "epoch" and not float(self.warmup_epochs).is_integer():  # a warm-up of (e + 1) / W per whole epoch
+            raise ValueError(f"schedule.warmup_epochs must be a whole number of epochs with unit: epoch, got {self.warmup_epochs}")
         if not 0 <= self.cosine_offset_epochs <= self.warmup_epochs:
             raise ValueError(f"schedule.cosine_offset_epochs must lie in [0, warmup_epochs = {self.warmup_epochs}], got {self.cosine_offset_epochs}")
         if self.lag_epochs < 0:

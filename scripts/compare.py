@@ -187,12 +187,21 @@ def linear_metrics(root: Path) -> dict[str, float]:
     results = root / "linear" / "results_val.json"
     if not results.is_file():
         return {}
-    config = read_yaml(root / "linear" / "config.yaml") if (root / "linear" / "config.yaml").is_file() else None
-    probed = ((config or {}).get("model") or {}).get("init_args", {}).get("pretrained_ckpt")
-    last = (root / "checkpoints" / "last.ckpt").resolve()
-    if probed is not None and Path(probed).resolve() != last and not (not Path(probed).is_absolute() and str(last).endswith(f"/{probed}")):
-        raise ValueError(f"{root / 'linear'} probed {probed} (its config.yaml), not this run's {last}: its numbers are not this run's")
+    config = (read_yaml(root / "linear" / "config.yaml") if (root / "linear" / "config.yaml").is_file() else None) or {}
+    probed = (config.get("model") or {}).get("init_args", {}).get("pretrained_ckpt")
+    if probed is not None and not probed_the_run(probed, (config.get("trainer") or {}).get("default_root_dir"), root):
+        raise ValueError(f"{root / 'linear'} probed {probed} (its config.yaml), not this run's checkpoints/last.ckpt: its numbers are not this run's")
     return {f"linear/{key}": value for key, value in read_json(results)["metrics"].items()}
+
+
+def probed_the_run(probed: str, linear_dir: str | None, root: Path) -> bool:
+    """Whether the linear stage run in `linear_dir` (both paths as its config.yaml holds them, relative to where it
+    ran or absolute) probed `checkpoints/last.ckpt` of the run above it: read against the run as the stage saw it,
+    so that a run moved or copied since, or compared from another directory, is still recognised."""
+    if linear_dir is not None and Path(linear_dir).is_absolute() == Path(probed).is_absolute():
+        run_as_seen = os.path.normpath(os.path.join(linear_dir, os.pardir))
+        return os.path.normpath(os.path.relpath(probed, run_as_seen)) == os.path.join("checkpoints", "last.ckpt")
+    return Path(probed).resolve() == (root / "checkpoints" / "last.ckpt").resolve()
 
 
 def read_run(root: Path) -> Run:

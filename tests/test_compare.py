@@ -115,8 +115,25 @@ def test_a_linear_stage_that_probed_another_checkpoint_is_one_error_naming_it(tm
     with pytest.raises(SystemExit):
         compare.main([str(tmp_path / "a"), "--out", str(tmp_path / "out2")])
     assert capsys.readouterr().err.strip() == (f"error: {tmp_path / 'a' / 'linear'} probed {other} (its config.yaml), not this run's "
-                                                f"{tmp_path / 'a' / 'checkpoints' / 'last.ckpt'}: its numbers are not this run's")
+                                                "checkpoints/last.ckpt: its numbers are not this run's")
     assert not (tmp_path / "out2").exists()
+
+
+@pytest.mark.parametrize(
+    "probed, linear_dir",
+    [("./a/checkpoints/last.ckpt", "./a/linear"),  # relative to where the stage ran, compared from elsewhere
+     ("/cluster/runs/a/checkpoints/last.ckpt", "/cluster/runs/a/linear")],  # a run copied from a cluster
+)
+def test_a_linear_stage_of_the_run_is_recognised_from_another_directory_or_after_a_move(probed, linear_dir, tmp_path, monkeypatch):
+    write_run(tmp_path / "a", 0, {"val/knn_top1": 0.2}, linear=0.4)
+    stage = {"model": {"init_args": {"pretrained_ckpt": probed}}, "trainer": {"default_root_dir": linear_dir}}
+    (tmp_path / "a" / "linear" / "config.yaml").write_text(yaml.safe_dump(stage))
+    monkeypatch.chdir(tmp_path / "a" / "checkpoints" if (tmp_path / "a" / "checkpoints").is_dir() else tmp_path / "a")
+    assert "linear/results_val.json" in compare.main([str(tmp_path / "a"), "--out", str(tmp_path / "out")])
+    stage["model"]["init_args"]["pretrained_ckpt"] = probed.replace("/a/", "/b/")  # another run of the sweep
+    (tmp_path / "a" / "linear" / "config.yaml").write_text(yaml.safe_dump(stage))
+    with pytest.raises(SystemExit):
+        compare.main([str(tmp_path / "a"), "--out", str(tmp_path / "out2")])
 
 
 @pytest.mark.parametrize(

@@ -295,6 +295,20 @@ def test_tiny_imagenet_reads_the_original_layout_as_is(tmp_path):
     assert next(iter(streamed.train_dataloader()))["image"].shape == (4, 3, 64, 64)  # one size: raw batches work
 
 
+@pytest.mark.parametrize("resident", [True, False])
+def test_an_unreadable_training_image_is_replaced_with_the_label_of_its_replacement_on_the_device_too(resident, tmp_path):
+    """Class 5's one image is broken: the next readable image (class 6's) takes its place with its own label, as the
+    per-image pipeline serves it; the resident split once paired class 6's pixels with label 5."""
+    write_tiny_imagenet(tmp_path)
+    (tmp_path / "train" / "n00000005" / "images" / "n00000005_0.JPEG").write_bytes(b"not a jpeg")
+    replacement = torch.from_numpy(np.array(Image.open(tmp_path / "train" / "n00000006" / "images" / "n00000006_0.JPEG").convert("RGB"))).permute(2, 0, 1)
+    datamodule = TinyImageNetDataModule(root=str(tmp_path), batch_size=200, num_workers=0, views=VIEWS, pipeline="gpu", resident=resident)
+    batch = next(iter(datamodule.train_dataloader()))
+    images, labels = datamodule.images_on_device(batch)
+    position = (batch["index"] == 5).nonzero().item()
+    assert labels[position].item() == 6 and torch.equal(images[position], replacement)
+
+
 def test_a_missing_tiny_imagenet_validation_image_is_reported_with_its_path(tmp_path):
     write_tiny_imagenet(tmp_path)
     (tmp_path / "val" / "images" / "val_3.JPEG").unlink()
@@ -312,8 +326,14 @@ def test_image_folder_and_unlabeled_folder_serve_users_own_images(tmp_path):
     labelled = ImageFolderDataModule(root=str(tmp_path / "labelled"), batch_size=4, num_workers=0, views=VIEWS, image_size=24)
     assert labelled.classes == ["cat", "dog", "owl"] and labelled.num_classes == 3
     check_batches(labelled, 24, 3)
+    save_image(tmp_path / "labelled" / "val" / "fox" / "0.png")  # a class the training folder lacks
+    with pytest.raises(ValueError, match=rf"^1 class folders are not among the training folder's classes: {re.escape(str(tmp_path / 'labelled' / 'val' / 'fox'))}"):
+        ImageFolderDataModule(root=str(tmp_path / "labelled"), views=VIEWS)
     unlabelled = UnlabeledFolderDataModule(root=str(tmp_path / "raw"), batch_size=4, num_workers=0, views=VIEWS, image_size=24)
     assert next(iter(unlabelled.train_dataloader()))["label"].tolist() == [-1] * 4
+    without_labels = UnlabeledFolderDataModule(root=str(tmp_path / "raw"), num_workers=0, views=VIEWS, label_subset={"fraction": 0.5})
+    with pytest.raises(ValueError, match=r"^data.label_subset.fraction 0.5: .* has no labelled images \(every label is -1\)$"):
+        without_labels.setup()
     assert unlabelled.val_dataloader() == []
     monitored = UnlabeledFolderDataModule(
         root=str(tmp_path / "raw"), eval_root=str(tmp_path / "labelled"), batch_size=4, num_workers=0, views=VIEWS, image_size=24
@@ -359,10 +379,20 @@ def test_a_split_file_label_out_of_range_names_the_file_and_line(tmp_path):
         SplitFileDataModule(root=str(tmp_path), train_file=str(train_file), val_file=str(val_file), num_classes=2, views=VIEWS)
 
 
-def test_a_malformed_split_file_line_is_named(tmp_path):
+@pytest.mark.parametrize("label", ["dog", "--1", "1\u00b2", "+3"])  # '--1' and a superscript passed a digit test, then failed in int()
+def test_a_malformed_split_file_line_is_named(label, tmp_path):
     train_file, val_file = write_split_files(tmp_path, [0, 1], [0, 1])
-    train_file.write_text(train_file.read_text() + "train/0/extra.jpg dog\n")
+    train_file.write_text(train_file.read_text() + f"train/0/extra.jpg {label}\n")
     with pytest.raises(ValueError, match=rf"{re.escape(str(train_file))}:3: expected '<relative path> <integer label>'"):
+        SplitFileDataModule(root=str(tmp_path), train_file=str(train_file), val_file=str(val_file), views=VIEWS)
+
+
+def test_an_image_listed_twice_in_a_split_file_is_named_with_both_lines(tmp_path):
+    """Listed twice it would be trained on twice an epoch, or under two labels."""
+    train_file, val_file = write_split_files(tmp_path, [0, 1], [0, 1])
+    first = train_file.read_text().splitlines()[0].rsplit(maxsplit=1)[0]
+    train_file.write_text(train_file.read_text() + f"{first} 1\n")
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(train_file))}:3: {re.escape(first)} is listed again \(first at line 1\)$"):
         SplitFileDataModule(root=str(tmp_path), train_file=str(train_file), val_file=str(val_file), views=VIEWS)
 
 

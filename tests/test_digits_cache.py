@@ -71,5 +71,6 @@ def test_the_resident_copy_of_an_array_dataset_is_the_decoded_bytes():
     cifar = torchvision.datasets.CIFAR10.__new__(torchvision.datasets.CIFAR10)  # torchvision's CIFAR without its files
     cifar.data, cifar.targets, cifar.transform, cifar.target_transform = images, labels.tolist(), None, None
     for dataset in (digits, Subset(digits, [5, 3, 17]), cifar, Subset(cifar, [0, 19])):
-        resident = decode_all(dataset, num_workers=0)
+        resident, labels = decode_all(dataset, num_workers=0)
         assert resident.is_contiguous() and torch.equal(resident, decoded_image_by_image(dataset))
+        assert labels.tolist() == [dataset[index][1] for index in range(len(dataset))]

@@ -175,8 +175,10 @@ def test_a_run_that_keeps_no_last_ckpt_still_holds_its_directory(tmp_path, capsy
     before = files_in(run_dir)
     line = run_failing(main_pretrain, ["fit", "--config", PRETRAIN_DIGITS, *TINY_RUN, *QUIET, f"--trainer.default_root_dir={run_dir}",
                                        "--checkpoint.save_last=false", "--seed_everything=5"], capsys)
-    assert line == f"error: {checkpoint} already holds a run: resume it with --ckpt_path {checkpoint}, or start a new one under another trainer.default_root_dir"
+    assert line == f"error: {checkpoint} already holds a run: resume it with --ckpt_path last, or start a new one under another trainer.default_root_dir"
     assert files_in(run_dir) == before
+    resumed = pretrain(run_dir, "--checkpoint.save_last=false", "--ckpt_path=last")  # its newest checkpoint: finished, nothing to train
+    assert resumed.trainer.ckpt_path == str(checkpoint) and resumed.trainer.global_step == 2
 
 
 def test_config_yaml_records_a_batch_count_as_the_integer_the_run_used(tmp_path):

@@ -54,6 +54,12 @@ def test_a_warmup_shorter_than_one_step_takes_one_step_from_the_start_lr():
     assert lr_factor(0, 1, 10, ScheduleSpec(decay="constant", warmup_shape="s/(W-1)")) == 1.0  # no warm-up: none
 
 
+def test_a_warmup_of_part_of_an_epoch_is_refused_when_the_lr_changes_per_epoch():
+    """(e + 1) / W with W = 0.5 would train epoch 0 at twice the peak."""
+    with pytest.raises(ValueError, match="schedule.warmup_epochs must be a whole number of epochs with unit: epoch, got 0.5"):
+        ScheduleSpec(warmup_epochs=0.5, unit="epoch")
+    assert ScheduleSpec(warmup_epochs=2.0, unit="epoch").warmup_epochs == 2.0
+
 def test_an_unknown_warmup_shape_names_the_key():
     with pytest.raises(ValueError, match=r"schedule.warmup_shape must be one of \(s\+1\)/W, s/W, s/\(W-1\), got 's/2'"):
         ScheduleSpec(warmup_shape="s/2")

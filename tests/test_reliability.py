@@ -437,7 +437,9 @@ def test_a_new_slurm_job_in_a_directory_with_an_hpc_checkpoint_is_refused_unless
     assert run_failing(main_pretrain, command, capsys).endswith("already holds a run: resume it with --ckpt_path last, or start a new one under another trainer.default_root_dir")
     assert {path: path.stat().st_mtime_ns for path in run_dir.rglob("*") if path.is_file()} == before
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
-    assert main_pretrain.cli_main(command).trainer.global_step == 4
+    other = tmp_path / "other.ckpt"  # a job script that started from another run's checkpoint repeats its ckpt_path
+    shutil.copyfile(run_dir / "checkpoints" / "last.ckpt", other)
+    assert main_pretrain.cli_main([*command, f"--ckpt_path={other}"]).trainer.ckpt_path == str(run_dir / "hpc_ckpt_1.ckpt")
 
 
 

@@ -153,6 +153,8 @@ def checkpoint_to_resume(trainer, ckpt_path: str | None) -> Path | None:
         return None
     lasts = [last_checkpoint_path(callback) for callback in trainer.checkpoint_callbacks if isinstance(callback, ModelCheckpoint)]
     found = [path for path in (*lasts, *Path(trainer.default_root_dir).glob("hpc_ckpt_*.ckpt")) if path.is_file()]
+    if not found and ckpt_path == "last":  # a run that keeps no last.ckpt (checkpoint.save_last false): its newest checkpoint
+        found = [path for path in run_checkpoints(trainer) if path.is_file()]
     return max(found, key=lambda path: path.stat().st_mtime, default=None)
 
 
@@ -189,18 +191,17 @@ def refuse_to_overwrite_a_run(trainer, ckpt_path: str | None) -> str | None:
     existing = [path for path in run_checkpoints(trainer) if path.is_file()]
     if not existing or ckpt_path in LIGHTNING_CHECKPOINT_NAMES:
         return ckpt_path
-    last = next((path for path in existing if path.name == "last.ckpt"), None)
-    shown = last or max(existing, key=lambda path: path.stat().st_mtime)  # a run without last.ckpt: its newest
-    resume = "last" if last else str(shown)
+    if SLURMEnvironment.detect() and int(os.environ.get("SLURM_RESTART_COUNT", 0)) > 0:
+        # requeued after a preemption or a node failure: it resumes its own run (its newest hpc checkpoint through
+        # `checkpoint_to_resume`, or last.ckpt before it wrote one), whatever ckpt_path its job script repeats
+        return None if any(Path(trainer.default_root_dir).glob("hpc_ckpt_*.ckpt")) else "last"
+    # a run without last.ckpt is shown by its newest checkpoint, which `last` resumes (`checkpoint_to_resume`)
+    shown = next((path for path in existing if path.name == "last.ckpt"), None) or max(existing, key=lambda path: path.stat().st_mtime)
     if ckpt_path is not None:
         if Path(ckpt_path).resolve() in {path.resolve() for path in existing}:
             return ckpt_path
         fail(
             f"{shown} already holds a run, and ckpt_path {ckpt_path} is not one of its checkpoints: the run would go on "
-            f"over that run's files; give another trainer.default_root_dir (or --ckpt_path {resume} to resume the run there)"
+            "over that run's files; give another trainer.default_root_dir (or --ckpt_path last to resume the run there)"
         )
-    if SLURMEnvironment.detect() and int(os.environ.get("SLURM_RESTART_COUNT", 0)) > 0:
-        # requeued after a preemption or a node failure: resumed from its newest hpc checkpoint (`checkpoint_to_resume`),
-        # or from last.ckpt before it wrote one
-        return ckpt_path if any(Path(trainer.default_root_dir).glob("hpc_ckpt_*.ckpt")) else "last"
-    fail(f"{shown} already holds a run: resume it with --ckpt_path {resume}, or start a new one under another trainer.default_root_dir")
+    fail(f"{shown} already holds a run: resume it with --ckpt_path last, or start a new one under another trainer.default_root_dir")
