@@ -7,6 +7,10 @@ packages to the minor versions tested here, and tests/test_compat.py checks ever
 the installed versions, so an upgrade that renames one fails there, naming it, and not in a user's run.
 """
 
+import importlib
+import os
+from pathlib import Path
+
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import WandbLogger
@@ -108,10 +112,17 @@ def new_wandb_run_id() -> str:
 
 
 def wandb_server(host: str | None) -> str:
-    """The W&B server a run talks to: `host` (WANDB_BASE_URL), or W&B's default."""
-    from wandb.sdk.lib import urls
+    """The W&B server a run talks to: `host` (WANDB_BASE_URL), else the one W&B's settings files name (`wandb login
+    --host` writes it to ~/.config/wandb/settings), else W&B's default."""
+    if host:
+        return host
+    from wandb.sdk import wandb_settings
 
-    return host or urls.DEFAULT_BASE_URL
+    settings = wandb_settings.Settings()  # its system settings file, found as wandb/sdk/wandb_setup.py `_settings_setup` finds it
+    config_dir = os.environ.get("WANDB_CONFIG_DIR")
+    settings.settings_system = str(Path(config_dir).expanduser() / "settings" if config_dir else Path("~/.config/wandb/settings").expanduser())
+    settings.update_from_system_settings()
+    return settings.base_url
 
 
 def wandb_credentials_for(host: str | None) -> object | None:
@@ -127,3 +138,20 @@ def save_last_checkpoint_unless_saved(trainer: Trainer, callback) -> None:
     if callback._should_skip_saving_checkpoint(trainer) or callback._should_save_on_train_epoch_end(trainer):
         return
     callback._save_last_checkpoint(trainer, callback._monitor_candidates(trainer))
+
+
+class KeepsEvaluationSettings(LightningCLI):
+    """A LightningCLI whose `validate` and `test` keep the model arguments named by the model class's
+    `evaluation_settings` (tau-norm's tau) as their config and command line give them: Lightning's `_parse_ckpt_path`
+    puts a checkpoint's hyperparameters over every model argument."""
+
+    def _parse_ckpt_path(self) -> None:
+        subcommand = self.config.get("subcommand")
+        given = self.config[subcommand]["model"]["init_args"].clone() if subcommand in ("validate", "test") else None
+        super()._parse_ckpt_path()
+        if given is not None:
+            model = self.config[subcommand]["model"]
+            module_name, _, class_name = model["class_path"].rpartition(".")
+            for name in getattr(importlib.import_module(module_name), class_name).evaluation_settings:
+                if name in given:
+                    model["init_args"][name] = given[name]

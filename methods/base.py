@@ -73,6 +73,9 @@ class MethodBase(EvaluationMixin, CheckpointRecord, L.LightningModule):
     # The trunk the method's paper evaluates (linear probe, kNN, transfer): `online`, or `momentum` where it is the EMA
     # teacher's (DINO); what `python -m interop.export` writes unless told otherwise.
     evaluated_encoder: Literal["online", "momentum"] = "online"
+    # Arguments that a `validate` / `test` of a checkpoint takes from its own config and command line, not from the
+    # checkpoint's hyperparameters (which Lightning's CLI puts over every other model argument): tau-norm's tau.
+    evaluation_settings: tuple[str, ...] = ()
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

@@ -86,7 +86,7 @@ class EvaluationMixin:
         if knn_k < 0 or knn_temperature <= 0:
             raise ValueError(f"knn_k must be >= 0 and knn_temperature > 0, got {knn_k}, {knn_temperature}")
         if shot_bounds is not None and not 0 < shot_bounds[1] <= shot_bounds[0]:
-            raise ValueError(f"need 0 < few_shot_below <= many_shot_above, got {shot_bounds[1]}, {shot_bounds[0]}")
+            raise ValueError(f"model.init_args.few_shot_below {shot_bounds[1]} and many_shot_above {shot_bounds[0]}: need 0 < few_shot_below <= many_shot_above")
         self.knn_k, self.knn_temperature = knn_k, knn_temperature
         self.metric_prefix, self.shot_bounds = prefix, shot_bounds
         self.top_ks = (1, 5) if self.num_classes > 5 else (1,)

@@ -129,8 +129,11 @@ class LinearProbe(MethodBase):
         if state is not None:
             target = f"backbone {self.backbone_spec.name!r} (small_input={self.backbone_spec.small_input})"
             load_state_strictly(self.backbone, state, f"model.pretrained_ckpt {pretrained_ckpt!r}", target)
+        # fine-tuning trains every trunk parameter, those its pretraining held fixed too (MoCo v3's patch projection and
+        # sin-cos positions: facebookresearch/moco-v3 fine-tunes through DeiT, whose are parameters)
+        self.backbone.requires_grad_(self.trains_trunk)
         if not self.trains_trunk:
-            self.backbone.requires_grad_(False).eval()
+            self.backbone.eval()
         self.probe = nn.Linear(self.feature_dim, self.num_classes)
         self.init_head(self.probe)
         # a fine-tuned network's logits are its own prediction (`val/top1`), a probe's those of a probe (`val/probe_top1`)

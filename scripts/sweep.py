@@ -34,6 +34,7 @@ import io
 import itertools
 import json
 import math
+import os
 import re
 import shlex
 import signal
@@ -253,20 +254,25 @@ def held_elsewhere(directory: Path) -> str | None:
 
 def perform(run: Run, args) -> bool:
     """Run the stages of one sweep entry that have no results yet; False when one fails or has stale results. A
-    stage that another process trains (another sweep of the same --out) is left to it: nothing is written."""
+    stage that another process trains (another sweep of the same --out) is left to it: nothing is written. In a
+    Slurm array task srun starts this once per rank, each starting its rank's training process: the ranks above 0
+    neither look for another holder (rank 0's training holds the lock) nor write the record, and log apart."""
+    rank = int(os.environ.get("SLURM_PROCID", 0)) if args.only is not None else 0
     if (why := stale(run, args)) is not None:
         print(f"[{run.point_name} seed {run.seed}] stale: {why}", flush=True)
         return False
+    log = run.directory / ("log.txt" if rank == 0 else f"log.rank{rank}.txt")
     for directory, command in stages(run, args):
         if (directory / "results_val.json").is_file():
             continue
-        if (holder := held_elsewhere(directory)) is not None:
+        if rank == 0 and (holder := held_elsewhere(directory)) is not None:
             print(f"[{run.point_name} seed {run.seed}] running in another process ({holder}): left to it", flush=True)
             return True
         print(f"[{run.point_name} seed {run.seed}] {shlex.join(command[1:])}", flush=True)
-        write_atomically(directory / RECORD, lambda partial: partial.write_text(json.dumps(stage_record(command))))
-        if not execute(command, run.directory / "log.txt"):
-            print(f"  failed: see {run.directory / 'log.txt'}", flush=True)
+        if rank == 0:
+            write_atomically(directory / RECORD, lambda partial: partial.write_text(json.dumps(stage_record(command))))
+        if not execute(command, log):
+            print(f"  failed: see {log}", flush=True)
             return False
     return True
 
@@ -353,13 +359,13 @@ def sweep_argv(args) -> list[str]:
 def write_slurm_array(runs: list[Run], args) -> Path:
     """OUT/sweep.sbatch: the Slurm job template as an array of one task per run, every run (pretraining
     and linear stage) set to the job's nodes x GPUs."""
-    resources = job.Resources.from_args(args, job.read_config(args.config))
+    resources = job.Resources.from_args(args, job.read_config(args.config), args.extra)
     # the job runs in the project root
     paths = {key: job.from_root(Path(path)) for key in ("config", "out", "linear") if (path := getattr(args, key))}
     extra, linear_override = resources.trainer_arguments(args.extra), resources.trainer_arguments(args.linear_override)
     argv = sweep_argv(argparse.Namespace(**{**vars(args), **paths, "extra": extra, "linear_override": linear_override}))
     command = f"python scripts/sweep.py --only $SLURM_ARRAY_TASK_ID {shlex.join(argv)}"  # the task index is left to bash
-    log_stem = job.from_root(args.out / "slurm-%a")  # per array task, without the job id: appended to across requeues
+    log_stem = job.log_path(job.from_root(args.out)) + "/slurm-%a"  # per array task, without the job id: appended to across requeues
     text = resources.render(args.out.name, log_stem, command, extra_options=(f"--array=0-{len(runs) - 1}",))
     args.out.mkdir(parents=True, exist_ok=True)
     script = args.out / "sweep.sbatch"

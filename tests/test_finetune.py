@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from backbones import BackboneSpec, MLPSpec
 from helpers import TINY_BACKBONE, TINY_PROJECTOR, cpu_trainer, digits
 from test_cli import run_failing
 from test_datasets import save_image
@@ -132,6 +133,24 @@ def test_fine_tuning_starts_from_the_checkpoint_trunk_with_a_zero_head_and_train
     assert all(parameter.requires_grad for parameter in model.backbone.parameters())
     assert model.train().backbone.training  # BatchNorm in training mode, unlike the linear probe's frozen trunk
     assert not LinearProbe(pretrained_ckpt=str(path)).train().backbone.training
+
+
+def test_fine_tuning_a_mocov3_vit_trains_the_patch_projection_and_positions_its_pretraining_held_fixed(tmp_path):
+    """moco-v3 fine-tunes through DeiT, whose patch projection and position table are parameters."""
+    from lightning.pytorch import Trainer
+
+    from methods import MoCoV3
+
+    vit = BackboneSpec("vit_small", kwargs=dict(img_size=16, patch_size=8, depth=1, num_heads=12, init="mocov3",
+                                                position_embedding="sincos_2d", stop_grad_conv1=True))
+    pretraining = MoCoV3(backbone=vit, projector=TINY_PROJECTOR, predictor=MLPSpec(hidden_dim=32, output_dim=TINY_PROJECTOR.output_dim), knn_k=0)
+    assert not pretraining.backbone.patch_embed.proj.weight.requires_grad and not pretraining.backbone.pos_embed.requires_grad
+    trainer = Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.strategy.connect(pretraining)
+    trainer.save_checkpoint(tmp_path / "last.ckpt")
+    model = FineTune(pretrained_ckpt=str(tmp_path / "last.ckpt"), num_classes=10)
+    assert all(parameter.requires_grad for parameter in model.backbone.parameters())
+    assert not any(parameter.requires_grad for parameter in LinearProbe(pretrained_ckpt=str(tmp_path / "last.ckpt"), num_classes=10).backbone.parameters())
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ from analysis.__main__ import main as analyse_checkpoint
 from backbones import BackboneSpec
 from engine.files import ForeignObject, read_checkpoint
 from interop.official import convert, detect_format
-from methods import CrossEntropy, LinearProbe, PaCo
+from methods import CrossEntropy, LinearProbe, PaCo, PaCoRIDE
 from helpers import randomised
 
 ROOT = Path(__file__).parents[1]
@@ -496,7 +496,7 @@ def test_paco_import_predicts_the_classes_of_the_source_classifier(tmp_path):
     assert len(expected.unique()) > 1
     path = tmp_path / "paco_r18.pth"
     torch.save(paco_file(trunk, centres), path)
-    for model_class in (CrossEntropy, PaCo):
+    for model_class in (CrossEntropy, PaCo, PaCoRIDE):  # PaCoRIDE on a plain trunk is PaCo: one expert, the release's centres
         model = model_class(backbone=SMALL_RESNET18, num_classes=10, pretrained_ckpt=str(path)).eval()
         with torch.no_grad():
             assert torch.equal(model.classify(IMAGES).argmax(dim=1), expected)

@@ -211,3 +211,23 @@ def test_every_long_tail_config_trains_a_step_and_reports_the_shot_groups(config
     assert cli.model.class_counts.sum() == len(cli.datamodule.splits["train"])
     # the shot groups of the classes among the one validation batch's images (a group without any is not logged)
     assert "val/top1" in metrics and {"val/many_top1", "val/medium_top1", "val/few_top1"} & metrics.keys()
+
+
+
+@pytest.mark.slow
+def test_a_validate_of_a_checkpoint_takes_tau_and_the_shot_bounds_from_its_command_line(tmp_path):
+    """Lightning's CLI puts a checkpoint's hyperparameters over the model arguments: tau-norm's tau, chosen on the trained
+    model (Kang et al.), was silently the checkpoint's 0, and the table's tau-norm rows the plain cross-entropy's."""
+    common = ["--config", "configs/ce_digits_lt.yaml", "--trainer.logger=false", "--trainer.precision=32-true", "--trainer.enable_progress_bar=false",
+              "--data.init_args.batch_size=16", "--data.init_args.num_workers=0", "--model.init_args.channels_last=false"]
+    main_pretrain.cli_main(["fit", *common, "--trainer.max_epochs=1", "--trainer.limit_train_batches=2", "--trainer.limit_val_batches=0",
+                            f"--trainer.default_root_dir={tmp_path}"])
+    checkpoint = str(tmp_path / "checkpoints" / "last.ckpt")
+    evaluation = ["validate", *common, f"--ckpt_path={checkpoint}", "--trainer.limit_val_batches=2", f"--trainer.default_root_dir={tmp_path}"]
+    plain = main_pretrain.cli_main(evaluation)
+    normed = main_pretrain.cli_main([*evaluation, "--model.init_args.tau_norm=1.0", "--model.init_args.many_shot_above=50"])
+    assert (plain.model.tau_norm, normed.model.tau_norm, normed.model.hparams.many_shot_above) == (0.0, 1.0, 50)
+    images, weight = torch.rand(4, 3, 32, 32), plain.model.classifier.weight
+    with torch.no_grad():  # w_k / |w_k| without the bias
+        expected = F.linear(plain.model.eval().backbone(images), weight / weight.norm(dim=1, keepdim=True))
+        assert torch.allclose(normed.model.eval().classify(images), expected, atol=1e-6)

@@ -155,6 +155,12 @@ def test_without_sbatch_on_path_submission_is_one_error_naming_it_and_writes_not
         (["--config", SCE_IMAGENET100, "--grid=model.init_args.temperature"], "must look like key=value1,value2"),
         (["--config", SCE_IMAGENET100, "--", "--trainer.devices=2"], "override '--trainer.devices=2': set it with --gpus-per-node"),
         (["--config", SCE_IMAGENET100, "--", "--trainer.num_nodes", "3"], "override '--trainer.num_nodes': set it with --nodes"),
+        (["--config", SCE_IMAGENET100, "--", "--trainer.default_root_dir=/elsewhere"], "set it with --run-dir (submit.py) or --out (sweep.py)"),
+        (["--config", SCE_IMAGENET100, "--time=banana"], "--time 'banana' is not a Slurm time"),
+        (["--config", SCE_IMAGENET100, "--time=1:00:00 --mem=1"], "--time '1:00:00 --mem=1' is not a Slurm time"),
+        (["--config", SCE_IMAGENET100, "--sbatch-option=--nodes=4"], "--sbatch-option '--nodes=4': the job file sets --nodes itself"),
+        (["--config", SCE_IMAGENET100, "--sbatch-option=-t 10"], "--sbatch-option '-t 10': the job file sets -t itself"),
+        (["--config", SCE_IMAGENET100, "--", "--data.init_args.num_workers=many"], "data.init_args.num_workers 'many' is not a number of workers"),
     ],
 )
 def test_bad_input_is_one_error_naming_the_value_before_anything_is_written(arguments, expected, tmp_path):
@@ -246,3 +252,12 @@ def test_without_the_jobs_trainer_settings_lightning_refuses_the_config_under_sl
         environment = trainer._accelerator_connector.cluster_environment
         with pytest.raises(ValueError, match=r"`devices=8` .* `--ntasks-per-node=4` does not match"):
             environment.validate_settings(num_devices=trainer.num_devices, num_nodes=trainer.num_nodes)
+
+
+
+def test_the_job_file_quotes_the_partition_escapes_percent_in_log_paths_and_counts_the_overridden_workers(tmp_path):
+    ((_, text),) = render(f"--run-dir={tmp_path / '100%j data'}", "--partition=gpu a100", "--time=2-12:00:00", "--",
+                          "--data.init_args.num_workers=7")
+    lines = sbatch_lines(text)
+    assert '--partition="gpu a100"' in lines and "--time=2-12:00:00" in lines and "--cpus-per-task=8" in lines
+    assert f'--output="{tmp_path}/100%%j data/slurm.out"' in lines  # Slurm would read %j as the job id

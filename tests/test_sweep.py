@@ -241,6 +241,25 @@ def test_a_run_another_sweep_trains_is_left_to_it_without_a_failure_or_a_line_in
     assert "failed" not in printed and not (run.directory / "log.txt").exists() and not (run.directory / sweep.RECORD).exists()
 
 
+
+def test_the_other_ranks_of_a_slurm_array_task_start_their_training_beside_rank_zero_s(tmp_path, capsys, monkeypatch):
+    """srun starts `sweep.py --only i` once per rank: rank 0's training holds the run's lock, and a rank above 0 that
+    left the run to it kept that DDP run waiting for the rank until the time limit."""
+    from engine.cli.run_lock import RunDirectoryLock
+
+    (run,) = sweep.expand([], [0], tmp_path)
+    started = []
+    monkeypatch.setattr(sweep, "execute", lambda command, log: started.append((command[1], log)) or True)
+    monkeypatch.setenv("SLURM_PROCID", "1")
+    lock = RunDirectoryLock(run.directory)
+    lock.acquire()  # as rank 0's training process holds it
+    try:
+        assert sweep.main(["--config", PRETRAIN_DIGITS, "--out", str(tmp_path), "--only", "0"]) == 0
+    finally:
+        lock.release()
+    assert [(Path(script).name, log) for script, log in started] == [("main_pretrain.py", run.directory / "log.rank1.txt")] and "left to it" not in capsys.readouterr().out
+    assert not (run.directory / sweep.RECORD).exists()  # rank 0 writes it
+
 @pytest.mark.parametrize(
     "arguments, message",
     [(["--grid", "model.init_args.temprature=0.1"], "error: temprature=0.1, main_pretrain.py: "),

@@ -182,3 +182,30 @@ def test_compare_tables_the_two_seeds_of_the_offline_runs_and_plots_their_curves
     assert "W&B log (mocov2-digits-tau=0.2-s0)" in markdown  # the curves come from the W&B logs
     assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (tmp_path / "comparison.csv").read_text().splitlines()[1].startswith("MoCoV2,Digits,,\"0, 1\",n/a,n/a,n/a,")
+
+
+def test_a_fit_continues_its_directory_s_w_and_b_run_only_when_it_resumes_that_directory_s_run(tmp_path):
+    """A checkpoint of another run, continued where a start without a checkpoint left a W&B id, is a run of its own:
+    reusing the id merged the two runs into one W&B run."""
+    from types import SimpleNamespace
+
+    from engine.cli.resume import continues_this_run
+
+    trainer = SimpleNamespace(default_root_dir=str(tmp_path / "run"))
+    assert continues_this_run(trainer, "last", resumed=True)  # last, hpc, a requeue: resolved to this run's own file
+    assert continues_this_run(trainer, str(tmp_path / "run" / "checkpoints" / "epoch=3-step=40.ckpt"), resumed=False)
+    assert not continues_this_run(trainer, str(tmp_path / "other" / "checkpoints" / "last.ckpt"), resumed=False)
+    assert not continues_this_run(trainer, None, resumed=False)
+
+
+def test_the_credentials_that_count_are_those_of_the_server_wandb_login_host_chose(netrc, monkeypatch, tmp_path):
+    """`wandb login --host` writes the server to W&B's settings file: a run of a user logged in to their own server
+    logged offline without a word (and WANDB_MODE=online was refused naming W&B's default server)."""
+    monkeypatch.setattr(tracking, "wandb_server_reachable", lambda server: None)
+    (tmp_path / "wandb_config").mkdir()
+    (tmp_path / "wandb_config" / "settings").write_text("[default]\nbase_url = https://wandb.mylab.example\n")
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb_config"))
+    netrc.write_text(f"machine wandb.mylab.example login user password {'y' * 40}\n")
+    assert wandb_mode() is None  # online, with the credentials of the server it logs in to
+    monkeypatch.setenv("WANDB_BASE_URL", "https://api.wandb.ai")  # the variable comes first, as for W&B
+    assert wandb_mode() == "offline"

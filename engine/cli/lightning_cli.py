@@ -52,12 +52,13 @@ from engine.cli.resume import (
     LIGHTNING_CHECKPOINT_NAMES,
     check_resumable,
     check_unchanged,
+    continues_this_run,
     readable_checkpoint_to_resume,
     refuse_to_overwrite_a_run,
 )
 from engine.cli.run_lock import RunDirectoryInUse, RunDirectoryLock
 from engine.cli.results import FinalValidation, evaluated_position, report_results, validate_the_end_if_missed
-from engine.compat import dump_config_for_hyperparameters
+from engine.compat import KeepsEvaluationSettings, dump_config_for_hyperparameters
 from engine.config import load_yaml
 from engine.devices import choose_cpu_precision, keep_freed_host_memory
 from engine.files import SameDirectoryCheckpointIO, UnreadableCheckpoint, WriteFailed, read_checkpoint
@@ -73,7 +74,7 @@ def models_trained_here(model_class) -> str:
     return f"model.class_path: one of methods.{{{', '.join(trainable_classes(model_class))}}}; see configs/ for one config per paper setting"
 
 
-class ContrastlabCLI(LightningCLI):
+class ContrastlabCLI(KeepsEvaluationSettings):
     def __init__(self, model_class, args: Any = None, **kwargs):
         self.given_checkpoint: tuple[dict, str] | None = None  # a --ckpt_path file, read when the arguments are parsed
         self.precision_note: str | None = None  # the CPU precision rule's choice, printed at the start of the run
@@ -230,7 +231,7 @@ class ContrastlabCLI(LightningCLI):
                 check_unchanged(*self.given_checkpoint, self.resolved_config(), self.trainer.world_size)
         mode = self._tracking_mode()
         self._claim_run_directory()  # the checks above only read: two runs that pass them together meet here
-        self._start_tracking(mode, resumed=resumed is not None or self.given_checkpoint is not None)
+        self._start_tracking(mode, resumed=continues_this_run(self.trainer, run.get("ckpt_path"), resumed is not None))
 
     def _claim_run_directory(self) -> None:
         """One run at a time in a run directory (`engine.cli.run_lock`), claimed before anything is written there."""

@@ -205,3 +205,9 @@ def refuse_to_overwrite_a_run(trainer, ckpt_path: str | None) -> str | None:
             "over that run's files; give another trainer.default_root_dir (or --ckpt_path last to resume the run there)"
         )
     fail(f"{shown} already holds a run: resume it with --ckpt_path last, or start a new one under another trainer.default_root_dir")
+
+
+def continues_this_run(trainer, ckpt_path: str | None, resumed: bool) -> bool:
+    """Whether a fit continues the run of its own directory, whose W&B run then goes on: `last`, `hpc`, a requeue
+    (`resumed`) or a checkpoint file of that directory. A checkpoint of another run starts a run of its own."""
+    return resumed or (ckpt_path is not None and Path(ckpt_path).resolve().is_relative_to(Path(trainer.default_root_dir).resolve()))

@@ -25,6 +25,8 @@ from methods.queues import KeyQueue
 
 
 class LongTailClassifier(MethodBase):
+    evaluation_settings = ("many_shot_above", "few_shot_below")  # the shot groups an evaluation reports
+
     def __init__(
         self,
         optimizer: OptimizerSpec = OptimizerSpec(name="sgd", lr=0.05, weight_decay=5e-4, momentum=0.9),

@@ -29,6 +29,7 @@ class CrossEntropy(LongTailClassifier):
     """Cross-entropy, Balanced Softmax and tau-normalisation baselines (PaCo supplementary, Tables 9, 11, 13)."""
 
     views = ("image",)
+    evaluation_settings = (*LongTailClassifier.evaluation_settings, "tau_norm")  # tau is chosen on a trained model (Kang et al.)
 
     def __init__(self, loss: Literal["ce", "balanced_softmax"] = "ce", tau_norm: float = 0.0, **kwargs):
         """

@@ -46,7 +46,10 @@ class PaCoRIDE(PaCo):
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
+        released = self.classifier  # a release's centres, loaded by LongTailClassifier when pretrained_ckpt is given
         self.classifier = PerExpert([nn.Linear(self.feature_dim, self.num_classes) for _ in range(self.num_experts)])
+        if kwargs.get("pretrained_ckpt") is not None:  # a PaCo release: one expert (no RIDE trunk loads its weights)
+            self.classifier.experts[0].load_state_dict(released.state_dict())
 
     @property
     def num_experts(self) -> int:

@@ -17,6 +17,13 @@ TEMPLATE = Path(__file__).with_name("template.sbatch")
 # Lightning under Slurm refuses trainer.devices != --ntasks-per-node and trainer.num_nodes != --nodes,
 # so the job sets both from its own resources and an override may not set them.
 CLUSTER_KEYS = {"--trainer.num_nodes": "--nodes", "--trainer.devices": "--gpus-per-node"}
+# the job's run directory is the job's own (its logs and its requeue live there): an override would move the run alone
+PLACEMENT_KEYS = {"--trainer.default_root_dir": "--run-dir (submit.py) or --out (sweep.py)"}
+# What the template's #SBATCH lines set (long and short forms): another value in --sbatch-option would override them
+# (sbatch takes the later line) while the trainer keeps the first.
+MANAGED_OPTIONS = ("--job-name", "-J", "--nodes", "-N", "--ntasks-per-node", "--gpus-per-node", "--cpus-per-task", "-c", "--time", "-t",
+                   "--signal", "--requeue", "--open-mode", "--chdir", "-D", "--output", "-o", "--error", "-e", "--array", "-a", "--partition", "-p")
+SLURM_TIME = re.compile(r"(\d+-)?\d+(:\d+){0,2}|UNLIMITED|INFINITE")  # sbatch --time: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S
 
 
 def add_resource_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,6 +60,21 @@ def sbatch_value(text: str) -> str:
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
+def override_value(overrides: list[str], key: str, default):
+    """The value the last of `overrides` gives `key` (`KEY=VALUE` or `KEY VALUE`), else `default`."""
+    value = default
+    for index, override in enumerate(overrides):
+        name, separator, given = override.partition("=")
+        if name == key:
+            value = given if separator else (overrides[index + 1] if index + 1 < len(overrides) else default)
+    return value
+
+
+def log_path(path: str) -> str:
+    """A path in an #SBATCH --output / --error line, its `%` written `%%` (Slurm reads `%j`, `%a`, ... there)."""
+    return path.replace("%", "%%")
+
+
 def from_root(path: Path) -> str:
     """`path` as the job sees it: relative to the project root (its working directory) when inside it."""
     path = path.resolve()
@@ -68,17 +90,26 @@ class Resources:
     options: tuple[str, ...]  # further #SBATCH options
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace, config: dict) -> "Resources":
-        """The command line's resources, the open ones read from the config (`args.config`)."""
+    def from_args(cls, args: argparse.Namespace, config: dict, overrides: list[str] = ()) -> "Resources":
+        """The command line's resources, the open ones read from the config (`args.config`) and its `overrides`."""
         devices = args.gpus_per_node if args.gpus_per_node is not None else (config.get("trainer") or {}).get("devices", 1)
         if isinstance(devices, bool) or not isinstance(devices, int):
             raise ValueError(f"{args.config}: trainer.devices {devices!r} is not a number of GPUs: give --gpus-per-node")
         workers = ((config.get("data") or {}).get("init_args") or {}).get("num_workers", 0)
-        cpus = args.cpus_per_task if args.cpus_per_task is not None else workers + 1  # the loader workers + the trainer
+        workers = override_value(overrides, "--data.init_args.num_workers", workers)
+        if args.cpus_per_task is None and not (isinstance(workers, int) or str(workers).isdigit()):
+            raise ValueError(f"data.init_args.num_workers {workers!r} is not a number of workers: give --cpus-per-task")
+        cpus = args.cpus_per_task if args.cpus_per_task is not None else int(workers) + 1  # the loader workers + the trainer
         for option, value in (("--nodes", args.nodes), ("--gpus-per-node", devices), ("--cpus-per-task", cpus)):
             if value < 1:
                 raise ValueError(f"{option} must be at least 1, got {value}")
-        options = ([f"--partition={args.partition}"] if args.partition else []) + args.sbatch_option
+        if not SLURM_TIME.fullmatch(args.time):
+            raise ValueError(f"--time {args.time!r} is not a Slurm time (minutes, HH:MM:SS or D-HH:MM:SS)")
+        for option in args.sbatch_option:
+            if option.split("=")[0].split()[0] in MANAGED_OPTIONS:
+                raise ValueError(f"--sbatch-option {option!r}: the job file sets {option.split('=')[0].split()[0]} itself (from --nodes, "
+                                 "--gpus-per-node, --cpus-per-task, --time, --partition or the run directory)")
+        options = ([f"--partition={sbatch_value(args.partition)}"] if args.partition else []) + args.sbatch_option
         return cls(args.nodes, devices, cpus, args.time, tuple(options))
 
     def trainer_arguments(self, overrides: list[str]) -> list[str]:
@@ -87,6 +118,8 @@ class Resources:
             key = override.partition("=")[0]
             if key in CLUSTER_KEYS:
                 raise ValueError(f"override {override!r}: set it with {CLUSTER_KEYS[key]} (it must match the #SBATCH lines)")
+            if key in PLACEMENT_KEYS:
+                raise ValueError(f"override {override!r}: set it with {PLACEMENT_KEYS[key]} (the job's logs and requeue live there)")
         return [*overrides, f"--trainer.num_nodes={self.nodes}", f"--trainer.devices={self.gpus_per_node}"]
 
     def render(self, job_name: str, log_stem: str, command: str, extra_options: tuple[str, ...] = ()) -> str:

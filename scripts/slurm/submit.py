@@ -44,7 +44,7 @@ STAGES = {"pretrain": ("main_pretrain.py", "fit"), "linear": ("main_linear.py", 
 def render_jobs(args: argparse.Namespace) -> list[tuple[Path, str]]:
     """One (run directory, job file) per grid point; every input is checked before anything is written."""
     config = job.read_config(args.config)
-    resources = job.Resources.from_args(args, config)
+    resources = job.Resources.from_args(args, config, args.overrides)
     if args.run_dir is not None:
         run_dir = args.run_dir.resolve()
     elif (config.get("trainer") or {}).get("default_root_dir"):
@@ -60,7 +60,7 @@ def render_jobs(args: argparse.Namespace) -> list[tuple[Path, str]]:
         command = ["python", *STAGES[args.stage], "--config", job.from_root(Path(args.config)),
                    *sweep.point_overrides(point), *overrides, f"--trainer.default_root_dir={job.from_root(directory)}"]
         name = args.job_name or (f"{run_dir.name}_{directory.name}" if grid else run_dir.name)
-        jobs.append((directory, resources.render(name, job.from_root(directory / "slurm"), shlex.join(command), dependency)))
+        jobs.append((directory, resources.render(name, job.log_path(job.from_root(directory / "slurm")), shlex.join(command), dependency)))
     return jobs
 
 
