@@ -142,8 +142,9 @@ def save_last_checkpoint_unless_saved(trainer: Trainer, callback) -> None:
 
 class KeepsEvaluationSettings(LightningCLI):
     """A LightningCLI whose `validate` and `test` keep the model arguments named by the model class's
-    `evaluation_settings` (tau-norm's tau) as their config and command line give them: Lightning's `_parse_ckpt_path`
-    puts a checkpoint's hyperparameters over every model argument."""
+    `evaluation_settings` (tau-norm's tau) that their config or command line set to another value than the class's
+    default: Lightning's `_parse_ckpt_path` puts a checkpoint's hyperparameters over every model argument. One left
+    at its default keeps the checkpoint's."""
 
     def _parse_ckpt_path(self) -> None:
         subcommand = self.config.get("subcommand")
@@ -153,5 +154,9 @@ class KeepsEvaluationSettings(LightningCLI):
             model = self.config[subcommand]["model"]
             module_name, _, class_name = model["class_path"].rpartition(".")
             for name in getattr(importlib.import_module(module_name), class_name).evaluation_settings:
-                if name in given:
+                if name in given and not self.at_default(model["class_path"], name, given[name]):
                     model["init_args"][name] = given[name]
+
+    def at_default(self, class_path: str, name: str, value) -> bool:
+        """Whether `value` is the default of the model argument `name` of `class_path` (the subclass knows defaults)."""
+        return False

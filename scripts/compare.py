@@ -201,7 +201,8 @@ def probed_the_run(probed: str, linear_dir: str | None, root: Path) -> bool:
     if linear_dir is not None and Path(linear_dir).is_absolute() == Path(probed).is_absolute():
         run_as_seen = os.path.normpath(os.path.join(linear_dir, os.pardir))
         return os.path.normpath(os.path.relpath(probed, run_as_seen)) == os.path.join("checkpoints", "last.ckpt")
-    return Path(probed).resolve() == (root / "checkpoints" / "last.ckpt").resolve()
+    last = (root / "checkpoints" / "last.ckpt").resolve()  # else: the path itself, or a relative one that ends the run's
+    return Path(probed).resolve() == last or (not Path(probed).is_absolute() and str(last).endswith(os.sep + os.path.normpath(probed)))
 
 
 def read_run(root: Path) -> Run:

@@ -255,8 +255,9 @@ def held_elsewhere(directory: Path) -> str | None:
 def perform(run: Run, args) -> bool:
     """Run the stages of one sweep entry that have no results yet; False when one fails or has stale results. A
     stage that another process trains (another sweep of the same --out) is left to it: nothing is written. In a
-    Slurm array task srun starts this once per rank, each starting its rank's training process: the ranks above 0
-    neither look for another holder (rank 0's training holds the lock) nor write the record, and log apart."""
+    Slurm array task srun starts this once per rank, each starting its rank's training process: a rank above 0 goes
+    on where the lock's holder is its own job's rank 0 (`engine.cli.run_lock` names the job), writes no record, and
+    logs apart."""
     rank = int(os.environ.get("SLURM_PROCID", 0)) if args.only is not None else 0
     if (why := stale(run, args)) is not None:
         print(f"[{run.point_name} seed {run.seed}] stale: {why}", flush=True)
@@ -265,7 +266,8 @@ def perform(run: Run, args) -> bool:
     for directory, command in stages(run, args):
         if (directory / "results_val.json").is_file():
             continue
-        if rank == 0 and (holder := held_elsewhere(directory)) is not None:
+        own_job = f"(slurm job {os.environ.get('SLURM_JOB_ID')})"
+        if (holder := held_elsewhere(directory)) is not None and not (rank > 0 and own_job in holder):
             print(f"[{run.point_name} seed {run.seed}] running in another process ({holder}): left to it", flush=True)
             return True
         print(f"[{run.point_name} seed {run.seed}] {shlex.join(command[1:])}", flush=True)

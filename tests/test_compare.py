@@ -136,6 +136,13 @@ def test_a_linear_stage_of_the_run_is_recognised_from_another_directory_or_after
         compare.main([str(tmp_path / "a"), "--out", str(tmp_path / "out2")])
 
 
+def test_a_linear_stage_without_its_directory_recorded_is_recognised_by_the_end_of_its_path(tmp_path, monkeypatch):
+    write_run(tmp_path / "runs" / "a", 0, {"val/knn_top1": 0.2}, linear=0.4)
+    stage = {"model": {"init_args": {"pretrained_ckpt": "runs/a/checkpoints/last.ckpt"}}}  # relative to where it ran
+    (tmp_path / "runs" / "a" / "linear" / "config.yaml").write_text(yaml.safe_dump(stage))
+    monkeypatch.chdir(tmp_path / "runs")  # compared from elsewhere
+    assert "linear/results_val.json" in compare.main([str(tmp_path / "runs" / "a"), "--out", str(tmp_path / "out")])
+
 @pytest.mark.parametrize(
     "damage, message",
     [(("results_val.json", '{"metrics": {"val/knn'), "results_val.json: not a results file (Unterminated string"),

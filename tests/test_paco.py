@@ -227,6 +227,12 @@ def test_a_validate_of_a_checkpoint_takes_tau_and_the_shot_bounds_from_its_comma
     plain = main_pretrain.cli_main(evaluation)
     normed = main_pretrain.cli_main([*evaluation, "--model.init_args.tau_norm=1.0", "--model.init_args.many_shot_above=50"])
     assert (plain.model.tau_norm, normed.model.tau_norm, normed.model.hparams.many_shot_above) == (0.0, 1.0, 50)
+    # one left at its default keeps the checkpoint's: a classifier trained with other shot bounds reports its own
+    main_pretrain.cli_main(["fit", *common, "--trainer.max_epochs=1", "--trainer.limit_train_batches=2", "--trainer.limit_val_batches=0",
+                            "--model.init_args.many_shot_above=50", f"--trainer.default_root_dir={tmp_path / 'bounds'}"])
+    again = main_pretrain.cli_main(["validate", *common, f"--ckpt_path={tmp_path / 'bounds' / 'checkpoints' / 'last.ckpt'}",
+                                    "--trainer.limit_val_batches=2", f"--trainer.default_root_dir={tmp_path / 'bounds'}"])
+    assert again.model.hparams.many_shot_above == 50
     images, weight = torch.rand(4, 3, 32, 32), plain.model.classifier.weight
     with torch.no_grad():  # w_k / |w_k| without the bias
         expected = F.linear(plain.model.eval().backbone(images), weight / weight.norm(dim=1, keepdim=True))

@@ -160,6 +160,10 @@ def test_without_sbatch_on_path_submission_is_one_error_naming_it_and_writes_not
         (["--config", SCE_IMAGENET100, "--time=1:00:00 --mem=1"], "--time '1:00:00 --mem=1' is not a Slurm time"),
         (["--config", SCE_IMAGENET100, "--sbatch-option=--nodes=4"], "--sbatch-option '--nodes=4': the job file sets --nodes itself"),
         (["--config", SCE_IMAGENET100, "--sbatch-option=-t 10"], "--sbatch-option '-t 10': the job file sets -t itself"),
+        (["--config", SCE_IMAGENET100, "--sbatch-option=-t10"], "--sbatch-option '-t10': the job file sets -t itself"),
+        (["--config", SCE_IMAGENET100, "--sbatch-option=--no-requeue"], "the job file sets --no-requeue itself"),
+        (["--config", SCE_IMAGENET100, "--sbatch-option=--gres=gpu:8"], "the job file sets --gres itself"),
+        (["--config", SCE_IMAGENET100, "--sbatch-option="], "--sbatch-option '' is not an sbatch option"),
         (["--config", SCE_IMAGENET100, "--", "--data.init_args.num_workers=many"], "data.init_args.num_workers 'many' is not a number of workers"),
     ],
 )
@@ -256,8 +260,10 @@ def test_without_the_jobs_trainer_settings_lightning_refuses_the_config_under_sl
 
 
 def test_the_job_file_quotes_the_partition_escapes_percent_in_log_paths_and_counts_the_overridden_workers(tmp_path):
-    ((_, text),) = render(f"--run-dir={tmp_path / '100%j data'}", "--partition=gpu a100", "--time=2-12:00:00", "--",
-                          "--data.init_args.num_workers=7")
+    ((_, text),) = render(f"--run-dir={tmp_path / '100%j data'}", "--partition=gpu a100", "--time=2-12:00:00", "--sbatch-option=--account=lab",
+                          "--", "--data.num_workers=7")
     lines = sbatch_lines(text)
-    assert '--partition="gpu a100"' in lines and "--time=2-12:00:00" in lines and "--cpus-per-task=8" in lines
+    assert '--partition="gpu a100"' in lines and "--time=2-12:00:00" in lines and "--cpus-per-task=8" in lines and "--account=lab" in lines
+    for time in ("unlimited", "30", "-1"):
+        assert f"--time={time}" in sbatch_lines(render(f"--run-dir={tmp_path / 'run'}", f"--time={time}")[0][1])
     assert f'--output="{tmp_path}/100%%j data/slurm.out"' in lines  # Slurm would read %j as the job id

@@ -250,14 +250,19 @@ def test_the_other_ranks_of_a_slurm_array_task_start_their_training_beside_rank_
     (run,) = sweep.expand([], [0], tmp_path)
     started = []
     monkeypatch.setattr(sweep, "execute", lambda command, log: started.append((command[1], log)) or True)
-    monkeypatch.setenv("SLURM_PROCID", "1")
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
     lock = RunDirectoryLock(run.directory)
-    lock.acquire()  # as rank 0's training process holds it
+    lock.acquire()  # as rank 0's training process of job 4242 holds it
     try:
-        assert sweep.main(["--config", PRETRAIN_DIGITS, "--out", str(tmp_path), "--only", "0"]) == 0
+        for job_id, expected in (("4242", [("main_pretrain.py", run.directory / "log.rank1.txt")]), ("4243", [])):  # its own job's; another's
+            monkeypatch.setenv("SLURM_PROCID", "1")
+            monkeypatch.setenv("SLURM_JOB_ID", job_id)
+            started.clear()
+            assert sweep.main(["--config", PRETRAIN_DIGITS, "--out", str(tmp_path), "--only", "0"]) == 0
+            assert [(Path(script).name, log) for script, log in started] == expected
+            assert ("left to it" in capsys.readouterr().out) == (not expected)  # as its rank 0 leaves a run another sweep trains
     finally:
         lock.release()
-    assert [(Path(script).name, log) for script, log in started] == [("main_pretrain.py", run.directory / "log.rank1.txt")] and "left to it" not in capsys.readouterr().out
     assert not (run.directory / sweep.RECORD).exists()  # rank 0 writes it
 
 @pytest.mark.parametrize(

@@ -50,9 +50,12 @@ from engine.cli.parsing import ContrastlabArgumentParser, SaveConfigToRun, batch
 from engine.cli.quiet import quiet_run
 from engine.cli.resume import (
     LIGHTNING_CHECKPOINT_NAMES,
+    UNKNOWN,
     check_resumable,
+    class_default,
     check_unchanged,
     continues_this_run,
+    plain,
     readable_checkpoint_to_resume,
     refuse_to_overwrite_a_run,
 )
@@ -156,6 +159,10 @@ class ContrastlabCLI(KeepsEvaluationSettings):
             if subcommand == "fit":  # an evaluation may use other data settings (batch size, workers)
                 check_unchanged(checkpoint, source, self.resolved_config())
         self.given_checkpoint = (checkpoint, source)
+
+    def at_default(self, class_path: str, name: str, value) -> bool:  # an evaluation setting left as the class sets it
+        default = class_default({"model": {"class_path": class_path}}, f"model.init_args.{name}")
+        return default is not UNKNOWN and value == plain(default)
 
     def resolved_config(self) -> dict:
         """The resolved config of the subcommand as `config.yaml` and the checkpoints record it (plain YAML types)."""

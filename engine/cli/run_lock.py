@@ -50,7 +50,8 @@ class RunDirectoryLock:
             return
         started = time.strftime("%Y-%m-%d %H:%M:%S")
         os.ftruncate(descriptor, 0)
-        os.write(descriptor, f"process {os.getpid()} on {socket.gethostname()}, started {started}: {' '.join(sys.argv)}\n".encode())
+        job = f" (slurm job {os.environ['SLURM_JOB_ID']})" if os.environ.get("SLURM_JOB_ID") else ""  # the other ranks of the job know it by it
+        os.write(descriptor, f"process {os.getpid()} on {socket.gethostname()}{job}, started {started}: {' '.join(sys.argv)}\n".encode())
         self.descriptor = descriptor
 
     def release(self) -> None:

@@ -21,9 +21,11 @@ CLUSTER_KEYS = {"--trainer.num_nodes": "--nodes", "--trainer.devices": "--gpus-p
 PLACEMENT_KEYS = {"--trainer.default_root_dir": "--run-dir (submit.py) or --out (sweep.py)"}
 # What the template's #SBATCH lines set (long and short forms): another value in --sbatch-option would override them
 # (sbatch takes the later line) while the trainer keeps the first.
-MANAGED_OPTIONS = ("--job-name", "-J", "--nodes", "-N", "--ntasks-per-node", "--gpus-per-node", "--cpus-per-task", "-c", "--time", "-t",
-                   "--signal", "--requeue", "--open-mode", "--chdir", "-D", "--output", "-o", "--error", "-e", "--array", "-a", "--partition", "-p")
-SLURM_TIME = re.compile(r"(\d+-)?\d+(:\d+){0,2}|UNLIMITED|INFINITE")  # sbatch --time: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S
+MANAGED_OPTIONS = ("--job-name", "--nodes", "--ntasks", "--ntasks-per-node", "--gpus", "--gpus-per-node", "--gpus-per-task", "--gres",
+                   "--cpus-per-task", "--time", "--signal", "--requeue", "--no-requeue", "--open-mode", "--chdir", "--output", "--error",
+                   "--array", "--partition")
+MANAGED_SHORT = "JNnGctDoeap"  # their one-letter forms (-N4 or -N 4)
+SLURM_TIME = re.compile(r"(\d+-)?\d+(:\d+){0,2}|unlimited|infinite|-1", re.IGNORECASE)  # M, M:S, H:M:S, D-H, D-H:M, D-H:M:S
 
 
 def add_resource_arguments(parser: argparse.ArgumentParser) -> None:
@@ -60,12 +62,12 @@ def sbatch_value(text: str) -> str:
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-def override_value(overrides: list[str], key: str, default):
-    """The value the last of `overrides` gives `key` (`KEY=VALUE` or `KEY VALUE`), else `default`."""
+def override_value(overrides: list[str], keys: tuple[str, ...], default):
+    """The value the last of `overrides` gives one of `keys` (its spellings; `KEY=VALUE` or `KEY VALUE`), else `default`."""
     value = default
     for index, override in enumerate(overrides):
         name, separator, given = override.partition("=")
-        if name == key:
+        if name in keys:
             value = given if separator else (overrides[index + 1] if index + 1 < len(overrides) else default)
     return value
 
@@ -96,7 +98,7 @@ class Resources:
         if isinstance(devices, bool) or not isinstance(devices, int):
             raise ValueError(f"{args.config}: trainer.devices {devices!r} is not a number of GPUs: give --gpus-per-node")
         workers = ((config.get("data") or {}).get("init_args") or {}).get("num_workers", 0)
-        workers = override_value(overrides, "--data.init_args.num_workers", workers)
+        workers = override_value(overrides, ("--data.init_args.num_workers", "--data.num_workers"), workers)
         if args.cpus_per_task is None and not (isinstance(workers, int) or str(workers).isdigit()):
             raise ValueError(f"data.init_args.num_workers {workers!r} is not a number of workers: give --cpus-per-task")
         cpus = args.cpus_per_task if args.cpus_per_task is not None else int(workers) + 1  # the loader workers + the trainer
@@ -106,9 +108,12 @@ class Resources:
         if not SLURM_TIME.fullmatch(args.time):
             raise ValueError(f"--time {args.time!r} is not a Slurm time (minutes, HH:MM:SS or D-HH:MM:SS)")
         for option in args.sbatch_option:
-            if option.split("=")[0].split()[0] in MANAGED_OPTIONS:
-                raise ValueError(f"--sbatch-option {option!r}: the job file sets {option.split('=')[0].split()[0]} itself (from --nodes, "
-                                 "--gpus-per-node, --cpus-per-task, --time, --partition or the run directory)")
+            name = option.split("=")[0].split()[0] if option.strip() else ""
+            if not name.startswith("-"):
+                raise ValueError(f"--sbatch-option {option!r} is not an sbatch option (e.g. --sbatch-option=--account=lab)")
+            if name in MANAGED_OPTIONS or (not name.startswith("--") and name[1:2] in MANAGED_SHORT):
+                raise ValueError(f"--sbatch-option {option!r}: the job file sets {name[:2] if not name.startswith('--') else name} itself "
+                                 "(from --nodes, --gpus-per-node, --cpus-per-task, --time, --partition or the run directory)")
         options = ([f"--partition={sbatch_value(args.partition)}"] if args.partition else []) + args.sbatch_option
         return cls(args.nodes, devices, cpus, args.time, tuple(options))
 
