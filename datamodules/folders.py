@@ -142,7 +142,7 @@ class ImageFolderDataModule(FolderDataModule):
         if not self.other_class_folders_ignored:  # their images would silently be left out of the evaluation
             evaluated = dict.fromkeys(self.split_dirs[split] for split in ("val", "test"))  # test may be val
             extra = sorted(Path(entry.path) for folder in evaluated if folder.is_dir() for entry in os.scandir(folder)
-                           if entry.is_dir() and entry.name not in self.classes)
+                           if entry.is_dir() and entry.name not in self.classes and not entry.name.startswith("."))  # .ipynb_checkpoints
             if extra:
                 raise ValueError(f"{len(extra)} class folders are not among the training folder's classes: {listing(extra)}")
 

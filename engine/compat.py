@@ -7,6 +7,7 @@ packages to the minor versions tested here, and tests/test_compat.py checks ever
 the installed versions, so an upgrade that renames one fails there, naming it, and not in a user's run.
 """
 
+import configparser
 import importlib
 import os
 from pathlib import Path
@@ -116,13 +117,17 @@ def wandb_server(host: str | None) -> str:
     --host` writes it to ~/.config/wandb/settings), else W&B's default."""
     if host:
         return host
-    from wandb.sdk import wandb_settings
+    from wandb.sdk.lib import urls
 
-    settings = wandb_settings.Settings()  # its system settings file, found as wandb/sdk/wandb_setup.py `_settings_setup` finds it
+    # the settings file where wandb/sdk/wandb_setup.py `_settings_setup` finds it, read quietly (W&B's reader says so)
     config_dir = os.environ.get("WANDB_CONFIG_DIR")
-    settings.settings_system = str(Path(config_dir).expanduser() / "settings" if config_dir else Path("~/.config/wandb/settings").expanduser())
-    settings.update_from_system_settings()
-    return settings.base_url
+    path = Path(config_dir).expanduser() / "settings" if config_dir else Path("~/.config/wandb/settings").expanduser()
+    settings = configparser.ConfigParser()
+    try:
+        settings.read(path)  # a missing file reads as empty
+    except (configparser.Error, OSError, UnicodeDecodeError):
+        return urls.DEFAULT_BASE_URL
+    return settings.get("default", "base_url", fallback="").rstrip("/") or urls.DEFAULT_BASE_URL
 
 
 def wandb_credentials_for(host: str | None) -> object | None:

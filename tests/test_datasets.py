@@ -323,6 +323,7 @@ def test_image_folder_and_unlabeled_folder_serve_users_own_images(tmp_path):
                 save_image(tmp_path / "labelled" / split / name / f"{index}.png")
     for index in range(4):
         save_image(tmp_path / "raw" / f"batch{index % 2}" / f"{index}.jpg")
+    (tmp_path / "labelled" / "val" / ".ipynb_checkpoints").mkdir()  # a hidden folder is no class folder
     labelled = ImageFolderDataModule(root=str(tmp_path / "labelled"), batch_size=4, num_workers=0, views=VIEWS, image_size=24)
     assert labelled.classes == ["cat", "dog", "owl"] and labelled.num_classes == 3
     check_batches(labelled, 24, 3)
