@@ -13,6 +13,7 @@
 
 import builtins
 import errno
+import json
 import os
 import pickle
 import re
@@ -170,6 +171,18 @@ class SameDirectoryCheckpointIO(TorchCheckpointIO):
         if storage_options is not None or not isinstance(get_filesystem(path), LocalFileSystem):
             return super().save_checkpoint(checkpoint, path, storage_options)
         write_atomically(Path(path), lambda partial: torch.save(checkpoint, partial), size=tensor_bytes(checkpoint))
+
+
+def read_json_object(path: Path, what: str) -> dict:
+    """The JSON object a run or a script wrote at `path` (`what` it is, for the message); a file cut short, overwritten
+    or of another shape is a ValueError naming it, not a traceback."""
+    try:
+        value = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as error:  # UnicodeDecodeError is a ValueError
+        raise ValueError(f"{path}: the {what} is not readable JSON ({error})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: the {what} is a JSON {type(value).__name__}, not an object")
+    return value
 
 
 def write_run_file(path: str, text: str) -> None:

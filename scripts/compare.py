@@ -43,7 +43,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 (after choosing the backend)
 import yaml  # noqa: E402
 
-from engine.files import write_atomically  # noqa: E402
+from engine.files import read_json_object, write_atomically  # noqa: E402
 
 COLUMNS = {  # metric key -> (column, scale)
     "linear/val/probe_top1": ("linear top-1 (%)", 100.0),
@@ -163,15 +163,12 @@ def csv_rows(root: Path) -> list[dict]:
     return [row for path in versions for row in csv.DictReader(path.open())]
 
 
-def read_json(path: Path) -> dict:
-    """A results file's record; a damaged one is a ValueError naming it."""
-    try:
-        record = json.loads(path.read_text())
-        if not isinstance(record.get("metrics"), dict):
-            raise ValueError("it holds no 'metrics' mapping")
-        return record
-    except (OSError, ValueError, AttributeError) as error:
-        raise ValueError(f"{path}: not a results file ({error})") from None
+def read_results(path: Path) -> dict:
+    """A results file's metrics; a damaged one is a ValueError naming it."""
+    metrics = read_json_object(path, "results file").get("metrics")
+    if not isinstance(metrics, dict):
+        raise ValueError(f"{path}: the results file holds no 'metrics' mapping")
+    return metrics
 
 
 def read_yaml(path: Path) -> dict | None:
@@ -191,7 +188,7 @@ def linear_metrics(root: Path) -> dict[str, float]:
     probed = (config.get("model") or {}).get("init_args", {}).get("pretrained_ckpt")
     if probed is not None and not probed_the_run(probed, (config.get("trainer") or {}).get("default_root_dir"), root):
         raise ValueError(f"{root / 'linear'} probed {probed} (its config.yaml), not this run's checkpoints/last.ckpt: its numbers are not this run's")
-    return {f"linear/{key}": value for key, value in read_json(results)["metrics"].items()}
+    return {f"linear/{key}": value for key, value in read_results(results).items()}
 
 
 def probed_the_run(probed: str, linear_dir: str | None, root: Path) -> bool:
@@ -210,7 +207,7 @@ def read_run(root: Path) -> Run:
     config_files = [path for path in [root / "config.yaml", *sorted(root.glob("lightning_logs/version_*/config.yaml"))] if path.is_file()]
     config = read_yaml(config_files[0]) if config_files else None
     results = root / "results_val.json"
-    metrics = read_json(results)["metrics"] if results.is_file() else {}
+    metrics = read_results(results) if results.is_file() else {}
     rows = csv_rows(root)
     curves = curves_from_rows(rows, "step")
     linear = linear_metrics(root)

@@ -48,7 +48,7 @@ from scipy import stats
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script: make `scripts` importable
 from engine.config import load_yaml, split_overrides  # noqa: E402
-from engine.files import write_atomically  # noqa: E402
+from engine.files import read_json_object, write_atomically  # noqa: E402
 from scripts.slurm import job  # noqa: E402
 
 DEFAULT_METRICS = ("val/knn_top1", "val/probe_top1", "linear:val/probe_top1")
@@ -155,14 +155,11 @@ def made_differently(record: dict | None, command: list[str]) -> str | None:
 
 
 def read_json(path: Path, what: str) -> dict:
-    """A JSON object the runs wrote; a file cut short or overwritten is an error naming it, not a traceback."""
+    """A JSON object the runs wrote (`engine.files.read_json_object`); the error says how to get a good one."""
     try:
-        value = json.loads(path.read_text())
-    except (ValueError, UnicodeDecodeError) as error:
-        raise ValueError(f"{path}: the {what} is not readable JSON ({error}); remove it to run its stage again") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{path}: the {what} is a JSON {type(value).__name__}, not an object; remove it to run its stage again")
-    return value
+        return read_json_object(path, what)
+    except ValueError as error:
+        raise ValueError(f"{error}; remove it to run its stage again") from None
 
 
 def read_metric_value(path: Path, key: str) -> float | None:

@@ -145,8 +145,8 @@ def test_a_linear_stage_without_its_directory_recorded_is_recognised_by_the_end_
 
 @pytest.mark.parametrize(
     "damage, message",
-    [(("results_val.json", '{"metrics": {"val/knn'), "results_val.json: not a results file (Unterminated string"),
-     (("results_val.json", '{"epoch": 5}'), "results_val.json: not a results file (it holds no 'metrics' mapping)"),
+    [(("results_val.json", '{"metrics": {"val/knn'), "results_val.json: the results file is not readable JSON (Unterminated string"),
+     (("results_val.json", '{"epoch": 5}'), "results_val.json: the results file holds no 'metrics' mapping"),
      (("config.yaml", "model: [\n"), "config.yaml: not a readable config (")],
 )
 def test_a_damaged_results_or_config_file_is_one_error_naming_it(damage, message, tmp_path, capsys):
