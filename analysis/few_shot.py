@@ -4,8 +4,8 @@ For each number of shots k (default 1, 5 and 10) and each of `draws` seeded draw
 k images per class are drawn from the labelled training images (the kNN bank where the DataModule has one, as
 STL-10's labelled training set). One seed draws one random order of each class's images and every k takes its
 first k, so the draws are nested (the 1-shot image is among the 5 shots of that seed) and the same for the same
-seed. The trunk features of the drawn images under the evaluation view (eval mode, L2-normalised, as the kNN
-monitor's) train a multinomial logistic regression (scikit-learn, L-BFGS, inverse regularisation C), which then
+seed. The features of the drawn images under the evaluation view from the trunk the method's paper evaluates (DINO's
+teacher, every other method's online trunk; eval mode, L2-normalised: as the kNN monitor's) train a multinomial logistic regression (scikit-learn, L-BFGS, inverse regularisation C), which then
 classifies every labelled image of the evaluation split. Per k it reports each draw's top-1, their mean and the
 95% interval of the mean over the n draws, mean ± t(0.975, n - 1) · s / sqrt(n) with s the draws' sample standard
 deviation (Student's t: the draws are few and their spread is estimated).
@@ -30,7 +30,7 @@ from sklearn.linear_model import LogisticRegression
 from torch.utils.data import Subset
 
 from analysis.loading import add_checkpoint_arguments, default_out, load_checkpoint_and_data, measured_on
-from analysis.representation import eval_embeddings, eval_mode, split_dataset
+from analysis.representation import eval_mode, evaluated_features, split_dataset
 from datamodules.base import ContrastiveDataModule, dataset_labels
 from datamodules.subsets import class_orders
 from engine.config import split_overrides
@@ -83,8 +83,8 @@ def few_shot(model, datamodule: ContrastiveDataModule, shots: Sequence[int] = (1
     drawn = {draw_seed: draw_shots(dataset_labels(training), shots, draw_seed) for draw_seed in seeds}
     embedded = np.unique(np.concatenate([indices for per_k in drawn.values() for indices in per_k.values()]))  # each image once
     with eval_mode(model):
-        train_features = eval_embeddings(model, datamodule, Subset(training, embedded.tolist()))[0]
-        eval_features, _, eval_labels = eval_embeddings(model, datamodule, split_dataset(datamodule, split))
+        train_features = evaluated_features(model, datamodule, Subset(training, embedded.tolist()))[0]
+        eval_features, eval_labels = evaluated_features(model, datamodule, split_dataset(datamodule, split))
     train_features = F.normalize(train_features, dim=1).cpu().numpy()
     train_labels = dataset_labels(training)
     labelled = (eval_labels >= 0).cpu()

@@ -110,6 +110,15 @@ def eval_embeddings(model, datamodule: ContrastiveDataModule, dataset: Dataset) 
     return torch.cat(features), torch.cat(projections), torch.cat(labels)
 
 
+@torch.no_grad()
+def evaluated_features(model, datamodule: ContrastiveDataModule, dataset: Dataset) -> tuple[Tensor, Tensor]:
+    """Features of the trunk the method's paper evaluates (`evaluated_trunk`: DINO's teacher, else the online trunk)
+    and labels of `dataset` under the evaluation view, on the model's device in fp32 (the mode is the caller's)."""
+    trunk = model.evaluated_trunk()
+    batches = [(trunk(batch["image"].to(model.device)).float(), batch["label"].to(model.device)) for batch in eval_batches(datamodule, dataset)]
+    return torch.cat([features for features, _ in batches]), torch.cat([labels for _, labels in batches])
+
+
 def split_dataset(datamodule: ContrastiveDataModule, split: str) -> Dataset:
     datamodule.setup()
     if split not in datamodule.splits:

@@ -100,9 +100,10 @@ class EvaluationMixin:
         features = self.backbone(images)
         return features, self.probe(features)
 
-    def knn_trunk(self) -> nn.Module:
-        """The trunk the kNN monitor votes with: that of the encoder the method's paper evaluates (DINO's teacher, as
-        facebookresearch/dino eval_knn.py reads it); the online probe reads the online trunk it learns from."""
+    def evaluated_trunk(self) -> nn.Module:
+        """The trunk of the encoder the method's paper evaluates (DINO's teacher, as facebookresearch/dino eval_knn.py
+        and eval_linear.py read it), which the kNN monitor votes with and the few-shot probes read; the online probe
+        reads the online trunk it learns from."""
         return self.target_backbone if self.evaluated_encoder == "momentum" else self.backbone
 
     def _evaluation_step(self, batch: dict, dataloader_idx: int) -> None:
@@ -113,10 +114,10 @@ class EvaluationMixin:
                 accuracy.update(logits, labels)
             if self.class_stats is not None:
                 self.class_stats.update(logits, labels)
-            if self.knn_k and self.knn_trunk() is not self.backbone:
-                features = self.knn_trunk()(batch["image"])
+            if self.knn_k and self.evaluated_trunk() is not self.backbone:
+                features = self.evaluated_trunk()(batch["image"])
         elif self.knn_k:  # the kNN bank
-            features = self.knn_trunk()(batch["image"])
+            features = self.evaluated_trunk()(batch["image"])
         if self.knn_k:
             split = "" if dataloader_idx == 0 else "bank_"
             self._collect(f"{split}labels", labels)

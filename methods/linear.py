@@ -1,8 +1,8 @@
 """`LinearProbe`: the second stage, a linear classifier on a frozen pretrained trunk (`main_linear.py`).
 
-The trunk is loaded **strictly** from the `backbone.*` weights of a pretraining checkpoint (the online
-trunk, as MoCo's `main_lincls.py` uses `encoder_q`; `pretrained_encoder: momentum` takes the EMA trunk, as DINO's
-`eval_linear.py` takes the teacher), frozen and kept in eval mode (BatchNorm
+The trunk is loaded **strictly** from the trunk weights of a pretraining checkpoint that its method's paper evaluates
+(`backbone.*`, the online trunk, as MoCo's `main_lincls.py` uses `encoder_q`; DINO's `target_backbone.*`, as its
+`eval_linear.py` takes the teacher; `pretrained_encoder` chooses), frozen and kept in eval mode (BatchNorm
 statistics frozen), and run without gradients; only the linear layer learns. The checkpoint must be a
 `PretrainMethod`'s, written by a compatible contrastlab version (`engine.checkpoint_record`): a long-tail
 classifier's or a linear probe's is refused. The default optimizer is the MoCo / SCE small-dataset
@@ -37,22 +37,23 @@ ENCODER_PREFIXES = {"online": "backbone.", "momentum": "target_backbone."}
 
 
 def probed_trunk(
-    path: str, format: str | None, backbone: BackboneSpec | dict | None, encoder: str = "online"
+    path: str, format: str | None, backbone: BackboneSpec | dict | None, encoder: str | None = None
 ) -> tuple[dict[str, torch.Tensor], BackboneSpec | dict | None, dict]:
     """The trunk weights to probe, the backbone spec (`backbone`, else the one the checkpoint or its export record
     names, or its weights show) and what the checkpoint says about its pretraining, from one read of the file: an official
     release (`interop.official`) or a contrastlab pretraining checkpoint's online (`backbone.*`) or momentum
-    (`target_backbone.*`) trunk."""
-    if encoder not in ENCODER_PREFIXES:
+    (`target_backbone.*`) trunk; `encoder` None: the one its method's paper evaluates (`MethodBase.evaluated_encoder`)."""
+    if encoder not in (None, *ENCODER_PREFIXES):
         raise ValueError(f"model.pretrained_encoder {encoder!r} is none of {list(ENCODER_PREFIXES)}")
     source = f"model.pretrained_ckpt {path!r}"
     checkpoint = read_checkpoint(path, source)
     exported = exported_backbone(path, source)  # an export's record names its trunk, stem included
-    official = official_trunk(checkpoint, format, trunk_as_trained(exported, backbone, source), source, encoder)
+    official = official_trunk(checkpoint, format, trunk_as_trained(exported, backbone, source), source, encoder or "online")
     if official is not None:
         return *official, pretraining_summary(checkpoint)
     needs = "the linear stage probes the trunk of a pretraining method (methods.PretrainMethod, e.g. methods.MoCoV2)"
-    require_method(checkpoint, source, PretrainMethod, needs, class_required=False)
+    method = require_method(checkpoint, source, PretrainMethod, needs, class_required=False)
+    encoder = encoder or (method.evaluated_encoder if method is not None else "online")
     prefix = ENCODER_PREFIXES[encoder]
     state = {key.removeprefix(prefix): value for key, value in checkpoint["state_dict"].items() if key.startswith(prefix)}
     if not state:
@@ -94,7 +95,7 @@ class LinearProbe(MethodBase):
         self,
         pretrained_ckpt: str | None = None,
         pretrained_format: str | None = None,
-        pretrained_encoder: Literal["online", "momentum"] = "online",
+        pretrained_encoder: Literal["online", "momentum"] | None = None,
         backbone: BackboneSpec | None = None,
         random_init: bool = False,
         optimizer: OptimizerSpec = OptimizerSpec(name="sgd", lr=30.0, weight_decay=0.0, momentum=0.9),
@@ -109,7 +110,10 @@ class LinearProbe(MethodBase):
             pretrained_format: `contrastlab`, or the official layout of a published checkpoint (`moco`, `sce`,
                 `paco`, `supcon`, `jcl`, `npid`, `torchvision`, `timm`; `interop.official`); by default read from its keys.
             pretrained_encoder: which trunk of a contrastlab checkpoint: `online` (what MoCo's main_lincls.py and most
-                papers probe) or `momentum`, the EMA copy (DINO's eval_linear.py probes the teacher).
+                papers probe) or `momentum`, the EMA copy; null: the one the pretraining method's paper evaluates
+                (`evaluated_encoder`, as the kNN monitor and `interop.export`): DINO's teacher (eval_linear.py
+                `--checkpoint_key teacher`), every other method's online trunk. An official release is read as its
+                format reads it (DINO's full checkpoint: the teacher); an export holds the one trunk it was exported from.
             backbone: the trunk of an official checkpoint or of a random-init baseline; a contrastlab checkpoint's
                 is the one it recorded, of which `backbone` may choose the features probed (`kwargs.features`).
             random_init: probe a randomly initialised trunk instead (a baseline); needs `backbone`

@@ -6,10 +6,13 @@ import math
 import numpy as np
 import pytest
 
+import torch
+
 from analysis.few_shot import draw_shots, few_shot, mean_interval, probe_top1
+from analysis.representation import evaluated_features, split_dataset
 from backbones import BackboneSpec
-from methods import NPID
-from helpers import TINY_PROJECTOR, digits
+from methods import DINO, NPID
+from helpers import TINY_PROJECTOR, digits, randomised
 
 LABELS = np.array([0, 1, 2, -1] * 6 + [1, 2, 2])  # class 0: 6 images, class 1: 7, class 2: 8, six unlabelled
 
@@ -87,3 +90,22 @@ def test_few_shot_probes_a_tiny_model_on_digits_and_repeats_itself():
     assert few_shot(model, datamodule, shots=(1, 3), draws=3, seed=5) == record
     with pytest.raises(ValueError, match="draws must be >= 2"):
         few_shot(model, datamodule, draws=1)
+
+
+
+@pytest.mark.slow
+def test_few_shot_reads_the_trunk_the_method_evaluates_dinos_teacher():
+    """DINO's evaluations read the teacher (facebookresearch/dino eval_linear.py and eval_knn.py): so do the few-shot
+    probes, whatever the student holds."""
+    model = DINO(backbone=BackboneSpec(name="timm:test_resnet"), projector=TINY_PROJECTOR, out_dim=10, knn_k=0).eval()
+    randomised(model.target_backbone)  # a teacher other than the student
+    datamodule = digits({"image": {"preset": "npid"}}, batch_size=64)
+    evaluation = split_dataset(datamodule, "val")
+    features, labels = evaluated_features(model, datamodule, evaluation)
+    record = few_shot(model, datamodule, shots=(1, 3), draws=2)
+    assert features.shape == (300, model.feature_dim) and len(labels) == 300
+    randomised(model.backbone, seed=5)  # another student: the same features and probes
+    assert torch.equal(evaluated_features(model, datamodule, evaluation)[0], features)
+    assert few_shot(model, datamodule, shots=(1, 3), draws=2) == record
+    randomised(model.target_backbone, seed=5)  # another teacher: other features
+    assert not torch.equal(evaluated_features(model, datamodule, evaluation)[0], features)

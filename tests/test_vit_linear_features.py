@@ -144,19 +144,19 @@ def dino_checkpoint(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("encoder", ["momentum", "exported-momentum", "online"])
+@pytest.mark.parametrize("encoder", [None, "exported", "online"], ids=["default", "exported", "online"])
 def test_the_config_probes_a_tiny_dino_vit_on_its_last_four_class_tokens_and_trains_a_step(encoder, dino_checkpoint, tmp_path):
-    """The config's model settings and views, with a Digits-M-size ViT-Tiny: the teacher (momentum), as the config and
-    eval_linear.py probe it, straight from the checkpoint or through its export; the student on request."""
+    """The config's model settings and views, with a Digits-M-size ViT-Tiny: the teacher, as eval_linear.py probes it
+    (the default: the encoder DINO evaluates), straight from the checkpoint or through its export (whose default is
+    the same trunk); the student on request."""
     config = yaml.safe_load(CONFIG.read_text())
     settings, views = config["model"]["init_args"], config["data"]["init_args"]["views"]
-    assert settings["pretrained_encoder"] == "momentum"
+    assert "pretrained_encoder" not in settings
     backbone = settings["backbone"] | {"name": "vit_tiny", "kwargs": settings["backbone"]["kwargs"] | TINY}
-    if encoder == "exported-momentum":
-        exported = export(dino_checkpoint, "timm", tmp_path / "teacher", "momentum")[0]
-        settings = settings | {"pretrained_ckpt": str(exported), "pretrained_encoder": "online"}
+    if encoder == "exported":
+        settings = settings | {"pretrained_ckpt": str(export(dino_checkpoint, "timm", tmp_path / "teacher")[0])}
     else:
-        settings = settings | {"pretrained_ckpt": str(dino_checkpoint), "pretrained_encoder": encoder}
+        settings = settings | {"pretrained_ckpt": str(dino_checkpoint)} | ({"pretrained_encoder": encoder} if encoder else {})
     probe = LinearProbe(**(settings | {"backbone": backbone, "knn_k": 0}))
     prefix = "backbone." if encoder == "online" else "target_backbone."
     saved = torch.load(dino_checkpoint, weights_only=True)["state_dict"]
@@ -171,8 +171,8 @@ def test_the_config_probes_a_tiny_dino_vit_on_its_last_four_class_tokens_and_tra
 
 @pytest.mark.slow
 def test_the_momentum_trunk_of_a_file_that_holds_none_is_refused_in_one_line(dino_checkpoint, tmp_path):
-    """An export holds one trunk: the config's `pretrained_encoder: momentum` on it would probe another trunk than asked."""
-    exported = export(dino_checkpoint, "timm", tmp_path / "student")[0]
+    """An export holds one trunk: `pretrained_encoder: momentum` on it would probe another trunk than asked."""
+    exported = export(dino_checkpoint, "timm", tmp_path / "teacher")[0]
     backbone = {"name": "vit_tiny", "kwargs": DINO_OPTIONS | TINY}
     with pytest.raises(ValueError, match=r"\(format \w+\) holds no momentum trunk, only the one it is read as: give --model.pretrained_encoder online"):
         LinearProbe(pretrained_ckpt=str(exported), backbone=backbone, pretrained_encoder="momentum", knn_k=0)
