@@ -1,8 +1,10 @@
 """Small helpers for configuration values: spec dataclasses, hyperparameters, overrides."""
 
 import inspect
-from dataclasses import asdict, is_dataclass
-from typing import TypeVar
+import math
+import typing
+from dataclasses import asdict, dataclass, is_dataclass
+from typing import Literal, TypeVar
 
 import lightning as L
 import yaml
@@ -17,6 +19,35 @@ SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 def as_spec(spec_type: type[Spec], value: Spec | dict) -> Spec:
     """Accept a spec dataclass or its dict form (as stored in checkpoints' hyperparameters)."""
     return value if isinstance(value, spec_type) else spec_type(**value)
+
+
+def check_choices(spec, key: str) -> None:
+    """Every field of the dataclass `spec` declared as a `Literal` holds one of its values: the CLI's parser checks
+    them, a spec built in Python would otherwise take an unknown name for the last branch of its code."""
+    for name, hint in typing.get_type_hints(type(spec)).items():
+        if typing.get_origin(hint) is typing.Literal and getattr(spec, name) not in typing.get_args(hint):
+            raise ValueError(f"{key}.{name} must be one of {', '.join(map(repr, typing.get_args(hint)))}, got {getattr(spec, name)!r}")
+
+
+@dataclass
+class RampSpec:
+    """Moves a loss hyper-parameter from `start` to its configured value over the first `epochs`
+    epochs, then holds it (SCE's optional warm-ups of tau_m and lambda; JCL's linear lambda ramp)."""
+
+    start: float
+    epochs: float
+    shape: Literal["linear", "cosine"] = "linear"
+    unit: Literal["step", "epoch"] = "step"  # `epoch` changes the value only at epoch boundaries
+
+    def __post_init__(self):
+        check_choices(self, "ramp")
+
+    def value_at(self, final: float, epochs_done: float) -> float:
+        if self.epochs <= 0:
+            raise ValueError(f"a ramp needs epochs > 0, got {self.epochs}")
+        progress = min((math.floor(epochs_done) if self.unit == "epoch" else epochs_done) / self.epochs, 1.0)
+        remaining = 1.0 - progress if self.shape == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+        return final + (self.start - final) * remaining
 
 
 def save_plain_hyperparameters(module: L.LightningModule) -> None:

@@ -16,6 +16,7 @@ from typing import Callable, Iterable, Literal
 import torch
 from torch.optim import Optimizer
 
+from engine.config import check_choices
 from engine.lars import LARS
 
 
@@ -43,7 +44,9 @@ class OptimizerSpec:
     # (MoCo, PaCo, SupCon); each config states its grouping in its header (tests/test_configs.py).
     exclude_bias_and_norm: bool = False
     # One kernel per step for all parameters (torch's fused SGD / AdamW): None uses it where every parameter is
-    # on a CUDA device (LARS is always multi-tensor, `torch._foreach_*`), true asks for it anywhere torch has it.
+    # on a CUDA device and no `clip_grad_per_parameter` is set (LARS is always multi-tensor, `torch._foreach_*`), true
+    # asks for it anywhere torch has it. A fused step unscales 16-mixed gradients itself, so Lightning leaves them
+    # scaled until then (MixedPrecision.optimizer_step): a clip before it would cut the loss-scaled norms.
     fused: bool | None = None
     # Modules (top-level names, e.g. `predictor`) whose parameters keep the peak learning rate: their groups carry
     # `fixed_lr` and the schedule leaves them alone (SimSiam's --fix-pred-lr, facebookresearch/simsiam main_simsiam.py).
@@ -60,10 +63,19 @@ class OptimizerSpec:
     clip_grad_per_parameter: float | None = None
 
     def __post_init__(self):
+        check_choices(self, "optimizer")
         # the values as configured: torch would name the scaled learning rate, a number the user never wrote
-        for name in ("lr", "weight_decay", "momentum"):
+        for name in ("lr", "weight_decay"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"optimizer.{name} must be >= 0, got {getattr(self, name):g}")
+        for name, value in (("momentum", self.momentum), ("betas", self.betas[0]), ("betas", self.betas[1])):
+            if not 0 <= value < 1:
+                raise ValueError(f"optimizer.{name} must lie in [0, 1), got {getattr(self, name)}")
+        if not self.trust_coefficient > 0:
+            raise ValueError(f"optimizer.trust_coefficient must be > 0, got {self.trust_coefficient:g}")
+        if self.fused and self.clip_grad_per_parameter is not None:
+            raise ValueError("optimizer.fused: true with optimizer.clip_grad_per_parameter: a fused step unscales 16-mixed gradients "
+                             "itself, after the clip would have cut their loss-scaled norms; set optimizer.fused: null")
         if self.bias_and_norm_lr_ratio != 1.0 and not (self.exclude_bias_and_norm and self.bias_and_norm_lr_ratio > 0):
             raise ValueError(f"optimizer.bias_and_norm_lr_ratio {self.bias_and_norm_lr_ratio:g} needs exclude_bias_and_norm: true and a value > 0")
         if self.weight_decay_end is not None and not (self.weight_decay_end >= 0 and self.weight_decay > 0):
@@ -109,8 +121,13 @@ class ScheduleSpec:
     lag_epochs: int = 0
 
     def __post_init__(self):
-        if self.warmup_shape not in WarmupShape.__args__:
-            raise ValueError(f"schedule.warmup_shape must be one of {', '.join(WarmupShape.__args__)}, got {self.warmup_shape!r}")
+        check_choices(self, "schedule")
+        if not self.warmup_epochs >= 0:
+            raise ValueError(f"schedule.warmup_epochs must be >= 0, got {self.warmup_epochs}")
+        if not 0 <= self.final_lr_fraction <= 1:
+            raise ValueError(f"schedule.final_lr_fraction must lie in [0, 1] (of the peak lr), got {self.final_lr_fraction}")
+        if not self.gamma > 0:
+            raise ValueError(f"schedule.gamma must be > 0, got {self.gamma}")
         if self.warmup_start_lr < 0 or (self.warmup_start_lr > 0 and self.warmup_epochs == 0):
             raise ValueError(f"schedule.warmup_start_lr must be >= 0, and 0 without warmup_epochs, got {self.warmup_start_lr} with warmup_epochs {self.warmup_epochs}")
         if self.unit == "epoch" and not float(self.warmup_epochs).is_integer():  # a warm-up of (e + 1) / W per whole epoch
@@ -119,24 +136,6 @@ class ScheduleSpec:
             raise ValueError(f"schedule.cosine_offset_epochs must lie in [0, warmup_epochs = {self.warmup_epochs}], got {self.cosine_offset_epochs}")
         if self.lag_epochs < 0:
             raise ValueError(f"schedule.lag_epochs must be >= 0, got {self.lag_epochs}")
-
-
-@dataclass
-class RampSpec:
-    """Moves a loss hyper-parameter from `start` to its configured value over the first `epochs`
-    epochs, then holds it (SCE's optional warm-ups of tau_m and lambda; JCL's linear lambda ramp)."""
-
-    start: float
-    epochs: float
-    shape: Literal["linear", "cosine"] = "linear"
-    unit: Literal["step", "epoch"] = "step"  # `epoch` changes the value only at epoch boundaries
-
-    def value_at(self, final: float, epochs_done: float) -> float:
-        if self.epochs <= 0:
-            raise ValueError(f"a ramp needs epochs > 0, got {self.epochs}")
-        progress = min((math.floor(epochs_done) if self.unit == "epoch" else epochs_done) / self.epochs, 1.0)
-        remaining = 1.0 - progress if self.shape == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
-        return final + (self.start - final) * remaining
 
 
 def parameter_groups(named_params: Iterable[tuple[str, torch.nn.Parameter]], spec: OptimizerSpec) -> list[dict]:
@@ -192,7 +191,7 @@ def build_optimizer(groups: list[dict], spec: OptimizerSpec, lr: float) -> Optim
             trust_denominator=spec.lars_trust_denominator, clip_lr=spec.lars_clip_lr, lr_in_momentum=spec.lars_lr_in_momentum,
         )
     on_cuda = all(param.is_cuda for group in groups for param in group["params"])
-    fused = spec.fused if spec.fused is not None else on_cuda
+    fused = spec.fused if spec.fused is not None else on_cuda and spec.clip_grad_per_parameter is None
     if spec.name == "sgd":
         return torch.optim.SGD(groups, lr=lr, momentum=spec.momentum, nesterov=spec.nesterov, fused=fused or None)
     return torch.optim.AdamW(groups, lr=lr, betas=spec.betas, fused=fused or None)

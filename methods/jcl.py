@@ -13,8 +13,7 @@ log[exp(q.mu/tau + lambda/(2 tau^2) q'Sigma q) + sum_j exp(q.n_j/tau)] - q.mu/ta
 
 import torch
 
-from engine.config import as_spec
-from engine.optim import RampSpec
+from engine.config import RampSpec, as_spec
 from methods.losses import check_hyperparameters, jcl_loss
 from methods.momentum import MomentumMixin, MomentumSpec
 from methods.pretrain import PretrainMethod

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from engine.config import as_spec
+from engine.config import as_spec, check_choices
 from engine.optim import schedule_length
 from methods.base import MethodMixin, several_processes
 from methods.shuffle_bn import convert_to_split_batchnorm, distributed_shuffled_forward
@@ -83,6 +83,7 @@ class MomentumMixin(MethodMixin):
 
     def init_momentum(self, spec: MomentumSpec | dict) -> None:
         spec = as_spec(MomentumSpec, spec)
+        check_choices(spec, "momentum")
         if not 0.0 <= spec.base <= 1.0:
             raise ValueError(f"momentum.base must lie in [0, 1], got {spec.base}")
         if spec.split_bn < 1:

@@ -17,8 +17,7 @@ import torch
 import torch.nn as nn
 
 from backbones import MLPSpec
-from engine.config import as_spec
-from engine.optim import RampSpec
+from engine.config import RampSpec, as_spec
 from methods.losses import check_hyperparameters, sce_loss
 from methods.momentum import MomentumMixin, MomentumSpec
 from methods.pretrain import PretrainMethod

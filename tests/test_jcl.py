@@ -5,7 +5,7 @@ import pytest
 import torch
 from helpers import TINY_BACKBONE, TINY_PROJECTOR, cpu_trainer, digits, first_batch, fixed_batch_loss
 
-from engine.optim import RampSpec
+from engine.config import RampSpec
 from methods import JCL
 from methods.losses import info_nce, jcl_loss
 from methods.momentum import MomentumSpec

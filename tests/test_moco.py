@@ -104,6 +104,8 @@ def test_negative_temperature_and_bad_momentum_are_refused():
         tiny_moco(temperature=-0.1)
     with pytest.raises(ValueError, match=r"momentum.base must lie in \[0, 1\], got 1.5"):
         tiny_moco(momentum=MomentumSpec(base=1.5))
+    with pytest.raises(ValueError, match="momentum.schedule must be one of 'constant', 'cosine', 'cosine_byol', 'cosine_mocov3', got 'cosine_moco'"):
+        tiny_moco(momentum=MomentumSpec(schedule="cosine_moco"))  # ran BYOL's cosine
 
 
 def test_a_queue_smaller_than_the_global_batch_is_refused():

@@ -6,6 +6,7 @@ import torch
 import torch.nn as nn
 
 from engine.lars import LARS
+from engine.config import RampSpec
 from engine.optim import (
     OptimizerSpec,
     ScheduleSpec,
@@ -61,8 +62,31 @@ def test_a_warmup_of_part_of_an_epoch_is_refused_when_the_lr_changes_per_epoch()
     assert ScheduleSpec(warmup_epochs=2.0, unit="epoch").warmup_epochs == 2.0
 
 def test_an_unknown_warmup_shape_names_the_key():
-    with pytest.raises(ValueError, match=r"schedule.warmup_shape must be one of \(s\+1\)/W, s/W, s/\(W-1\), got 's/2'"):
+    with pytest.raises(ValueError, match=r"schedule.warmup_shape must be one of '\(s\+1\)/W', 's/W', 's/\(W-1\)', got 's/2'"):
         ScheduleSpec(warmup_shape="s/2")
+
+
+@pytest.mark.parametrize(
+    "build, message",
+    [
+        (lambda: OptimizerSpec(name="adam"), "optimizer.name must be one of 'sgd', 'lars', 'adamw', got 'adam'"),  # built AdamW
+        (lambda: OptimizerSpec(lr_scaling="square_root"), "optimizer.lr_scaling must be one of 'none', 'linear', 'sqrt', got 'square_root'"),
+        (lambda: ScheduleSpec(decay="linear"), "schedule.decay must be one of 'cosine', 'step', 'constant', got 'linear'"),  # ran a cosine
+        (lambda: ScheduleSpec(unit="epochs"), "schedule.unit must be one of 'step', 'epoch', got 'epochs'"),  # ran per step
+        (lambda: RampSpec(start=0.0, epochs=1, shape="cos"), "ramp.shape must be one of 'linear', 'cosine', got 'cos'"),
+        (lambda: ScheduleSpec(final_lr_fraction=-0.5), r"schedule.final_lr_fraction must lie in \[0, 1\] \(of the peak lr\), got -0.5"),  # ascent at the end
+        (lambda: ScheduleSpec(decay="step", milestones=[5], gamma=-1.0), "schedule.gamma must be > 0, got -1.0"),
+        (lambda: ScheduleSpec(warmup_epochs=-1), "schedule.warmup_epochs must be >= 0, got -1"),
+        (lambda: OptimizerSpec(momentum=1.5), r"optimizer.momentum must lie in \[0, 1\), got 1.5"),
+        (lambda: OptimizerSpec(name="adamw", betas=(0.9, 1.0)), r"optimizer.betas must lie in \[0, 1\), got \(0.9, 1.0\)"),
+        (lambda: OptimizerSpec(name="lars", trust_coefficient=-0.001), "optimizer.trust_coefficient must be > 0, got -0.001"),
+    ],
+    ids=["optimizer", "lr-scaling", "decay", "unit", "ramp-shape", "final-fraction", "gamma", "warmup", "momentum", "betas", "trust"],
+)
+def test_a_value_outside_a_settings_range_or_choices_is_refused_naming_it(build, message):
+    """The CLI's parser checks the choices; a spec built in Python took an unknown one for another branch."""
+    with pytest.raises(ValueError, match=message):
+        build()
 
 
 def test_cosine_can_end_at_a_fraction_of_the_peak():
@@ -311,6 +335,18 @@ def test_the_default_fuses_the_optimizer_exactly_when_every_parameter_is_on_cuda
     for params in ([OnCuda(torch.zeros(2)), OnCuda(torch.zeros(3))], [OnCuda(torch.zeros(2)), nn.Parameter(torch.zeros(3))], [nn.Parameter(torch.zeros(2))]):
         build_optimizer([{"params": params}], OptimizerSpec(name=name), 0.1)
     assert chosen == [True, None, None]  # every parameter on the GPU: fused; any on the CPU: torch's default
+
+
+@pytest.mark.parametrize("name, constructor", [("sgd", "SGD"), ("adamw", "AdamW")])
+def test_per_parameter_clipping_is_never_fused_since_a_fused_step_unscales_the_gradients_after_the_clip(name, constructor, monkeypatch):
+    """DINO's clip to 3 per tensor (facebookresearch/dino main_dino.py: `fp16_scaler.unscale_` first): with a fused step,
+    Lightning leaves 16-mixed gradients loss-scaled until the step, and the clip cut them to 3 / 65536 of DINO's."""
+    chosen = []
+    monkeypatch.setattr(torch.optim, constructor, lambda groups, **options: chosen.append(options["fused"]))
+    build_optimizer([{"params": [OnCuda(torch.zeros(2))]}], OptimizerSpec(name=name, clip_grad_per_parameter=3.0), 0.1)
+    assert chosen == [None]
+    with pytest.raises(ValueError, match="optimizer.fused: true with optimizer.clip_grad_per_parameter: a fused step unscales 16-mixed gradients itself"):
+        OptimizerSpec(name=name, fused=True, clip_grad_per_parameter=3.0)
 
 
 def test_lars_refuses_to_be_fused_with_the_way_out():

@@ -5,7 +5,7 @@ import torch
 from helpers import TINY_BACKBONE, TINY_PROJECTOR, cpu_trainer, digits, first_batch, fixed_batch_loss
 
 from backbones import MLPSpec
-from engine.optim import RampSpec
+from engine.config import RampSpec
 from methods import SCE, MoCoV2, ReSSL
 from methods.losses import ressl_loss, sce_loss
 from methods.momentum import MomentumSpec
