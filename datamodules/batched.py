@@ -5,8 +5,9 @@ image and draws every random parameter per sample, like the per-image pipeline d
 to a batch would draw one set for the whole batch, which is wrong for two-view contrastive learning):
 
 - RandomResizedCrop: torchvision's sampling (10 tries of area and log-ratio, then the clamped centre
-  fallback) vectorised, resampled with `roi_align` (bilinear, averaging when it shrinks), or with `interpolation:
-  bicubic` by PIL's bicubic filter as two matrix products per batch (`bicubic_weights`);
+  fallback) vectorised, resampled by PIL's bilinear filter, or with `interpolation: bicubic` its bicubic one, as two
+  matrix products per batch (`filter_weights`; bilinear crops of images no larger than the output, which can only
+  enlarge, by `roi_align`, whose one sample per pixel is then that filter);
 - ColorJitter: torchvision's tensor formulas for brightness, contrast, saturation (each clamped to [0, 1])
   and hue, in an order drawn per sample;
 - grayscale (ITU-R 601 weights as torchvision), PIL's Gaussian blur (three box blurs each way, as the
@@ -55,30 +56,34 @@ def crop_boxes(batch: int, height, width, scale, ratio, device, tries: int = 10)
     return torch.stack([left, top, left + w, top + h], dim=1)
 
 
-def bicubic_weights(start: torch.Tensor, length: torch.Tensor, size: int, extent: int) -> torch.Tensor:
+def filter_weights(start: torch.Tensor, length: torch.Tensor, size: int, extent: int, interpolation: str) -> torch.Tensor:
     """(B, size, extent): the weights that resample pixels [start, start + length) of each sample's axis of `extent`
-    pixels to `size` pixels as PIL's BICUBIC resize of that crop (Pillow src/libImaging/Resample.c: the cubic
-    convolution with a = -0.5, its support widened by the scale when it shrinks, so that it averages; the weights
-    of each output pixel normalised over the pixels of the crop), which torch's bicubic `interpolate` with
-    `antialias=True` computes too."""
+    pixels to `size` pixels as PIL's BILINEAR or BICUBIC resize of that crop (Pillow src/libImaging/Resample.c: the
+    triangle, or the cubic convolution with a = -0.5, its support widened by the scale when it shrinks, so that it
+    averages; the weights of each output pixel normalised over the pixels of the crop), which torch's `interpolate`
+    with `antialias=True` computes too."""
     scale = (length / size)[:, None, None]
     centres = start[:, None, None] + (torch.arange(size, device=start.device) + 0.5)[None, :, None] * scale
     pixels = torch.arange(extent, device=start.device)[None, None, :]
     distance = ((pixels + 0.5 - centres) / scale.clamp(min=1.0)).abs()
-    a = -0.5
-    near = ((a + 2) * distance - (a + 3)) * distance * distance + 1
-    far = (((distance - 5) * distance + 8) * distance - 4) * a
-    weights = torch.where(distance < 1, near, torch.where(distance < 2, far, 0.0))
+    if interpolation == "bilinear":
+        weights = (1 - distance).clamp(min=0)
+    else:
+        a = -0.5
+        near = ((a + 2) * distance - (a + 3)) * distance * distance + 1
+        far = (((distance - 5) * distance + 8) * distance - 4) * a
+        weights = torch.where(distance < 1, near, torch.where(distance < 2, far, 0.0))
     weights = weights * ((pixels >= start[:, None, None]) & (pixels < (start + length)[:, None, None]))
     return weights / weights.sum(dim=-1, keepdim=True)
 
 
-def bicubic_crops(images: torch.Tensor, boxes: torch.Tensor, size: int) -> torch.Tensor:
-    """The (x1, y1, x2, y2) `boxes` of float (B, C, H, W) `images` resampled bicubically to size x size: rows, then
-    columns, clamped to [0, 1] as PIL clamps to 8 bits (PIL also rounds to 8 bits between its two passes, and takes
-    them in either order: up to a few levels of 255 apart where the cubic overshoots at sharp edges)."""
-    columns = bicubic_weights(boxes[:, 0], boxes[:, 2] - boxes[:, 0], size, images.shape[-1])
-    rows = bicubic_weights(boxes[:, 1], boxes[:, 3] - boxes[:, 1], size, images.shape[-2])
+def filtered_crops(images: torch.Tensor, boxes: torch.Tensor, size: int, interpolation: str) -> torch.Tensor:
+    """The (x1, y1, x2, y2) `boxes` of float (B, C, H, W) `images` resampled to size x size by PIL's bilinear or
+    bicubic filter: rows, then columns, clamped to [0, 1] as PIL clamps to 8 bits (PIL also rounds to 8 bits between
+    its two passes, and takes them in either order: up to a few levels of 255 apart where the cubic overshoots at
+    sharp edges)."""
+    columns = filter_weights(boxes[:, 0], boxes[:, 2] - boxes[:, 0], size, images.shape[-1], interpolation)
+    rows = filter_weights(boxes[:, 1], boxes[:, 3] - boxes[:, 1], size, images.shape[-2], interpolation)
     return (rows[:, None] @ (images @ columns.transpose(1, 2)[:, None])).clamp(0, 1)
 
 
@@ -234,11 +239,17 @@ class BatchedAugment:
         return images
 
     def resample(self, images: torch.Tensor, boxes: torch.Tensor) -> torch.Tensor:
-        """The (x1, y1, x2, y2) `boxes` of float (B, C, H, W) `images` resampled to size x size, as `spec.interpolation` says."""
-        if self.spec.interpolation == "bicubic":
-            return bicubic_crops(images, boxes, self.spec.size)
-        indexed = torch.cat([torch.arange(len(boxes), device=boxes.device, dtype=boxes.dtype)[:, None], boxes], dim=1)
-        return roi_align(images, indexed, self.spec.size, spatial_scale=1.0, sampling_ratio=-1, aligned=True)
+        """The (x1, y1, x2, y2) `boxes` of float (B, C, H, W) `images` resampled to size x size, as `spec.interpolation`
+        says. A bilinear crop of an image no larger than the output only enlarges: `roi_align` then takes one bilinear
+        sample per pixel, PIL's filter, except that on the output's outer ring it blends in the image's pixel beyond the
+        crop where PIL's crop-then-resize clamps to the crop (the inside agrees to 1e-4 of a level of 255). A larger
+        image's crop may shrink, where roi_align averages a grid of samples instead of widening the filter as PIL does
+        (scikit-learn's two sample photographs, a 128 or 256 px crop to 64 px: 28 to 44 levels apart at most, 0.7 to 5.0
+        on average; the filter's weights: under 1 level)."""
+        if self.spec.interpolation == "bilinear" and max(images.shape[-2:]) <= self.spec.size:
+            indexed = torch.cat([torch.arange(len(boxes), device=boxes.device, dtype=boxes.dtype)[:, None], boxes], dim=1)
+            return roi_align(images, indexed, self.spec.size, spatial_scale=1.0, sampling_ratio=-1, aligned=True)
+        return filtered_crops(images, boxes, self.spec.size, self.spec.interpolation)
 
     def resized_crops(self, images: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
         """A random crop of every image (drawn from its own height and width), resampled to size x size:
