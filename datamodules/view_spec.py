@@ -30,8 +30,8 @@ class ViewSpec:
     blur_sigma: tuple[float, float] = (0.1, 2.0)
     solarize_prob: float = 0.0
     solarize_threshold: float = 0.5
-    flip: bool = True
-    # how the crop is resampled: torchvision's default, or bicubic as solo-learn, DINO, Barlow Twins and VICReg crop
+    flip: bool = True  # with probability 0.5
+    # how the crop is resampled: torchvision's default, or bicubic as solo-learn, DINO, Barlow Twins, VICReg, BYOL and SimCLR crop
     interpolation: str = "bilinear"
 
     def __post_init__(self):
@@ -50,6 +50,7 @@ class ViewSpec:
             *((name, 0 <= getattr(self, name) <= 1, "a probability in [0, 1]") for name in ("jitter_prob", "gray_prob", "blur_prob", "solarize_prob")),
             ("solarize_threshold", 0 <= self.solarize_threshold <= 1, "a fraction of 255 in [0, 1]"),
             ("interpolation", self.interpolation in INTERPOLATIONS, f"one of {', '.join(INTERPOLATIONS)}"),
+            ("flip", isinstance(self.flip, bool), "true or false (a horizontal flip with probability 0.5)"),  # 0.3 read as true
         ]
         for name, valid, meaning in checks:
             if not valid:  # torchvision would accept some (a reversed scale: a warning) or fail later without the key

@@ -93,6 +93,7 @@ def test_presets_carry_the_papers_parameters_and_accept_overrides():
         ({"preset": "mocov2", "jitter": [0.4, 0.4]}, r"view 'v': jitter must have 4 values, got \[0.4, 0.4\]"),
         ({"preset": "mocov2", "blur_sigma": [2.0, 0.1]}, r"view 'v': blur_sigma must be \(min, max\) with 0 <= min <= max, got \[2.0, 0.1\]"),
         ({"preset": "mocov2", "blur_prob": 1.5}, r"view 'v': blur_prob must be a probability in \[0, 1\], got 1.5"),
+        ({"preset": "mocov2", "flip": 0.3}, r"view 'v': flip must be true or false \(a horizontal flip with probability 0.5\), got 0.3"),
         ({"preset": "simclr", "strength": 3.0}, r"view 'v': jitter must be \(brightness, contrast, saturation, hue\) >= 0, hue <= 0.5, got \[2.4"),
     ],
 )
