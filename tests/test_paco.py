@@ -104,13 +104,17 @@ def test_tau_normalisation_divides_each_class_weight_by_its_norm_to_the_power_ta
         torch.testing.assert_close(model.classify(images), expected)
 
 
-def test_class_balanced_weights_are_gpaco_s_mean_effective_number_over_the_class_s_own():
-    """GPaCo/LT/losses.py MultiTaskLoss.cal_weight_for_classes, transcribed (numpy, as there)."""
+def test_class_balanced_weights_are_cui_et_al_s_normalised_inverse_effective_numbers():
+    """richardaecn/class-balanced-loss class_balanced_loss.py CB_loss, transcribed (numpy, as there): the weights sum to
+    the number of classes, and rarer classes weigh more."""
     weights = class_balanced_weights(COUNTS, 0.999)
-    effective_num = np.array(1.0 - np.power(0.999, COUNTS.numpy().astype(np.float64))) / (1.0 - 0.999)
-    official = sum(effective_num) / len(effective_num) / effective_num
+    effective_num = 1.0 - np.power(0.999, COUNTS.numpy().astype(np.float64))
+    official = (1.0 - 0.999) / np.array(effective_num)
+    official = official / np.sum(official) * len(COUNTS)
     torch.testing.assert_close(weights.double(), torch.from_numpy(official), rtol=1e-6, atol=0)
-    assert torch.all(weights[1:] > weights[:-1])  # rarer classes weigh more
+    assert weights.sum().item() == pytest.approx(len(COUNTS)) and torch.all(weights[1:] > weights[:-1])
+    with_an_empty_class = class_balanced_weights(torch.cat([COUNTS, torch.tensor([0])]), 0.999)
+    torch.testing.assert_close(with_an_empty_class, torch.cat([weights, torch.zeros(1)]))  # the others as without it
 
 
 def test_multitask_loss_is_cross_entropy_plus_the_weighted_reweighted_contrast():
@@ -124,7 +128,7 @@ def test_multitask_loss_is_cross_entropy_plus_the_weighted_reweighted_contrast()
         key = F.normalize(model.target_projector(model.target_backbone(batch["views"]["key"])), dim=1)
     labels = batch["label"]
     classification = F.cross_entropy(model.classifier(features) + torch.log(COUNTS / COUNTS.sum() + 1e-9), labels)
-    weights = class_balanced_weights(COUNTS, 0.999)[labels]  # the default beta, GPaCo's
+    weights = class_balanced_weights(COUNTS, 0.999)[labels]  # the default beta, the supplement's
     query = F.normalize(model.projector(features), dim=1)
     contrast = paco_loss(query, key, queue, labels, queue_labels, None, 1.0, 0.2, anchor_weights=weights)
     torch.testing.assert_close(loss, classification + 0.3 * contrast, rtol=1e-5, atol=1e-6)
@@ -134,6 +138,7 @@ def test_multitask_loss_is_cross_entropy_plus_the_weighted_reweighted_contrast()
     "kwargs, message",
     [
         (dict(gamma=0.0), "unbounded below"),
+        (dict(alpha=0.0, beta=0.0), r"model.alpha = model.beta = 0 leaves the PaCo loss no positive \(nothing would train\)"),
         (dict(alpha=-1.0), "model.alpha must be >= 0"),
         (dict(temperature=0.0), "model.temperature must be > 0"),
         (dict(trainable_convs="layer9"), "model.trainable_convs 'layer9' is not a module of the backbone"),
@@ -142,6 +147,13 @@ def test_multitask_loss_is_cross_entropy_plus_the_weighted_reweighted_contrast()
 def test_paco_rejects_bad_hyperparameters(kwargs, message):
     with pytest.raises(ValueError, match=message):
         tiny(PaCo, **kwargs)
+
+
+@pytest.mark.parametrize("tau", [-0.5, float("nan")], ids=["negative", "nan"])
+def test_a_tau_norm_below_zero_or_nan_is_refused_naming_it(tau):
+    """NaN passed a `< 0` check, and every logit of the validation was then NaN."""
+    with pytest.raises(ValueError, match=f"model.tau_norm must be >= 0, got {tau}"):
+        tiny(CrossEntropy, tau_norm=tau)
 
 
 def test_trainable_convs_freezes_every_other_convolution_but_keeps_batchnorm_trainable():

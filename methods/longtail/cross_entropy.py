@@ -40,7 +40,7 @@ class CrossEntropy(LongTailClassifier):
         """
         if loss not in ("ce", "balanced_softmax"):
             raise ValueError(f"model.loss must be 'ce' or 'balanced_softmax', got {loss!r}")
-        if tau_norm < 0:
+        if not tau_norm >= 0:  # NaN too: every logit would be NaN
             raise ValueError(f"model.tau_norm must be >= 0, got {tau_norm}")
         super().__init__(**kwargs)
         self.loss, self.tau_norm = loss, tau_norm

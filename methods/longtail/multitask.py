@@ -5,9 +5,12 @@ supervised contrastive loss, re-weighted per class with the effective-number wei
 
 The contrastive term is PaCo's sample contrast without the centres: the same MoCo machinery (query
 and key views, momentum encoder, labelled queue), each query's loss the mean of -log p over its
-same-class samples, weighted by w_y = mean_c(E_c) / E_y with the effective number E_c = (1 - beta^{n_c}) /
-(1 - beta), beta 0.999 (dvlab-research/Parametric-Contrastive-Learning GPaCo/LT/losses.py, MultiTaskLoss
-cal_weight_for_classes). UNVERIFIED: the supplement gives no code for these baselines, and GPaCo's later
+same-class samples, weighted by Cui et al.'s class-balanced weight of its class, w_c proportional to 1 / E_c with
+the effective number E_c = (1 - beta^{n_c}) / (1 - beta), normalised to sum to the number of classes
+(richardaecn/class-balanced-loss class_balanced_loss.py CB_loss), beta 0.999 (the supplement, Sec. F: "the
+re-weighting method of Cui et al."). UNVERIFIED: the supplement gives no code for these baselines; GPaCo's later
+MultiTaskLoss.cal_weight_for_classes (GPaCo/LT/losses.py at fe56535) writes mean(E) / E_c but takes Python's sum and
+len over the (1, C) array it builds, so every class weighs 1 there (no re-weighting); GPaCo's later
 multi-task code (GPaCo/LT/moco/builder.py at fe56535) contrasts both views without a momentum encoder (keys through
 the online encoder, with gradient), puts the classifier on both views and has a head without BatchNorm; here the
 contrast is PaCo's (query anchors, momentum keys). Table 13's "CE +
@@ -26,10 +29,12 @@ from methods.momentum import MomentumSpec
 
 
 def class_balanced_weights(class_counts: torch.Tensor, beta: float) -> torch.Tensor:
-    """Per class, the mean effective number over the classes divided by the class's own, E_c = (1 - beta^n_c) /
-    (1 - beta) (Cui et al., CVPR 2019), as GPaCo/LT/losses.py MultiTaskLoss.cal_weight_for_classes weighs them."""
-    effective = (1.0 - torch.pow(beta, class_counts.double())) / (1.0 - beta)
-    return (effective.mean() / effective).float()
+    """Per class, Cui et al.'s class-balanced weight (CVPR 2019): the inverse of the effective number E_c = (1 -
+    beta^n_c) / (1 - beta), normalised so that the classes' weights sum to their number (richardaecn/class-balanced-loss
+    CB_loss). A class without training images (never an anchor) weighs 0 and is left out of the normalisation."""
+    present = class_counts > 0
+    inverse = torch.where(present, (1.0 - beta) / (1.0 - torch.pow(beta, class_counts.double())), 0.0)
+    return (inverse * present.sum() / inverse.sum()).float()
 
 
 class MultiTaskContrast(SupervisedMoCoMixin, LongTailClassifier):

@@ -56,6 +56,8 @@ class PaCo(SupervisedMoCoMixin, LongTailClassifier):
         check_hyperparameters("model.", temperature=temperature, alpha=alpha, beta=beta, gamma=gamma)
         if gamma == 0 and alpha > 0:  # positives then leave the denominator: the loss is unbounded below
             raise ValueError("model.gamma = 0 with model.alpha > 0 makes the PaCo loss unbounded below")
+        if alpha == beta == 0:  # no positive left: the official loss is 0 / 0, this one 0 with no gradient
+            raise ValueError("model.alpha = model.beta = 0 leaves the PaCo loss no positive (nothing would train)")
         super().__init__(**kwargs)
         self.alpha, self.temperature, self.beta, self.gamma = alpha, temperature, beta, gamma
         self.rebalance = rebalance
