@@ -38,10 +38,12 @@ TORCHVISION_BUILDERS = {
 } | {"resnext101_32x4d": resnext101_32x4d}
 CIFAR_DEPTHS = {f"cifar_resnet{depth}": depth for depth in (20, 32, 44, 56, 110)}
 # The 3x3 stride-1 convolution of the small-input stem, after the torchvision constructor drew its weights: `sce` pads
-# by 1 and draws kaiming-normal fan-out weights (CEA-LIST/SCE create_resnet(small_input=True)); `solo_learn` pads by 2
-# (a 34 x 34 first feature map from 32 px) with nn.Conv2d's own initialisation (vturrisi/solo-learn
-# solo/methods/base.py, for cifar10 and cifar100).
-SmallInputStem = Literal["sce", "solo_learn"]
+# by 1 with nn.Conv2d's own initialisation (CEA-LIST/SCE sce/models/trunks/resnet.py create_resnet(small_input=True));
+# `solo_learn` pads by 2 (a 34 x 34 first feature map from 32 px), nn.Conv2d's initialisation too (vturrisi/solo-learn
+# solo/methods/base.py, for cifar10 and cifar100); `kaiming` pads by 1 and draws kaiming-normal fan-out weights, as
+# those codes draw every convolution's (WangFeng18/UnsupervisedLearningCodes models/resnet_cifar.py for NPID,
+# HobbitLong/SupContrast networks/resnet_big.py and TCL's copy of it).
+SmallInputStem = Literal["sce", "solo_learn", "kaiming"]
 BACKBONE_NAMES = tuple(TORCHVISION_BUILDERS) + tuple(CIFAR_DEPTHS) + tuple(RIDE_BUILDERS) + tuple(VIT_SIZES) + ("timm:<model_name>",)
 WEIGHTS_KEY = "model.init_args.backbone.weights"
 
@@ -127,7 +129,7 @@ def _build_torchvision(name: str, small_input: bool, weights_name: str | None, s
     trunk.fc = nn.Identity()
     if small_input:
         trunk.conv1 = nn.Conv2d(3, trunk.conv1.out_channels, kernel_size=3, stride=1, padding=small_input_padding(small_input_stem), bias=False)
-        if small_input_stem == "sce":
+        if small_input_stem == "kaiming":
             nn.init.kaiming_normal_(trunk.conv1.weight, mode="fan_out", nonlinearity="relu")
         trunk.maxpool = nn.Identity()
     return trunk, feature_dim
@@ -202,8 +204,12 @@ def _build_timm(model_name: str, small_input: bool, weights_name: str | None, **
 
     if not timm.is_model(model_name):
         raise ValueError(f"unknown timm model {model_name!r} (backbone 'timm:{model_name}'); see timm.list_models()")
-    trunk = timm.create_model(model_name, pretrained=False, num_classes=0, **kwargs)
-    return trunk, trunk.num_features
+    try:
+        trunk = timm.create_model(model_name, pretrained=False, num_classes=0, **kwargs)
+    except TypeError as error:
+        raise ValueError(f"backbone 'timm:{model_name}' rejected its keyword arguments {kwargs}: {error}") from None
+    # without a classifier, a head with a pre-logits layer (MobileNetV3, GhostNet, LCNet) gives head_hidden_size features
+    return trunk, getattr(trunk, "head_hidden_size", trunk.num_features)
 
 
 def attention_heads(spec: BackboneSpec) -> int | None:

@@ -120,9 +120,21 @@ def test_solo_learns_small_input_stem_pads_by_2_and_keeps_nn_conv2ds_initialisat
     with torch.no_grad():
         assert torch.equal(trunk.eval()(image), reference.eval()(image))
     assert sizes == [34]
+
+
+@pytest.mark.parametrize("stem", ["sce", "kaiming"])
+def test_the_padding_1_stems_draw_their_official_codes_initialisation(stem):
+    """CEA-LIST/SCE sce/models/trunks/resnet.py create_resnet replaces conv1 by nn.Conv2d(3, 64, 3, 1, 1, bias=False)
+    after torchvision's constructor and keeps its initialisation (`sce`); NPID's and SupContrast's CIFAR ResNets draw
+    every convolution kaiming-normal fan-out (`kaiming`, WangFeng18 models/resnet_cifar.py, networks/resnet_big.py)."""
     torch.manual_seed(0)
-    sce_stem = build_backbone("resnet18", small_input=True)[0].conv1
-    assert sce_stem.padding == (1, 1) and not torch.equal(sce_stem.weight, trunk.conv1.weight)  # kaiming-normal fan-out there
+    trunk = build_backbone("resnet18", small_input=True, small_input_stem=stem)[0]
+    torch.manual_seed(0)
+    reference = torchvision.models.resnet18()
+    reference.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
+    if stem == "kaiming":
+        nn.init.kaiming_normal_(reference.conv1.weight, mode="fan_out", nonlinearity="relu")
+    assert trunk.conv1.padding == (1, 1) and torch.equal(trunk.conv1.weight, reference.conv1.weight)
 
 
 @pytest.mark.parametrize(
@@ -131,7 +143,7 @@ def test_solo_learns_small_input_stem_pads_by_2_and_keeps_nn_conv2ds_initialisat
         ({"name": "resnet18", "small_input_stem": "solo_learn"}, "backbone.small_input_stem 'solo_learn' is a stem of the torchvision ResNets with small_input: true, not of 'resnet18' with small_input: false"),
         ({"name": "cifar_resnet32", "small_input_stem": "solo_learn"}, "not of 'cifar_resnet32' with small_input: false"),
         ({"name": "vit_tiny", "small_input": True, "small_input_stem": "solo_learn"}, "not of 'vit_tiny' with small_input: true"),
-        ({"name": "resnet18", "small_input": True, "small_input_stem": "solo-learn"}, "backbone.small_input_stem must be one of sce, solo_learn, got 'solo-learn'"),
+        ({"name": "resnet18", "small_input": True, "small_input_stem": "solo-learn"}, "backbone.small_input_stem must be one of sce, solo_learn, kaiming, got 'solo-learn'"),
     ],
 )
 def test_a_small_input_stem_the_trunk_cannot_have_is_refused_naming_it(arguments, message):
@@ -224,10 +236,12 @@ def test_a_weights_file_of_another_architecture_names_the_file_and_the_mismatch(
             build_backbone("cifar_resnet32", weights=str(path))
 
 
-def test_timm_models_are_built_by_name_without_classifier():
-    trunk, dim = build_backbone("timm:resnet10t")
-    assert dim == 512
-    assert trunk.eval()(torch.randn(2, 3, 32, 32)).shape == (2, 512)
+@pytest.mark.parametrize("name, features", [("timm:resnet10t", 512), ("timm:mobilenetv3_small_050", 1024)])
+def test_timm_models_are_built_by_name_without_classifier_and_say_the_size_of_what_they_return(name, features):
+    """A head with a pre-logits layer (MobileNetV3) returns head_hidden_size features, not num_features (288)."""
+    trunk, dim = build_backbone(name)
+    assert dim == features
+    assert trunk.eval()(torch.randn(2, 3, 32, 32)).shape == (2, features)
 
 
 @pytest.mark.parametrize(
@@ -236,6 +250,7 @@ def test_timm_models_are_built_by_name_without_classifier():
         ("resnet19", {}, "unknown backbone name 'resnet19'"),
         ("timm:not_a_model", {}, "unknown timm model 'not_a_model'"),
         ("resnet18", {"no_such_option": 1}, "rejected its keyword arguments"),
+        ("timm:resnet10t", {"num_classes": 5}, "backbone 'timm:resnet10t' rejected its keyword arguments {'num_classes': 5}"),
     ],
 )
 def test_bad_backbone_names_and_options_raise_a_clear_error(name, kwargs, message):
