@@ -50,6 +50,7 @@ from datamodules.subsets import LabelSubset, labelled_subset
 from datamodules.transforms import build_view
 from engine.compat import data_position
 from engine.config import as_spec
+from engine.devices import process_group
 
 
 
@@ -78,8 +79,10 @@ def seed_draw(seed: int) -> None:
 
 class ViewsDataset(Dataset):
     """Wraps a dataset of `(image, label)` pairs into training samples with several named views. Given
-    `(index, seed)` (`EpochSampler(draw_seeds=True)`, in DataLoader workers), the views of that draw come from
-    its seed: torch's, Python's and NumPy's generators, which the transforms draw from, are seeded with it first."""
+    `(index, seed)` (`EpochSampler(draw_seeds=True)`: in DataLoader workers, and in the main process of each of
+    several processes), the views of that draw come from its seed: torch's, Python's and NumPy's generators, which the
+    transforms draw from, are seeded with it first; in the main process they are put back after the draw, so that the
+    training draws what it would have drawn."""
 
     def __init__(self, base: Dataset, views: dict[str, Callable]):
         self.base, self.views = base, views
@@ -88,11 +91,20 @@ class ViewsDataset(Dataset):
         return len(self.base)
 
     def __getitem__(self, index: int | tuple[int, int]) -> dict[str, Any]:
-        if isinstance(index, tuple):
-            index, seed = index
-            seed_draw(seed)
-        image, label = self.base[index]
-        return {"views": {name: view(image) for name, view in self.views.items()}, "label": label, "index": index}
+        if not isinstance(index, tuple):
+            image, label = self.base[index]
+            return {"views": {name: view(image) for name, view in self.views.items()}, "label": label, "index": index}
+        index, seed = index
+        in_main_process = torch.utils.data.get_worker_info() is None
+        saved = (torch.get_rng_state(), random.getstate(), np.random.get_state()) if in_main_process else None
+        seed_draw(seed)
+        try:
+            return self[index]
+        finally:
+            if saved is not None:
+                torch.set_rng_state(saved[0])
+                random.setstate(saved[1])
+                np.random.set_state(saved[2])
 
 
 class RawImageDataset(Dataset):
@@ -161,12 +173,6 @@ def decode_all(dataset: Dataset, num_workers: int) -> tuple[torch.Tensor, np.nda
     loader = DataLoader(RawImageDataset(dataset), batch_size=1024, num_workers=num_workers, generator=torch.Generator())
     batches = list(loader)
     return torch.cat([batch["image"] for batch in batches]), torch.cat([batch["label"] for batch in batches]).numpy()
-
-
-def process_group() -> dict[str, int]:
-    """`num_replicas` and `rank` of this process in the process group, 1 and 0 without one: what the samplers shard by."""
-    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    return {"num_replicas": torch.distributed.get_world_size() if distributed else 1, "rank": torch.distributed.get_rank() if distributed else 0}
 
 
 class EvalDataset(Dataset):
@@ -321,7 +327,8 @@ class ContrastiveDataModule(L.LightningDataModule):
         process (a resumed run's workers would draw other views than an uninterrupted run's) and depend on which
         worker serves a batch."""
         processes = process_group()
-        draw_seeds = self.mode is Pipeline.CPU and self.num_workers > 0
+        # several processes drawing from the main process's generators, seeded alike, would give every rank rank 0's views
+        draw_seeds = self.mode is Pipeline.CPU and (self.num_workers > 0 or processes["num_replicas"] > 1)
         if self.sampler == "instance":
             sampler = EpochSampler(len(self.splits["train"]), seed, **processes, draw_seeds=draw_seeds)
         else:

@@ -21,6 +21,7 @@ sizes (folders decoded on the device, `datamodules.encoded`). Output: float32 (B
 """
 
 import math
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -32,8 +33,19 @@ from engine import devices
 GRAY_WEIGHTS = (0.2989, 0.587, 0.114)
 
 
+def process_rows(draw: Callable[[int], torch.Tensor], batch: int) -> torch.Tensor:
+    """The rows of this process's `batch` samples of `draw(n)`, n the samples of all processes: every process draws
+    the numbers of all samples and keeps its own. seed_everything seeds every process alike, so that each drawing its
+    batch alone would repeat rank 0's crops, jitters and flips on every rank (solo-learn's DALI pipeline seeds each
+    device apart, solo/data/dali_dataloader.py); this way they keep one random state, which a resumed run restores
+    from rank 0 (`engine.random_state`). One process draws its batch alone."""
+    processes = devices.process_group()
+    world, rank = processes["num_replicas"], processes["rank"]
+    return draw(batch) if world == 1 else draw(batch * world)[rank * batch : (rank + 1) * batch]
+
+
 def _uniform(low: float, high: float, count: int, device) -> torch.Tensor:
-    return torch.empty(count, device=device).uniform_(low, high)
+    return process_rows(lambda n: torch.empty(n, device=device).uniform_(low, high), count)
 
 
 def crop_boxes(batch: int, height, width, scale, ratio, device, tries: int = 10) -> torch.Tensor:
@@ -41,8 +53,8 @@ def crop_boxes(batch: int, height, width, scale, ratio, device, tries: int = 10)
     up to `tries` draws of area and log-ratio, the first that fits wins, else the centred fallback.
     `height` and `width` are one size for the whole batch (ints) or each sample's own ((B,) tensors)."""
     height, width = _per_sample(height, batch, device), _per_sample(width, batch, device)
-    area = (height * width)[:, None] * torch.empty(batch, tries, device=device).uniform_(*scale)
-    aspect = torch.empty(batch, tries, device=device).uniform_(math.log(ratio[0]), math.log(ratio[1])).exp()
+    area = (height * width)[:, None] * process_rows(lambda n: torch.empty(n, tries, device=device).uniform_(*scale), batch)
+    aspect = process_rows(lambda n: torch.empty(n, tries, device=device).uniform_(math.log(ratio[0]), math.log(ratio[1])), batch).exp()
     crop_w = torch.sqrt(area * aspect).round()
     crop_h = torch.sqrt(area / aspect).round()
     fits = (crop_w > 0) & (crop_w <= width[:, None]) & (crop_h > 0) & (crop_h <= height[:, None])
@@ -51,8 +63,8 @@ def crop_boxes(batch: int, height, width, scale, ratio, device, tries: int = 10)
     fallback_w, fallback_h = _fallback_size(height, width, ratio)
     w = torch.where(found, crop_w.gather(1, first)[:, 0], fallback_w)
     h = torch.where(found, crop_h.gather(1, first)[:, 0], fallback_h)
-    top = torch.where(found, torch.floor(torch.rand(batch, device=device) * (height - h + 1)), torch.div(height - h, 2, rounding_mode="floor"))
-    left = torch.where(found, torch.floor(torch.rand(batch, device=device) * (width - w + 1)), torch.div(width - w, 2, rounding_mode="floor"))
+    top = torch.where(found, torch.floor(process_rows(lambda n: torch.rand(n, device=device), batch) * (height - h + 1)), torch.div(height - h, 2, rounding_mode="floor"))
+    left = torch.where(found, torch.floor(process_rows(lambda n: torch.rand(n, device=device), batch) * (width - w + 1)), torch.div(width - w, 2, rounding_mode="floor"))
     return torch.stack([left, top, left + w, top + h], dim=1)
 
 
@@ -209,7 +221,7 @@ class BatchedAugment:
         self.std = torch.tensor(spec.std, dtype=torch.float32).view(1, -1, 1, 1)
 
     def _chance(self, probability: float, batch: int, device) -> torch.Tensor:
-        return torch.rand(batch, device=device) < probability
+        return process_rows(lambda n: torch.rand(n, device=device), batch) < probability
 
     def color_jitter(self, images: torch.Tensor) -> torch.Tensor:
         batch, device = images.shape[0], images.device
@@ -219,7 +231,7 @@ class BatchedAugment:
             torch.where(applied, _uniform(low, high, batch, device), torch.full((batch,), value, device=device))
             for (low, high), value in zip(self.jitter_ranges, neutral)
         ]
-        order = torch.rand(batch, 4, device=device).argsort(dim=1)  # a random order per sample, as torchvision
+        order = process_rows(lambda n: torch.rand(n, 4, device=device), batch).argsort(dim=1)  # a random order per sample, as torchvision
         on_host = devices.host_reads_are_free(images)
         for position in range(4):
             step = order[:, position]

@@ -76,3 +76,9 @@ def choose_cpu_precision(trainer: dict, bf16_on_cpu: str) -> str | None:
     trainer["precision"] = chosen
     return (f"trainer.precision {requested} -> {chosen}: this CPU has no bf16 units (AVX512-BF16 or AMX), where bf16 "
             "trains about 10x slower than fp32; --bf16_on_cpu always keeps it")
+
+
+def process_group() -> dict[str, int]:
+    """`num_replicas` and `rank` of this process in the process group, 1 and 0 without one: what the samplers shard by."""
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    return {"num_replicas": torch.distributed.get_world_size() if distributed else 1, "rank": torch.distributed.get_rank() if distributed else 0}

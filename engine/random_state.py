@@ -13,7 +13,9 @@ class RandomStateCheckpoint(Callback):
     training iterator, which draw random numbers that an uninterrupted run does not draw at that point (the
     training DataLoader draws its worker seeds from a generator of its own, `datamodules.base`). Under DDP
     the states of rank 0 are restored on every rank, which is exact: `seed_everything` gives every rank the
-    same states and every rank draws the same numbers (shuffle-BN's permutation included)."""
+    same states and every rank draws the same numbers (shuffle-BN's permutation included; the batched views draw the
+    numbers of every rank's samples and keep their own, `datamodules.batched.process_rows`, and per-image views
+    without workers draw from their own seeds, `datamodules.base.ViewsDataset`)."""
 
     def __init__(self):
         self.loaded: dict | None = None

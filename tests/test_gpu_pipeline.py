@@ -2,16 +2,21 @@
 
 The device here is the CPU: the same code runs on CUDA tensors."""
 
+import os
 from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
-from helpers import cpu_trainer
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from helpers import cpu_trainer, free_port, start_processes
 from torch.utils.data import Subset
 
 from datamodules import DigitsDataModule, DigitsLTDataModule
 from datamodules.base import RawImageDataset
+from datamodules.batched import BatchedAugment
+from datamodules.view_spec import CONTRASTIVE_PRESETS, ViewSpec
 from datamodules.pipeline import Pipeline, pipeline_mode
 from engine.cli import ContrastlabCLI
 from methods import MethodBase
@@ -88,3 +93,39 @@ def test_compiled_trunks_train_like_the_eager_ones_and_keep_the_checkpoint_keys(
     assert compiled.state_dict().keys() == eager.state_dict().keys()
     for key, value in eager.state_dict().items():
         torch.testing.assert_close(compiled.state_dict()[key], value, rtol=1e-4, atol=1e-5, msg=key)
+
+
+# every random operation of the batched views, each at its preset's rate: crop, jitter in a random order, grayscale,
+# blur, solarisation, flip
+AUGMENT_ALL = ViewSpec(16, (0.5, 0.5, 0.5), (0.25, 0.25, 0.25), **(CONTRASTIVE_PRESETS["byol2"] | {"blur_prob": 0.5}))
+
+
+def process_batch(rank: int) -> torch.Tensor:
+    return torch.randint(0, 256, (6, 3, 24, 24), dtype=torch.uint8, generator=torch.Generator().manual_seed(10 + rank))
+
+
+def _views_worker(rank: int, world: int, port: int, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)  # as seed_everything seeds every rank
+    results[rank] = (BatchedAugment(AUGMENT_ALL)(process_batch(rank)), torch.get_rng_state())
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_each_process_draws_its_own_samples_views_from_one_random_state_as_one_process_of_the_global_batch():
+    """seed_everything seeds every rank alike: drawing its batch alone, each rank repeated rank 0's crops, jitters and
+    flips. Each rank's views are the one-process views of the concatenated batch, its own rows, and the ranks end
+    with one random state (a resumed run restores rank 0's on every rank)."""
+    with mp.Manager() as manager:
+        results = manager.dict()
+        start_processes(_views_worker, (2, free_port(), results))
+        results = dict(results)
+    torch.manual_seed(0)
+    together = BatchedAugment(AUGMENT_ALL)(torch.cat([process_batch(0), process_batch(1)]))
+    for rank in (0, 1):
+        torch.testing.assert_close(results[rank][0], together[6 * rank : 6 * (rank + 1)], rtol=0, atol=1e-5)
+    assert torch.equal(results[0][1], results[1][1])
+    torch.manual_seed(0)
+    alone = BatchedAugment(AUGMENT_ALL)(process_batch(1))  # rank 1's images with rank 0's draws: other views
+    assert (alone - results[1][0]).abs().amax(dim=(1, 2, 3)).min() > 0.1

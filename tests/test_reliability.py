@@ -3,6 +3,7 @@ inputs, checkpoint compatibility (engine/, the CLI, the DataModule's resumable o
 
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -25,6 +26,7 @@ from test_paco import TINY_BN_PROJECTOR
 import main_linear
 import main_pretrain
 import methods.linear
+import datamodules.base
 import methods.moco
 from backbones import BackboneSpec
 from datamodules import SplitFileDataModule
@@ -173,6 +175,26 @@ def test_a_draw_seeds_numpy_apart_from_torch():
     seed_draw(seed)
     assert not np.array_equal(np.random.get_state()[1], np.random.RandomState(seed & 0xFFFFFFFF).get_state()[1])
     assert torch.initial_seed() == seed
+
+
+def test_several_processes_without_workers_draw_each_sample_from_its_seed_and_keep_the_main_generators(monkeypatch):
+    """Without DataLoader workers, the ranks of a DDP run augmented in their main processes from generators that
+    seed_everything seeds alike: every rank drew rank 0's views. Each draw now has its seed there too, and the
+    generators the training draws from are put back after it."""
+    datamodule = digits({"query": {"preset": "mocov2"}}, pipeline="cpu")
+    datamodule.setup("fit")
+    assert not datamodule.train_sampler(0).draw_seeds  # one process: its generators, as before
+    monkeypatch.setattr(datamodules.base, "process_group", lambda: {"num_replicas": 2, "rank": 1})
+    sampler = datamodule.train_sampler(0)
+    (index, seed), *_ = iter(sampler)
+    dataset = datamodule.served(datamodule.splits["train"], datamodule.views)[0]
+    torch.manual_seed(5)
+    before = (torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy())
+    views = dataset[(index, seed)]["views"]["query"]
+    assert torch.equal(torch.get_rng_state(), before[0]) and random.getstate() == before[1] and np.array_equal(np.random.get_state()[1], before[2])
+    torch.manual_seed(6)  # other main-process states: the same draw
+    assert torch.equal(dataset[(index, seed)]["views"]["query"], views)
+    assert not torch.equal(dataset[(index, seed + 1)]["views"]["query"], views)
 
 
 def order_of_epoch(epoch: int) -> list[int]:
