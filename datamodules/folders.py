@@ -94,6 +94,14 @@ class FolderDataModule(ContrastiveDataModule):
         if missing:
             raise ValueError(f"{len(missing)} class folders of {type(self).__name__} are missing: {listing(missing)}")
 
+    def refuse_other_class_folders(self, split_dirs) -> None:
+        """An evaluation folder's class folder that the training folder lacks is an error: its images would silently be
+        left out of the evaluation (hidden folders such as .ipynb_checkpoints are no class)."""
+        extra = sorted(Path(entry.path) for folder in dict.fromkeys(split_dirs) if folder.is_dir() for entry in os.scandir(folder)
+                       if entry.is_dir() and entry.name not in self.classes and not entry.name.startswith("."))
+        if extra:
+            raise ValueError(f"{len(extra)} class folders are not among the training folder's classes: {listing(extra)}")
+
     def labelled_images(self, split_dir: Path) -> ImageFiles:
         """The images of `split_dir/<class>/` for the classes of `self.classes`; a class folder without an image is a
         ValueError naming it (a class with no training image would still be a class of the probe and the metrics)."""
@@ -139,12 +147,8 @@ class ImageFolderDataModule(FolderDataModule):
         self.classes = self.find_classes()
         self.num_classes = len(self.classes)
         self.check_class_folders(list(dict.fromkeys(self.split_dirs.values())))  # test may be val
-        if not self.other_class_folders_ignored:  # their images would silently be left out of the evaluation
-            evaluated = dict.fromkeys(self.split_dirs[split] for split in ("val", "test"))  # test may be val
-            extra = sorted(Path(entry.path) for folder in evaluated if folder.is_dir() for entry in os.scandir(folder)
-                           if entry.is_dir() and entry.name not in self.classes and not entry.name.startswith("."))  # .ipynb_checkpoints
-            if extra:
-                raise ValueError(f"{len(extra)} class folders are not among the training folder's classes: {listing(extra)}")
+        if not self.other_class_folders_ignored:
+            self.refuse_other_class_folders([self.split_dirs["val"], self.split_dirs["test"]])  # test may be val
 
     other_class_folders_ignored = False  # True where the classes are a fixed list read from a larger tree (ImageNet-100)
 
@@ -185,6 +189,7 @@ class UnlabeledFolderDataModule(FolderDataModule):
         self.classes = folder_classes(self.eval_root / "train") if self.eval_root else []
         if self.eval_root:
             self.check_class_folders([self.eval_root / "val"])
+            self.refuse_other_class_folders([self.eval_root / "val"])
         self.num_classes = max(len(self.classes), 2)
 
     def build_splits(self) -> dict[str, Dataset]:

@@ -2,17 +2,20 @@
 Fashion-MNIST (IDX), STL-10 (binary); CIFAR lives in `datamodules.cifar` on the same base.
 
 Nothing is downloaded unless `data.download: true` (off by default). Missing files are a ValueError
-naming them when the DataModule is built; corrupt files (the torchvision classes check the official
-MD5 checksums when they load) are a ValueError that says what is expected under `data.root` and how
-to fetch it.
+naming them when the DataModule is built; corrupt files are a ValueError that says what is expected under
+`data.root` and how to fetch it, naming the files whose MD5 is not the official one where torchvision knows it
+(CIFAR, SVHN, STL-10; Fashion-MNIST's reader checks only the headers), and files whose images and labels disagree
+in number or hold a label outside the classes.
 """
 
 import pickle
 from pathlib import Path
 from typing import Literal
 
+import numpy as np
 import torchvision
 from torch.utils.data import Dataset
+from torchvision.datasets.utils import check_integrity
 
 from datamodules.base import ContrastiveDataModule
 from datamodules.image_files import as_rgb
@@ -46,12 +49,33 @@ class TorchvisionDataModule(ContrastiveDataModule):
     def open_split(self, **split) -> Dataset:
         """The torchvision dataset of one split (`train=...` or `split=...`), with a clear error."""
         try:
-            return self.dataset_class(str(self.root), download=self.download, **split)
-        except (RuntimeError, OSError, ValueError, EOFError, pickle.UnpicklingError) as error:
+            dataset = self.dataset_class(str(self.root), download=self.download, **split)
+        except (RuntimeError, OSError, ValueError, EOFError, AssertionError, TypeError, pickle.UnpicklingError) as error:
+            corrupt = self.corrupt_files()
             raise ValueError(
-                f"{self.dataset_class.__name__} files not found or corrupt under data.root {str(self.root)!r}: expected "
-                f"{self.expected_layout} as extracted from the official archive ({self.how_to_get}) [{error}]"
+                f"{self.dataset_class.__name__} files not found or corrupt under data.root {str(self.root)!r}"
+                + (f" ({', '.join(corrupt)}: not the official file, by its MD5)" if corrupt else "")
+                + f": expected {self.expected_layout} as extracted from the official archive ({self.how_to_get}) [{error}]"
             ) from None
+        labels = np.asarray(getattr(dataset, "targets", getattr(dataset, "labels", [])))
+        wrong = labels[(labels != -1) & ((labels < 0) | (labels >= self.num_classes))]  # -1: STL-10's unlabelled images
+        if len(labels) != len(dataset.data) or len(wrong):
+            raise ValueError(
+                f"{self.dataset_class.__name__} files under data.root {str(self.root)!r} ({split}) hold {len(dataset.data)} images and "
+                f"{len(labels)} labels" + (f", labels outside 0..{self.num_classes - 1} such as {int(wrong[0])}" if len(wrong) else "")
+                + f": expected {self.expected_layout} as extracted from the official archive ({self.how_to_get})"
+            )
+        return dataset
+
+    def corrupt_files(self) -> list[str]:
+        """The files whose MD5 differs from the official one that torchvision's class lists (CIFAR, STL-10: train_list and
+        test_list; SVHN: split_list), relative to data.root; missing ones are left to the missing-file error."""
+        known = [*getattr(self.dataset_class, "train_list", []), *getattr(self.dataset_class, "test_list", [])]
+        known += [(name, md5) for _, name, md5 in getattr(self.dataset_class, "split_list", {}).values()]
+        meta = getattr(self.dataset_class, "meta", None)  # CIFAR's batches.meta / meta
+        known += [(meta["filename"], meta["md5"])] if isinstance(meta, dict) and "md5" in meta else []
+        folder = Path(getattr(self.dataset_class, "base_folder", ""))
+        return [str(folder / name) for name, md5 in known if (self.root / folder / name).is_file() and not check_integrity(str(self.root / folder / name), md5)]
 
 
 class RGBImages(Dataset):

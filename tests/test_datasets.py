@@ -3,6 +3,7 @@ errors a broken or missing dataset produces."""
 
 import copy
 import functools
+import gzip
 import hashlib
 import logging
 import pickle
@@ -197,8 +198,31 @@ def test_a_corrupt_torchvision_file_is_reported_with_the_expected_layout(tmp_pat
     write_cifar(tmp_path, torchvision.datasets.CIFAR10, monkeypatch)
     (tmp_path / "cifar-10-batches-py" / "data_batch_3").write_bytes(b"truncated")
     datamodule = CIFAR10DataModule(root=str(tmp_path), num_workers=0, views=VIEWS)
-    with pytest.raises(ValueError, match=r"CIFAR10 files not found or corrupt under data.root .*: expected cifar-10-batches-py/\{data_batch_1..5"):
+    with pytest.raises(ValueError, match=r"CIFAR10 files not found or corrupt under data.root '[^']*' \(cifar-10-batches-py/data_batch_3: not the "
+                                         r"official file, by its MD5\): expected cifar-10-batches-py/\{data_batch_1..5"):
         datamodule.setup()
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        ("gzipped", r"FashionMNIST files not found or corrupt under data.root '[^']*': expected FashionMNIST/raw/"),  # an AssertionError there
+        ("fewer-labels", r"FashionMNIST files under data.root '[^']*' \(\{'train': True\}\) hold 8 images and 6 labels: expected"),
+        ("label-out-of-range", r"hold 8 images and 8 labels, labels outside 0..9 such as 12: expected FashionMNIST/raw/"),
+    ],
+)
+def test_a_damaged_fashion_mnist_file_is_one_error_naming_the_layout(damage, message, tmp_path):
+    """Fashion-MNIST's reader checks the IDX headers with assertions and no checksum: a file still gzipped under the
+    unpacked name raised a bare AssertionError, and images and labels of other counts or classes were accepted."""
+    raw = write_fashion_mnist(tmp_path) / "FashionMNIST" / "raw"
+    if damage == "gzipped":
+        images = raw / "train-images-idx3-ubyte"
+        images.write_bytes(gzip.compress(images.read_bytes()))
+    else:
+        labels = np.array([0, 1, 2, 3, 4, 5]) if damage == "fewer-labels" else np.array([0, 1, 2, 12, 4, 5, 6, 7])
+        write_idx(raw / "train-labels-idx1-ubyte", labels)
+    with pytest.raises(ValueError, match=message):
+        FashionMNISTDataModule(root=str(tmp_path), num_workers=0, views=VIEWS).setup()
 
 
 def test_the_cli_reports_a_corrupt_torchvision_file_in_one_line_before_training(tmp_path, monkeypatch, capsys):
@@ -328,8 +352,13 @@ def test_image_folder_and_unlabeled_folder_serve_users_own_images(tmp_path):
     assert labelled.classes == ["cat", "dog", "owl"] and labelled.num_classes == 3
     check_batches(labelled, 24, 3)
     save_image(tmp_path / "labelled" / "val" / "fox" / "0.png")  # a class the training folder lacks
-    with pytest.raises(ValueError, match=rf"^1 class folders are not among the training folder's classes: {re.escape(str(tmp_path / 'labelled' / 'val' / 'fox'))}"):
+    fox = rf"^1 class folders are not among the training folder's classes: {re.escape(str(tmp_path / 'labelled' / 'val' / 'fox'))}"
+    with pytest.raises(ValueError, match=fox):
         ImageFolderDataModule(root=str(tmp_path / "labelled"), views=VIEWS)
+    with pytest.raises(ValueError, match=fox):  # the evaluation folder of unlabelled images: its fox images were left out
+        UnlabeledFolderDataModule(root=str(tmp_path / "raw"), eval_root=str(tmp_path / "labelled"), views=VIEWS)
+    (tmp_path / "labelled" / "val" / "fox" / "0.png").unlink()
+    (tmp_path / "labelled" / "val" / "fox").rmdir()
     unlabelled = UnlabeledFolderDataModule(root=str(tmp_path / "raw"), batch_size=4, num_workers=0, views=VIEWS, image_size=24)
     assert next(iter(unlabelled.train_dataloader()))["label"].tolist() == [-1] * 4
     without_labels = UnlabeledFolderDataModule(root=str(tmp_path / "raw"), num_workers=0, views=VIEWS, label_subset={"fraction": 0.5})
