@@ -119,6 +119,11 @@ class MethodBase(EvaluationMixin, CheckpointRecord, L.LightningModule):
         self.compile_spec = compile and as_spec(CompileSpec, compile)
 
     @classmethod
+    def settle_arguments(cls, init_args) -> None:
+        """Replace, in a parsed config's `init_args`, a default that the run resolves from its inputs by the value it
+        resolves to, so that the config the run records says what it used (the CLI calls this before it writes it)."""
+
+    @classmethod
     def default_run_directory(cls, init_args: dict, dataset: str, seed: int) -> str | None:
         """Where a run of this class goes when trainer.default_root_dir is not given; None: Lightning's default."""
         return None

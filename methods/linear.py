@@ -29,7 +29,7 @@ from engine.files import read_checkpoint
 from engine.optim import OptimizerSpec, ScheduleSpec
 from interop.official import exported_backbone, official_trunk
 from methods.base import MethodBase
-from methods.checkpoints import require_method
+from methods.checkpoints import method_class, require_method
 from methods.pretrain import PretrainMethod
 
 
@@ -106,7 +106,7 @@ class LinearProbe(MethodBase):
     ):
         """
         Args:
-            pretrained_ckpt: the pretraining checkpoint whose `backbone.*` weights are probed.
+            pretrained_ckpt: the pretraining checkpoint whose trunk is probed (`pretrained_encoder`).
             pretrained_format: `contrastlab`, or the official layout of a published checkpoint (`moco`, `sce`,
                 `paco`, `supcon`, `jcl`, `npid`, `torchvision`, `timm`; `interop.official`); by default read from its keys.
             pretrained_encoder: which trunk of a contrastlab checkpoint: `online` (what MoCo's main_lincls.py and most
@@ -147,6 +147,21 @@ class LinearProbe(MethodBase):
     def init_head(self, head: nn.Linear) -> None:
         nn.init.normal_(head.weight, std=0.01)  # MoCo main_lincls: N(0, 0.01), bias 0
         nn.init.zeros_(head.bias)
+
+    @classmethod
+    def settle_arguments(cls, init_args) -> None:
+        """A null `pretrained_encoder` is recorded as the encoder it probes: the checkpoint's method's `evaluated_encoder`,
+        `online` for an official release or a checkpoint that names no class (a run recorded before the default was null
+        said `online`; a file that cannot be read is left to `__init__`'s error)."""
+        path = init_args.get("pretrained_ckpt")
+        if init_args.get("pretrained_encoder") is not None or path is None:
+            return
+        try:
+            checkpoint = read_checkpoint(path, f"model.pretrained_ckpt {path!r}")
+            recorded = method_class(checkpoint, f"model.pretrained_ckpt {path!r}") if isinstance(checkpoint, dict) and "state_dict" in checkpoint else None
+        except (ValueError, CheckpointMismatch):
+            return
+        init_args["pretrained_encoder"] = recorded[1].evaluated_encoder if recorded is not None else "online"
 
     @classmethod
     def default_run_directory(cls, init_args: dict, dataset: str, seed: int) -> str:

@@ -812,6 +812,10 @@ def test_a_probe_runs_under_its_pretraining_run_and_resuming_it_with_another_pre
                              f"'{pretrained}'; probe '{other}' under another trainer.default_root_dir")
     assert {path: path.stat().st_mtime_ns for path in probe_dir.rglob("*")} == before
     assert main_linear.cli_main([*probe, f"--model.pretrained_ckpt={other}"]).trainer.default_root_dir == str(tmp_path / "other" / "linear")
+    # the config records the encoder probed, as a run did before the default became null: such a run resumes
+    assert yaml.safe_load((probe_dir / "config.yaml").read_text())["model"]["init_args"]["pretrained_encoder"] == "online"
+    resumed = main_linear.cli_main([*probe, f"--model.pretrained_ckpt={pretrained}", f"--trainer.default_root_dir={probe_dir}", "--ckpt_path=last"])
+    assert resumed.trainer.current_epoch == 1 and resumed.model.hparams.pretrained_encoder == "online"
 
 
 # ----------------------------------------------------------------- bad inputs

@@ -170,6 +170,20 @@ def test_the_config_probes_a_tiny_dino_vit_on_its_last_four_class_tokens_and_tra
 
 
 @pytest.mark.slow
+def test_the_run_records_the_encoder_a_null_pretrained_encoder_probes(dino_checkpoint, tmp_path):
+    """config.yaml says which trunk was probed (`LinearProbe.settle_arguments`): DINO's teacher, `online` for a file
+    whose method names none (an export); a given value and an unreadable file are left as they are."""
+    exported = export(dino_checkpoint, "timm", tmp_path / "teacher")[0]
+    for path, expected in ((dino_checkpoint, "momentum"), (exported, "online"), (tmp_path / "missing.ckpt", None)):
+        init_args = {"pretrained_ckpt": str(path), "pretrained_encoder": None}
+        LinearProbe.settle_arguments(init_args)
+        assert init_args["pretrained_encoder"] == expected, path
+    given = {"pretrained_ckpt": str(dino_checkpoint), "pretrained_encoder": "online"}
+    LinearProbe.settle_arguments(given)
+    assert given["pretrained_encoder"] == "online"
+
+
+@pytest.mark.slow
 def test_the_momentum_trunk_of_a_file_that_holds_none_is_refused_in_one_line(dino_checkpoint, tmp_path):
     """An export holds one trunk: `pretrained_encoder: momentum` on it would probe another trunk than asked."""
     exported = export(dino_checkpoint, "timm", tmp_path / "teacher")[0]

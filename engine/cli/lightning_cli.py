@@ -177,6 +177,7 @@ class ContrastlabCLI(KeepsEvaluationSettings):
         (`MethodBase.default_run_directory`: a linear probe runs beside its pretraining checkpoint), after Lightning
         read a resumed checkpoint's hyperparameters into the config; it is saved with the config."""
         config = self.config[self.subcommand] if self.subcommand else self.config
+        class_at(config["model"]["class_path"]).settle_arguments(config["model"]["init_args"])  # config.yaml records the value used
         if config["trainer"].get("default_root_dir") is None:
             dataset = config["data"]["class_path"].rsplit(".", 1)[-1].removesuffix("DataModule").lower()
             model = config["model"]
