@@ -240,13 +240,21 @@ def schedule_length(trainer) -> int:
     return trainer.max_epochs * math.ceil(trainer.num_training_batches / trainer.accumulate_grad_batches)  # as Lightning counts them
 
 
+def optimizer_steps_per_epoch(trainer) -> int:
+    """Optimizer steps per epoch as Lightning takes them, an epoch's last short window of accumulated batches included:
+    ceil(batches / accumulate_grad_batches), at least 1. A run of `max_steps` without `max_epochs` configures its
+    optimizer before Lightning counts the training batches (inf then): 1, as before this count existed."""
+    batches = trainer.num_training_batches
+    return max(1, math.ceil(batches / trainer.accumulate_grad_batches)) if math.isfinite(batches) else 1
+
+
 def configure_optimization(trainer, groups: list[dict], optimizer_spec: OptimizerSpec, schedule_spec: ScheduleSpec) -> dict:
     """The optimizer and per-step LambdaLR in the form `configure_optimizers` returns; the learning
     rate is scaled by the global batch size (per-device batch x processes x accumulation) as
     `optimizer_spec.lr_scaling` says. Groups marked `fixed_lr` are not scheduled."""
     global_batch_size = trainer.datamodule.batch_size * trainer.world_size * trainer.accumulate_grad_batches
     total_steps = schedule_length(trainer)
-    steps_per_epoch = max(1, trainer.num_training_batches // trainer.accumulate_grad_batches)
+    steps_per_epoch = optimizer_steps_per_epoch(trainer)
     lr = optimizer_spec.effective_lr(global_batch_size)
     optimizer = build_optimizer(with_group_lrs(groups, lr, optimizer_spec.batch_scale(global_batch_size)), optimizer_spec, lr)
 

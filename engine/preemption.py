@@ -103,7 +103,7 @@ class PreemptionSignals(Callback):
         return stop
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if self._agreed_stop(trainer, pl_module):
+        if ends_an_optimizer_step(trainer, batch_idx) and self._agreed_stop(trainer, pl_module):
             stop_at_the_end_of_this_step(trainer)
 
     def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
@@ -114,6 +114,14 @@ class PreemptionSignals(Callback):
             raise SIGTERMException()
 
 
+def ends_an_optimizer_step(trainer, batch_idx: int) -> bool:
+    """Whether training batch `batch_idx` closes a window of `accumulate_grad_batches` (its optimizer step follows it),
+    as Lightning counts them: every N-th batch and an epoch's last. A stop between two would save the window's queue
+    pushes and BatchNorm statistics without its accumulated gradients, and the resumed run would step on part of it."""
+    windows = trainer.accumulate_grad_batches
+    return windows == 1 or (batch_idx + 1) % windows == 0 or batch_idx + 1 == trainer.num_training_batches
+
+
 class ProcessTimeLimit(Timer):
     """`trainer.max_time` as the time of this process: Lightning's own Timer carries the elapsed time over a
     resumption, so a job resubmitted with the same limit would train nothing. A run stopped by it has not ended: the
@@ -121,6 +129,10 @@ class ProcessTimeLimit(Timer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """The time of an earlier process does not count."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if ends_an_optimizer_step(trainer, batch_idx):  # the time is checked where a stop loses nothing
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
     def cut_short(self, trainer) -> bool:
         """Whether the time ran out before the run's end: training had steps left (to max_steps, or to the end of its

@@ -29,6 +29,7 @@ from engine.optim import (
     ScheduleSpec,
     clip_gradients_per_parameter_,
     configure_optimization,
+    optimizer_steps_per_epoch,
     parameter_groups,
     schedule_length,
     schedule_weight_decay_,
@@ -198,8 +199,7 @@ class MethodBase(EvaluationMixin, CheckpointRecord, L.LightningModule):
     def epochs_done(self) -> float:
         """Training progress in epochs, counted in optimizer steps (what per-step ramps of loss
         hyper-parameters read)."""
-        steps_per_epoch = max(1, self.trainer.num_training_batches // self.trainer.accumulate_grad_batches)
-        return self.trainer.global_step / steps_per_epoch
+        return self.trainer.global_step / optimizer_steps_per_epoch(self.trainer)
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Concatenate a tensor from all processes in rank order (no gradient), e.g. keys to enqueue."""

@@ -26,6 +26,22 @@ def ten_epochs_of_ten_steps(batch_size: int) -> SimpleNamespace:
                            estimated_stepping_batches=100, num_training_batches=10, print=lambda *args: None)
 
 
+def test_an_epoch_of_5_batches_accumulated_by_2_has_3_optimizer_steps_as_lightning_counts_them():
+    """Lightning steps on an epoch's last, short window too: with 149 steps assumed for 150 taken, the warm-up ended, the
+    step decays fired and `unit: epoch` changed the lr inside an epoch, one step per epoch early."""
+    trainer = SimpleNamespace(datamodule=SimpleNamespace(batch_size=8), world_size=1, accumulate_grad_batches=2, max_epochs=2, max_steps=-1,
+                              estimated_stepping_batches=6, num_training_batches=5, print=lambda *args: None)
+    optimization = configure_optimization(trainer, parameter_groups(nn.Linear(2, 2).named_parameters(), OptimizerSpec()), OptimizerSpec(lr=1.0),
+                                          ScheduleSpec(decay="step", milestones=[1], gamma=0.1, unit="epoch"))
+    optimizer, scheduler = optimization["optimizer"], optimization["lr_scheduler"]["scheduler"]
+    rates = []
+    for _ in range(6):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert rates == pytest.approx([1.0, 1.0, 1.0, 0.1, 0.1, 0.1])  # epoch 1 starts at the 4th step
+
+
 def test_linear_warmup_then_cosine_per_step():
     spec = ScheduleSpec(warmup_epochs=2, decay="cosine")
     steps_per_epoch, total = 10, 100

@@ -238,6 +238,33 @@ class SignalAtStep(Callback):
 
 
 
+class SigtermAtTheFirstBatch(Callback):
+    """Sends this process SIGTERM as the run's first training batch starts, once (a run that resumes has a step)."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == 0 and batch_idx == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+@pytest.mark.slow
+def test_a_stop_inside_a_window_of_gradient_accumulation_waits_for_its_step_and_the_run_resumes_exactly(tmp_path):
+    """With accumulate_grad_batches 2, a SIGTERM at the first batch stopped the run after it: last.ckpt kept that
+    batch's queue push and BatchNorm statistics but not its gradient, and the resumed run stepped on half a window."""
+    command = ["fit", "--config", PRETRAIN_DIGITS, *TINY_RUN, "--trainer.limit_train_batches=4", "--trainer.accumulate_grad_batches=2",
+               "--trainer.max_epochs=2", "--trainer.precision=32-true", "--trainer.logger=false", "--data.init_args.batch_size=16"]
+    main_pretrain.cli_main([*command, f"--trainer.default_root_dir={tmp_path / 'straight'}"])
+    interrupted = [*command, f"--trainer.default_root_dir={tmp_path / 'interrupted'}"]
+    with pytest.raises(SystemExit) as stopped:
+        main_pretrain.cli_main([*interrupted, "--trainer.callbacks+=test_reliability.SigtermAtTheFirstBatch"])
+    last = tmp_path / "interrupted" / "checkpoints" / "last.ckpt"
+    assert stopped.value.code == 143 and torch.load(last, weights_only=True)["global_step"] == 1  # the window's step, then the stop
+    main_pretrain.cli_main([*interrupted, "--ckpt_path=last"])
+    straight = torch.load(tmp_path / "straight" / "checkpoints" / "last.ckpt", weights_only=True)
+    resumed = torch.load(last, weights_only=True)
+    assert straight["global_step"] == resumed["global_step"] == 4
+    assert_identical(straight["state_dict"], resumed["state_dict"], "state_dict")
+
+
 class SigtermInLastValidation(Callback):
     """Sends this process SIGTERM at the first batch of the last epoch's validation, as a scheduler may."""
 
