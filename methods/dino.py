@@ -81,6 +81,7 @@ class DINO(MomentumMixin, PretrainMethod):
         norms.data.fill_(1.0)
         norms.requires_grad_(not norm_last_layer)
         self.register_buffer("center", torch.zeros(1, out_dim))
+        self.step_means: list[torch.Tensor] = []  # the teacher outputs' global-batch means of this optimizer step's batches
         self.init_momentum(momentum)
         for module in self.target_backbone.modules():  # the teacher has no stochastic depth (main_dino.py)
             if hasattr(module, "drop_prob"):
@@ -97,6 +98,17 @@ class DINO(MomentumMixin, PretrainMethod):
         epoch = trainer.current_epoch if trainer is not None else 0
         return final if epoch >= epochs else start + (final - start) * epoch / max(epochs - 1, 1)
 
+    def update_center(self) -> None:
+        """The centre moves once per optimizer step, after its loss, towards the mean raw teacher output of its global
+        batch (main_dino.py `update_center`, each iteration): with accumulated batches, the mean of their means."""
+        mean = self.step_means[0] if len(self.step_means) == 1 else torch.stack(self.step_means).mean(dim=0)
+        self.center.lerp_(mean.to(self.center.dtype), 1.0 - self.center_momentum)
+        self.step_means.clear()
+
+    def optimizer_step(self, *args, **kwargs) -> None:
+        super().optimizer_step(*args, **kwargs)
+        self.update_center()
+
     def frozen_modules(self) -> list[nn.Module]:
         return [self.last_layer] if self.trainer.current_epoch < self.freeze_last_layer_epochs else []
 
@@ -107,8 +119,7 @@ class DINO(MomentumMixin, PretrainMethod):
             teacher, _ = self.encode_crops(crops[: len(self.views)], self.target_backbone, self.head(self.target_projector, self.target_last_layer))
         temperature = self.teacher_temperature()
         loss = dino_loss(torch.stack(student), torch.stack(teacher), self.center, self.student_temperature, temperature)
-        # the centre moves after the loss, towards the mean raw teacher output of the global batch
-        self.center.lerp_(self.mean_over_processes(torch.cat(teacher)).to(self.center.dtype), 1.0 - self.center_momentum)
+        self.step_means.append(self.mean_over_processes(torch.cat(teacher)))
         if attached_trainer(self) is not None:
             self.log("train/teacher_temperature", temperature, on_step=True, on_epoch=False)
         return loss, features

@@ -49,12 +49,30 @@ def test_the_student_sees_every_crop_the_teacher_the_global_views_and_the_centre
     with torch.no_grad():
         first, _ = model.step(batch)
     assert first.item() == pytest.approx(dino_loss(student, teacher, torch.zeros(1, 20), 0.1, 0.04).item(), rel=1e-5)
+    assert not model.center.any()  # the centre moves with the optimizer step
+    model.update_center()
     center = 0.1 * teacher.flatten(0, 1).mean(dim=0, keepdim=True)  # 0.9 x 0 + 0.1 x the batch mean
     torch.testing.assert_close(model.center, center)
     with torch.no_grad():
         second, _ = model.step(batch)  # the same views: now centred
     assert second.item() == pytest.approx(dino_loss(student, teacher, center, 0.1, 0.04).item(), rel=1e-5)
+    model.update_center()
     torch.testing.assert_close(model.center, 0.9 * center + 0.1 * teacher.flatten(0, 1).mean(dim=0, keepdim=True))
+
+
+def test_with_accumulated_batches_the_centre_moves_once_per_optimizer_step_towards_their_mean():
+    """main_dino.py updates the centre once per iteration from its global batch: two accumulated batches move it once,
+    by the mean of both (it took an EMA step per batch, 0.9^2 per optimizer step)."""
+    model, batch = tiny_dino(), first_batch(digits(VIEWS, batch_size=8))
+    views = batch["views"]
+    other = {"views": {name: view.flip(-1) for name, view in views.items()}, "label": batch["label"]}
+    teachers = [outputs(model, [b["views"]["global1"], b["views"]["global2"]], teacher=True) for b in (batch, other)]
+    with torch.no_grad():
+        model.step(batch)
+        model.step(other)
+    model.update_center()
+    both = torch.cat([teacher.flatten(0, 1) for teacher in teachers]).mean(dim=0, keepdim=True)
+    torch.testing.assert_close(model.center, 0.1 * both)
 
 
 def test_the_last_layer_is_weight_normalised_with_unit_norms_that_only_train_without_norm_last_layer():
