@@ -48,6 +48,11 @@ def _uniform(low: float, high: float, count: int, device) -> torch.Tensor:
     return process_rows(lambda n: torch.empty(n, device=device).uniform_(low, high), count)
 
 
+def _rand(count: int, device, *shape: int) -> torch.Tensor:
+    """`torch.rand(count, *shape)` of this process's samples (`process_rows`)."""
+    return process_rows(lambda n: torch.rand(n, *shape, device=device), count)
+
+
 def crop_boxes(batch: int, height, width, scale, ratio, device, tries: int = 10) -> torch.Tensor:
     """(B, 4) boxes (x1, y1, x2, y2) drawn per sample as torchvision's RandomResizedCrop.get_params:
     up to `tries` draws of area and log-ratio, the first that fits wins, else the centred fallback.
@@ -63,8 +68,8 @@ def crop_boxes(batch: int, height, width, scale, ratio, device, tries: int = 10)
     fallback_w, fallback_h = _fallback_size(height, width, ratio)
     w = torch.where(found, crop_w.gather(1, first)[:, 0], fallback_w)
     h = torch.where(found, crop_h.gather(1, first)[:, 0], fallback_h)
-    top = torch.where(found, torch.floor(process_rows(lambda n: torch.rand(n, device=device), batch) * (height - h + 1)), torch.div(height - h, 2, rounding_mode="floor"))
-    left = torch.where(found, torch.floor(process_rows(lambda n: torch.rand(n, device=device), batch) * (width - w + 1)), torch.div(width - w, 2, rounding_mode="floor"))
+    top = torch.where(found, torch.floor(_rand(batch, device) * (height - h + 1)), torch.div(height - h, 2, rounding_mode="floor"))
+    left = torch.where(found, torch.floor(_rand(batch, device) * (width - w + 1)), torch.div(width - w, 2, rounding_mode="floor"))
     return torch.stack([left, top, left + w, top + h], dim=1)
 
 
@@ -221,7 +226,7 @@ class BatchedAugment:
         self.std = torch.tensor(spec.std, dtype=torch.float32).view(1, -1, 1, 1)
 
     def _chance(self, probability: float, batch: int, device) -> torch.Tensor:
-        return process_rows(lambda n: torch.rand(n, device=device), batch) < probability
+        return _rand(batch, device) < probability
 
     def color_jitter(self, images: torch.Tensor) -> torch.Tensor:
         batch, device = images.shape[0], images.device
@@ -231,7 +236,7 @@ class BatchedAugment:
             torch.where(applied, _uniform(low, high, batch, device), torch.full((batch,), value, device=device))
             for (low, high), value in zip(self.jitter_ranges, neutral)
         ]
-        order = process_rows(lambda n: torch.rand(n, 4, device=device), batch).argsort(dim=1)  # a random order per sample, as torchvision
+        order = _rand(batch, device, 4).argsort(dim=1)  # a random order per sample, as torchvision
         on_host = devices.host_reads_are_free(images)
         for position in range(4):
             step = order[:, position]
