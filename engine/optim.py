@@ -234,7 +234,9 @@ def schedule_length(trainer) -> int:
     `max_steps` (or `max_time`) stops it without changing its schedules, so that a run stopped early and resumed
     with a later stop trains as one that ran to that stop at once; without `max_epochs` (-1), `max_steps` is the
     length."""
-    stepping_batches = int(trainer.estimated_stepping_batches)  # also sets up the training dataloader
+    if not math.isfinite(trainer.num_training_batches):  # estimated_stepping_batches counts them only for max_epochs
+        trainer.fit_loop.setup_data()
+    stepping_batches = int(trainer.estimated_stepping_batches)
     if trainer.max_steps < 0 or trainer.max_epochs is None or trainer.max_epochs < 0:
         return stepping_batches  # no max_steps: the epochs' steps; no max_epochs: max_steps
     return trainer.max_epochs * math.ceil(trainer.num_training_batches / trainer.accumulate_grad_batches)  # as Lightning counts them
@@ -242,8 +244,7 @@ def schedule_length(trainer) -> int:
 
 def optimizer_steps_per_epoch(trainer) -> int:
     """Optimizer steps per epoch as Lightning takes them, an epoch's last short window of accumulated batches included:
-    ceil(batches / accumulate_grad_batches), at least 1. A run of `max_steps` without `max_epochs` configures its
-    optimizer before Lightning counts the training batches (inf then): 1, as before this count existed."""
+    ceil(batches / accumulate_grad_batches), at least 1; 1 for a loader without a length (inf batches)."""
     batches = trainer.num_training_batches
     return max(1, math.ceil(batches / trainer.accumulate_grad_batches)) if math.isfinite(batches) else 1
 

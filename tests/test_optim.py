@@ -479,3 +479,18 @@ def test_a_group_at_lr_0_stays_at_0_through_a_warmup_from_a_start_lr():
     trainer = ten_epochs_of_ten_steps(batch_size=256)
     optimization = configure_optimization(trainer, groups, spec, ScheduleSpec(warmup_epochs=2, warmup_shape="s/(W-1)", warmup_start_lr=3e-5))
     assert [group["lr"] for group in optimization["optimizer"].param_groups] == [3e-5, 0.0]
+
+
+@pytest.mark.slow
+def test_a_run_of_max_steps_without_max_epochs_counts_its_epochs_in_its_own_batches(tmp_path):
+    """Lightning counts the training batches before `configure_optimizers` only for a run with `max_epochs`: a run of
+    `max_steps` alone took 1 step per epoch, so moco_digits' 1-epoch warm-up of 2 batches ended after 1 step."""
+    import main_pretrain
+    from test_cli import PRETRAIN_DIGITS, TINY_RUN
+
+    cli = main_pretrain.cli_main(["fit", "--config", PRETRAIN_DIGITS, *TINY_RUN, "--trainer.max_epochs=-1", "--trainer.max_steps=3",
+                                  "--trainer.logger=false", "--trainer.precision=32-true", f"--trainer.default_root_dir={tmp_path}"])
+    scheduler = cli.trainer.lr_scheduler_configs[0].scheduler
+    # the warm-up over the epoch's 2 steps ((s + 1) / W), then the cosine from the peak over the rest of max_steps
+    # (1 step per epoch gave 1.0, 1.0, 0.5: a 1-step warm-up and the cosine from the 2nd step)
+    assert [scheduler.lr_lambdas[0](step) for step in range(3)] == pytest.approx([0.5, 1.0, 1.0])
