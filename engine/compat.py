@@ -28,6 +28,7 @@ PRIVATE_ATTRIBUTES = {
         "fit_loop.epoch_progress.current.started",
         "fit_loop.epoch_loop.batch_idx",
         "fit_loop.epoch_loop.batch_progress.current.processed",
+        "fit_loop.setup_data",
     ],
     "WandbLogger": ["_experiment", "_name", "_save_dir", "_id", "_wandb_init"],
     "wandb.sdk.lib": ["runid.generate_id", "urls.DEFAULT_BASE_URL", "wbauth.read_netrc_auth"],
@@ -56,6 +57,12 @@ def stop_at_the_end_of_this_step(trainer: Trainer) -> None:
 def batch_in_epoch(trainer: Trainer) -> int:
     """The index of the training batch the fit loop is at in its epoch."""
     return trainer.fit_loop.epoch_loop.batch_idx
+
+
+def count_training_batches(trainer: Trainer) -> None:
+    """Set up the training data, so that `trainer.num_training_batches` is counted: `estimated_stepping_batches` does it
+    only for a run with `max_epochs` (it returns `max_steps` without)."""
+    trainer.fit_loop.setup_data()
 
 
 def data_position(trainer: Trainer) -> tuple[int, int]:

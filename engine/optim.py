@@ -16,6 +16,7 @@ from typing import Callable, Iterable, Literal
 import torch
 from torch.optim import Optimizer
 
+from engine.compat import count_training_batches
 from engine.config import check_choices
 from engine.lars import LARS
 
@@ -234,8 +235,8 @@ def schedule_length(trainer) -> int:
     `max_steps` (or `max_time`) stops it without changing its schedules, so that a run stopped early and resumed
     with a later stop trains as one that ran to that stop at once; without `max_epochs` (-1), `max_steps` is the
     length."""
-    if not math.isfinite(trainer.num_training_batches):  # estimated_stepping_batches counts them only for max_epochs
-        trainer.fit_loop.setup_data()
+    if not math.isfinite(trainer.num_training_batches):
+        count_training_batches(trainer)
     stepping_batches = int(trainer.estimated_stepping_batches)
     if trainer.max_steps < 0 or trainer.max_epochs is None or trainer.max_epochs < 0:
         return stepping_batches  # no max_steps: the epochs' steps; no max_epochs: max_steps
