@@ -7,6 +7,10 @@ orders (paper Eq. 2; byol/byol_experiment.py `_loss_fn`). The target momentum ri
 cosine over training, tau = 1 - (1 - tau_base)(cos(pi k / K) + 1) / 2 (byol/utils/schedules.py `target_ema`), the
 update made after each optimizer step (byol/byol_experiment.py `_update_fn`). The online linear classifier that
 the official loss adds on the detached features is the base's online probe.
+
+Multi-crop (not in BYOL's code): the local crops go through the online network only, and each one's prediction
+regresses the targets of both global views; the terms of every (global target, other crop) pair are summed, the
+official sum of the two view orders extended (vturrisi/solo-learn solo/methods/byol.py `training_step`).
 """
 
 import torch.nn as nn
@@ -20,6 +24,7 @@ from methods.pretrain import PretrainMethod
 
 class BYOL(MomentumMixin, PretrainMethod):
     views = ("first", "second")
+    multi_crop = True
 
     def __init__(
         self,
@@ -48,8 +53,10 @@ class BYOL(MomentumMixin, PretrainMethod):
                     module.reset_parameters()
 
     def step(self, batch):
-        first, second = batch["views"]["first"], batch["views"]["second"]
-        features1, prediction1 = self.embed(first)  # each view its own forward, as the official code
-        features2, prediction2 = self.embed(second)
-        target1, target2 = self.target_embed(first), self.target_embed(second)
-        return byol_loss(prediction1, prediction2, target1, target2), self.probe_features(features1, features2)
+        views = batch["views"]
+        predictions, features = self.embed_crops(views, self.views + self.local_crops, len(self.views))  # each crop its own forward, as the official code
+        target1, target2 = self.target_embed(views["first"]), self.target_embed(views["second"])
+        loss = byol_loss(predictions[0], predictions[1], target1, target2)
+        for prediction in predictions[2:]:  # a local crop in both prediction slots: its two pairs
+            loss = loss + byol_loss(prediction, prediction, target1, target2)
+        return loss, features

@@ -9,6 +9,9 @@ biased covariance Sigma_i, and the loss is the closed-form bound of infinitely m
 (JCL supplementary, Eq. S.3):
 log[exp(q.mu/tau + lambda/(2 tau^2) q'Sigma q) + sum_j exp(q.n_j/tau)] - q.mu/tau, in
 `methods.losses.jcl_loss`. The queue receives the mean keys mu, not re-normalised (official code).
+
+Multi-crop (not in JCL's code): the local crops are further queries of the online encoder against the same keys and
+queue; the loss is the mean over the queries, as MoCo's (juliendenize/eztorch shuffle_momentum_queue_base.py).
 """
 
 import torch
@@ -22,6 +25,7 @@ from methods.queues import KeyQueue
 
 class JCL(MomentumMixin, PretrainMethod):
     views = ("query", "keys")
+    multi_crop = True
 
     def __init__(
         self,
@@ -66,11 +70,12 @@ class JCL(MomentumMixin, PretrainMethod):
 
     def step(self, batch):
         views = batch["views"]
-        features, query = self.embed(views["query"])
+        queries, features = self.embed_crops(views, ("query", *self.local_crops))
         keys = self.embed_keys(views["keys"])
         lam = self.scheduled_lambda()
         # Eq. S.3 with mu_i and the biased (1/M') Sigma_i of the M' keys of image i (JCL's moco/moco_unlimit_key_default.py)
-        loss = jcl_loss(query, keys, self.queue.read(), self.temperature, lam)
+        queue = self.queue.read()
+        loss = torch.stack([jcl_loss(query, keys, queue, self.temperature, lam) for query in queries]).mean()
         self.queue.push(self.gather(keys.mean(dim=1)))  # mu_i, not re-normalised (official code, JCL supplementary, Sec. 3)
         # Mean diagonal of Sigma_i, tracked in training: the per-image key spread of JCL's Fig. 3(b)
         # (the main paper's figure; JCL supplementary, Sec. 5 says how it was made).

@@ -5,7 +5,13 @@ The query view goes through the online encoder, the key view through the momentu
 shuffle-BN); InfoNCE puts the positive key in column 0 against the queue of past keys; the keys are
 enqueued after the loss. The official code updates the momentum encoder at the start of the forward,
 this one right after each optimizer step: the same sequence of updates except for the very last.
+
+Multi-crop (not in MoCo's code): the local crops are further queries of the online encoder, each contrasted with the
+key view's key and the queue; the loss is the mean over the queries (juliendenize/eztorch, the SCE authors' MoCo,
+eztorch/models/siamese/shuffle_momentum_queue_base.py, its asymmetric `training_step`); only the key is enqueued.
 """
+
+import torch
 
 from methods.losses import check_hyperparameters, info_nce
 from methods.momentum import MomentumMixin, MomentumSpec
@@ -15,6 +21,7 @@ from methods.queues import KeyQueue
 
 class MoCoV2(MomentumMixin, PretrainMethod):
     views = ("query", "key")
+    multi_crop = True
 
     def __init__(
         self,
@@ -37,8 +44,9 @@ class MoCoV2(MomentumMixin, PretrainMethod):
         self.queue = KeyQueue(queue_size, self.projection_dim)
 
     def step(self, batch):
-        features, query = self.embed(batch["views"]["query"])
+        queries, features = self.embed_crops(batch["views"], ("query", *self.local_crops))
         key = self.target_embed(batch["views"]["key"])
-        loss = info_nce(query, key, self.queue.read(), self.temperature)
+        queue = self.queue.read()
+        loss = torch.stack([info_nce(query, key, queue, self.temperature) for query in queries]).mean()
         self.queue.push(self.gather(key))
         return loss, features

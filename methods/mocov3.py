@@ -9,6 +9,10 @@ optimizer step: the `cosine_mocov3` schedule, the same sequence). The heads (moc
 projector 2048-4096-256 ending in BN without affine parameters and predictor 256-4096-256; ViT, a 3-layer
 projector and a predictor ending in that BN too; no Linear has a bias. BatchNorm statistics are the global
 batch's (SyncBN, main_moco.py): trainer.sync_batchnorm, no shuffle-BN.
+
+Multi-crop (not in MoCo v3's code): the local crops are further queries of the online encoder, each contrasted with
+the keys of both global views; the terms of every (global key, other crop) pair are summed, the official sum of the
+two view orders extended (juliendenize/eztorch eztorch/models/siamese/mocov3.py `training_step`).
 """
 
 from backbones import MLPSpec
@@ -20,6 +24,7 @@ from methods.pretrain import PretrainMethod
 
 class MoCoV3(MomentumMixin, PretrainMethod):
     views = ("first", "second")
+    multi_crop = True
 
     def __init__(
         self,
@@ -42,10 +47,11 @@ class MoCoV3(MomentumMixin, PretrainMethod):
         self.init_momentum(momentum)
 
     def step(self, batch):
-        first, second = batch["views"]["first"], batch["views"]["second"]
-        features1, query1 = self.embed(first)  # each view its own forward, as moco/builder.py
-        features2, query2 = self.embed(second)
-        key1, key2 = self.gather(self.target_embed(first)), self.gather(self.target_embed(second))
-        offset = self.global_rank * len(query1)  # this process's keys in the gathered batch
-        loss = mocov3_loss(query1, key2, self.temperature, offset) + mocov3_loss(query2, key1, self.temperature, offset)
-        return loss, self.probe_features(features1, features2)
+        views = batch["views"]
+        queries, features = self.embed_crops(views, self.views + self.local_crops, len(self.views))  # each crop its own forward, as moco/builder.py
+        key1, key2 = self.gather(self.target_embed(views["first"])), self.gather(self.target_embed(views["second"]))
+        offset = self.global_rank * len(queries[0])  # this process's keys in the gathered batch
+        loss = mocov3_loss(queries[0], key2, self.temperature, offset) + mocov3_loss(queries[1], key1, self.temperature, offset)
+        for query in queries[2:]:
+            loss = loss + mocov3_loss(query, key1, self.temperature, offset) + mocov3_loss(query, key2, self.temperature, offset)
+        return loss, features

@@ -9,6 +9,10 @@ predictions gathered from every process with their gradients; the support set fi
 the normalised projections of the first view of every process. lightly (lightly/models/modules/
 nn_memory_bank.py, lightly/loss/ntx_ent_loss.py) keeps a per-process support set and a two-direction NT-Xent
 with same-view negatives instead.
+
+Multi-crop (not in solo-learn's NNCLR, which takes two crops): each local crop's predictions are contrasted with the
+nearest neighbours of both global views' projections; the loss is the mean over every (global view's neighbour, other
+crop) pair, the two pairs' mean extended; the support set receives the first view's projections only.
 """
 
 from backbones import MLPSpec
@@ -20,6 +24,7 @@ from methods.queues import KeyQueue
 
 class NNCLR(PretrainMethod):
     views = ("first", "second")
+    multi_crop = True
 
     def __init__(
         self,
@@ -42,14 +47,14 @@ class NNCLR(PretrainMethod):
         self.support_set = KeyQueue(queue_size, self.projection_dim)
 
     def step(self, batch):
-        features1, projection1, prediction1 = self.embed_and_predict(batch["views"]["first"])
-        features2, projection2, prediction2 = self.embed_and_predict(batch["views"]["second"])
+        crops = self.crops(batch["views"], self.views + self.local_crops)
+        outputs, features = self.encode_crops(crops, self.backbone, self.project_and_predict, len(self.views))
+        (projection1, _), (projection2, _) = outputs[:2]
         support = self.support_set.read()  # the neighbours come from the queue before this step's projections
         offset = self.global_rank * len(projection1)  # this process's rows in the gathered predictions
-        predictions1, predictions2 = self.gather_with_grad(prediction1), self.gather_with_grad(prediction2)
-        loss = (
-            nnclr_loss(projection1, predictions2, support, self.temperature, offset)
-            + nnclr_loss(projection2, predictions1, support, self.temperature, offset)
-        ) / 2
+        predictions = [self.gather_with_grad(prediction) for _, prediction in outputs]
+        total = nnclr_loss(projection1, predictions[1], support, self.temperature, offset) + nnclr_loss(projection2, predictions[0], support, self.temperature, offset)
+        for gathered in predictions[2:]:
+            total = total + nnclr_loss(projection1, gathered, support, self.temperature, offset) + nnclr_loss(projection2, gathered, support, self.temperature, offset)
         self.support_set.push(self.gather(projection1))
-        return loss, self.probe_features(features1, features2)
+        return total / (2 * (len(outputs) - 1)), features

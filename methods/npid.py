@@ -9,9 +9,15 @@ denominator (their hard contrastive loss). After the loss, the bank entries of t
 the new embeddings with momentum 0.5 (7.2). The bank holds one entry per training image; its size is
 read from the DataModule at setup, or from the checkpoint when a trained model is loaded.
 `log_eps: 1.0e-7` is the author code's -log(p + 1e-7) (its `objective.py`, both losses); 0 is -log p.
+
+Multi-crop (not in NPID's code): the local crops are further anchors with the same positive entry and bank; the loss
+is the mean over the anchors, as MoCo's over its queries (juliendenize/eztorch shuffle_momentum_queue_base.py); only
+the view's embedding moves the bank.
 """
 
 from typing import Literal
+
+import torch
 
 from methods.losses import check_hyperparameters, contrastive_loss
 from methods.pretrain import PretrainMethod
@@ -20,6 +26,7 @@ from methods.queues import MemoryBank
 
 class NPID(PretrainMethod):
     views = ("image",)
+    multi_crop = True
 
     def __init__(
         self,
@@ -69,11 +76,12 @@ class NPID(PretrainMethod):
             self.build_bank(len(checkpoint["state_dict"]["bank.entries"]))
 
     def step(self, batch):
-        features, embedding = self.embed(batch["views"]["image"])
+        anchors, features = self.embed_crops(batch["views"], ("image", *self.local_crops))
         index = batch["index"]
         bank = self.bank.read()  # the entries before this step's update
-        loss = contrastive_loss(
-            embedding, bank[index], bank, self.temperature, num_hard=self.num_hard, exclude=index, log_eps=self.log_eps
-        )
-        self.bank.update(self.gather(index), self.gather(embedding), self.bank_momentum)
+        loss = torch.stack([
+            contrastive_loss(anchor, bank[index], bank, self.temperature, num_hard=self.num_hard, exclude=index, log_eps=self.log_eps)
+            for anchor in anchors
+        ]).mean()
+        self.bank.update(self.gather(index), self.gather(anchors[0]), self.bank_momentum)
         return loss, features

@@ -89,12 +89,16 @@ class PretrainMethod(MethodBase):
         features = self.backbone(images)
         return features, F.normalize(self.predictor(self.projector(features)), dim=1)
 
-    def embed_and_predict(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Online branch of a method that reads the projection before the predictor too (SimSiam's targets,
-        NNCLR's nearest-neighbour queries): trunk features, L2-normalised projection and prediction."""
-        features = self.backbone(images)
+    def project_and_predict(self, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head of a method that reads the projection before the predictor too (SimSiam's targets, NNCLR's
+        nearest-neighbour queries): the L2-normalised projection and prediction of trunk features."""
         projection = self.projector(features)
-        return features, F.normalize(projection, dim=1), F.normalize(self.predictor(projection), dim=1)
+        return F.normalize(projection, dim=1), F.normalize(self.predictor(projection), dim=1)
+
+    def embed_and_predict(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Online branch with `project_and_predict`: trunk features, projection and prediction."""
+        features = self.backbone(images)
+        return features, *self.project_and_predict(features)
 
     def crops(self, views: dict[str, torch.Tensor], names: Sequence[str]) -> list[torch.Tensor]:
         """Every crop of the named views, in order: a view with `count: N`, shaped (B, N, C, H, W), gives N crops."""
@@ -109,7 +113,7 @@ class PretrainMethod(MethodBase):
         """`head(trunk(crop))` for each crop, batched as `crop_batching` says, and the trunk features of the first
         `global_crops` crops, concatenated (for the online probe). `by_resolution` concatenates each run of consecutive
         crops of one resolution into one trunk forward and runs the head once on all of them, so that its BatchNorm
-        sees every crop."""
+        sees every crop. A head may return a tuple (`project_and_predict`): each crop's output is then a tuple."""
         if self.crop_batching == "per_crop":
             features = [trunk(crop) for crop in crops]
             return [head(feature) for feature in features], self.probe_features(*features[:global_crops])
@@ -120,7 +124,9 @@ class PretrainMethod(MethodBase):
             else:
                 runs.append([crop])
         features = torch.cat([trunk(torch.cat(run)) for run in runs])
-        return list(head(features).split(crops[0].shape[0])), features[: global_crops * crops[0].shape[0]]  # a view, no copy
+        outputs, batch = head(features), crops[0].shape[0]
+        per_crop = list(zip(*(output.split(batch) for output in outputs))) if isinstance(outputs, tuple) else list(outputs.split(batch))
+        return per_crop, features[: global_crops * batch]  # a view, no copy
 
     def embed_crops(self, views: dict[str, torch.Tensor], names: Sequence[str], global_crops: int = 1) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Online projections (`embed`) of every crop of the named views, in order, and the trunk features of the

@@ -8,16 +8,20 @@ google-research/simclr's `objective.add_contrastive_loss` sums the means of the 
 (`sum_of_directions`): the scale its lr and weight decay were tuned at, which LARS does not undo for the
 parameters it excludes from adaptation, nor for the weight decay of those it adapts.
 With `num_hard`, Wang & Liu's hard contrastive loss replaces NT-Xent (their SimCLR experiments).
+
+Multi-crop (not in SimCLR's code): the local crops' embeddings join the contrast, every other crop of an anchor's image
+its positive (`nt_xent_multi_crop`, vturrisi/solo-learn solo/methods/simclr.py); each local crop its own forward.
 """
 
 import torch
 
-from methods.losses import check_hyperparameters, contrastive_loss, nt_xent
+from methods.losses import check_hyperparameters, contrastive_loss, nt_xent, nt_xent_multi_crop
 from methods.pretrain import PretrainMethod
 
 
 class SimCLR(PretrainMethod):
     views = ("first", "second")
+    multi_crop = True
 
     def __init__(self, temperature: float = 0.5, num_hard: int | None = None, sum_of_directions: bool = False, **kwargs):
         """
@@ -31,6 +35,8 @@ class SimCLR(PretrainMethod):
             **kwargs: the PretrainMethod arguments (backbone, projector, optimizer, schedule, ...).
         """
         check_hyperparameters("model.", temperature=temperature, num_hard=num_hard)
+        if num_hard is not None and kwargs.get("local_crops"):
+            raise ValueError(f"model.num_hard {num_hard} with model.local_crops {list(kwargs['local_crops'])}: the hard loss is for two views only")
         super().__init__(**kwargs)
         self.temperature, self.num_hard = temperature, num_hard
         self.directions = 2 if sum_of_directions else 1
@@ -40,6 +46,10 @@ class SimCLR(PretrainMethod):
         features, embeddings = self.embed(torch.cat([first, second]))
         z1, z2 = embeddings.chunk(2)
         z1, z2 = self.gather_with_grad(z1), self.gather_with_grad(z2)
+        if self.local_crops:
+            local, _ = self.embed_crops(batch["views"], self.local_crops)
+            crops = torch.stack([z1, z2, *(self.gather_with_grad(z) for z in local)], dim=1)
+            return self.directions * nt_xent_multi_crop(crops, self.temperature), features
         if self.num_hard is None:
             return self.directions * nt_xent(z1, z2, self.temperature), features
         # The hard loss over the same 2B_g anchors: the negatives of an anchor are the batch without itself

@@ -7,8 +7,13 @@ Its learning rate is fixed, not decayed (main_simsiam.py `--fix-pred-lr`, paper 
 it in `optimizer.fixed_lr_modules`. The projector ends with BN without affine parameters; the official one's last
 Linear is the ResNet's own `fc`, whose bias it keeps but never trains (simsiam/builder.py), as here when the
 projector is configured with that bias (`last_bias: true`).
+
+Multi-crop (not in SimSiam's code, nor in solo-learn's): each local crop's prediction matches the projections of both
+global views, as BYOL's local crops regress both targets (solo-learn solo/methods/byol.py); the loss is the mean over
+every (global projection, other crop) pair, the official mean of the two view orders extended.
 """
 
+import torch
 import torch.nn as nn
 
 from backbones import MLPSpec
@@ -19,6 +24,7 @@ from methods.pretrain import PretrainMethod
 
 class SimSiam(PretrainMethod):
     views = ("first", "second")
+    multi_crop = True
 
     def __init__(self, predictor: MLPSpec = MLPSpec(hidden_dim=512, output_dim=2048), **kwargs):
         """
@@ -33,6 +39,10 @@ class SimSiam(PretrainMethod):
             last_linear.bias.requires_grad_(False)  # cancelled by the BN after it: kept at its initial value
 
     def step(self, batch):
-        features1, projection1, prediction1 = self.embed_and_predict(batch["views"]["first"])
-        features2, projection2, prediction2 = self.embed_and_predict(batch["views"]["second"])
-        return simsiam_loss(prediction1, prediction2, projection1, projection2), self.probe_features(features1, features2)
+        crops = self.crops(batch["views"], self.views + self.local_crops)
+        outputs, features = self.encode_crops(crops, self.backbone, self.project_and_predict, len(self.views))
+        (projection1, prediction1), (projection2, prediction2) = outputs[:2]
+        losses = [simsiam_loss(prediction1, prediction2, projection1, projection2)]
+        # a local crop in both prediction slots: the mean of its two pairs
+        losses += [simsiam_loss(prediction, prediction, projection1, projection2) for _, prediction in outputs[2:]]
+        return torch.stack(losses).mean(), features

@@ -10,9 +10,14 @@ TCL paper avoids them to compare the two losses directly (TCL supplement 2.1).
 Positives are the other crops of the anchor's class (`positives: class`, the supervised setting) or of
 the anchor's own image (`positives: instance`, self-supervised TCL, TCL supplementary, Sec. 2.3). The second stage is a
 linear classifier on the frozen trunk (`main_linear.py`, configs/linear_tcl_<dataset>.yaml).
+
+Multi-crop: the local crops are further views of each image in the same loss (SupContrast's loss takes any number of
+views; solo-learn solo/methods/supcon.py contrasts every crop), each local crop its own forward.
 """
 
 from typing import Literal
+
+import torch
 
 from methods.losses import check_hyperparameters, supcon_loss, tcl_loss
 from methods.pretrain import PretrainMethod
@@ -20,6 +25,7 @@ from methods.pretrain import PretrainMethod
 
 class SupCon(PretrainMethod):
     views = ("crops",)
+    multi_crop = True
 
     def __init__(
         self,
@@ -64,9 +70,13 @@ class SupCon(PretrainMethod):
         crops = batch["views"]["crops"]  # (B, V, C, H, W)
         batch_size, num_crops = crops.shape[:2]
         features, projections = self.embed(crops.flatten(0, 1))
+        projections = projections.view(batch_size, num_crops, -1)
+        if self.local_crops:
+            local, _ = self.embed_crops(batch["views"], self.local_crops)
+            projections = torch.cat([projections, torch.stack(local, dim=1)], dim=1)
         # Gathered in rank order with gradients, so the negatives of every anchor span the global batch;
         # as (B, V·D) rows, whose gradient is contiguous (gloo's backward scatters strided ones out of order).
-        projections = self.gather_with_grad(projections.view(batch_size, -1)).view(-1, num_crops, self.projection_dim)
+        projections = self.gather_with_grad(projections.reshape(batch_size, -1)).view(-1, projections.shape[1], self.projection_dim)
         # Instance positives: labels None makes image i of the gathered batch its own class.
         labels = self.gather(batch["label"]) if self.positives == "class" else None
         if self.loss == "tcl":

@@ -34,7 +34,7 @@ from backbones import BackboneSpec, MLPSpec
 from datamodules import DigitsDataModule
 from engine.optim import OptimizerSpec
 from engine.preemption import LastCheckpointOnSigterm, PreemptionSignals
-from methods import BYOL, DINO, NNCLR, SCE, BarlowTwins, MoCoV2, MoCoV3, MultiTaskContrast, PaCo, SimSiam, SupCon, SwAV, VICReg
+from methods import BYOL, DINO, NNCLR, SCE, BarlowTwins, MoCoV2, MoCoV3, MultiTaskContrast, PaCo, SimCLR, SimSiam, SupCon, SwAV, VICReg
 from methods.momentum import MomentumSpec
 
 pytestmark = pytest.mark.slow  # two processes each: left out of the inner loop (`pytest -m "not slow"`)
@@ -66,15 +66,21 @@ METHODS = {  # name: (model, the views it reads)
     "vicreg": (lambda: VICReg(optimizer=STEP, **PRETRAIN), GLOBAL_VIEWS),
     "swav": (lambda: SwAV(num_prototypes=5, queue_size=GLOBAL_BATCH, queue_start_epoch=0, freeze_prototypes_steps=0, optimizer=STEP, **PRETRAIN), GLOBAL_VIEWS),
     "dino": (lambda: DINO(out_dim=6, freeze_last_layer_epochs=0, momentum=NO_SHUFFLE, optimizer=STEP | {"clip_grad_per_parameter": 0.5}, **PRETRAIN), GLOBAL_VIEWS),
+    # multi-crop: local crops contrasted across processes (gathered with their gradients, or against gathered keys)
+    "simclr_local": (lambda: SimCLR(temperature=0.2, local_crops=["local"], **PRETRAIN), (*TWO_VIEWS, "local")),
+    "nnclr_local": (lambda: NNCLR(queue_size=32, predictor=PREDICTOR, local_crops=["local"], **PRETRAIN), (*TWO_VIEWS, "local")),
+    "supcon_local": (lambda: SupCon(loss="supcon", temperature=0.1, local_crops=["local"], **PRETRAIN), ("crops", "local")),
+    "mocov3_local": (lambda: MoCoV3(temperature=0.2, predictor=PREDICTOR, momentum=NO_SHUFFLE, local_crops=["local"], **PRETRAIN), (*TWO_VIEWS, "local")),
 }
+CROPS = {"crops": (2, 3, 16, 16), "local": (2, 3, 8, 8)}  # the views of several crops: SupCon's 2 crops, 2 local crops
 GRADIENTS_KEPT = ("barlow_twins", "vicreg", "swav", "dino")  # their gradients are compared too (`grad:` entries)
 EQUIVALENT = sorted(set(METHODS) - {"paco_local"})
 
 
 def global_batch(views: tuple[str, ...]) -> list[dict]:
-    """The 2B samples of the step: fixed images per view (SupCon's `crops` holds 2 crops per image)."""
+    """The 2B samples of the step: fixed images per view (SupCon's `crops` and the local crops hold 2 crops per image)."""
     generator = torch.Generator().manual_seed(1)
-    images = {name: torch.rand(GLOBAL_BATCH, *((2,) if name == "crops" else ()), 3, 16, 16, generator=generator) for name in views}
+    images = {name: torch.rand(GLOBAL_BATCH, *CROPS.get(name, (3, 16, 16)), generator=generator) for name in views}
     labels = torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])  # every class on both processes' halves
     return [{"views": {name: images[name][i] for name in views}, "label": labels[i], "index": i} for i in range(GLOBAL_BATCH)]
 
@@ -86,7 +92,7 @@ class FixedBatch(L.LightningDataModule):
     def __init__(self, views: tuple[str, ...], world_size: int):
         super().__init__()
         self.view_names, self.samples = views, global_batch(views)
-        self.views = {name: SimpleNamespace(count=2 if name == "crops" else 1) for name in views}  # as data.views
+        self.views = {name: SimpleNamespace(count=CROPS[name][0] if name in CROPS else 1) for name in views}  # as data.views
         self.batch_size = GLOBAL_BATCH // world_size  # per process, as data.batch_size
         self.num_classes = NUM_CLASSES
 

@@ -5,10 +5,14 @@ crop at a time or batched by resolution, as the official `MultiCropWrapper` (fac
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from helpers import TINY_BACKBONE, TINY_PROJECTOR, digits
 
-from methods import DINO, SCE, MoCoV2
+from backbones import MLPSpec
+from methods import BYOL, DINO, JCL, NNCLR, NPID, SCE, MoCoV2, MoCoV3, SimCLR, SimSiam, SupCon
+from methods.losses import contrastive_loss, info_nce, jcl_loss, mocov3_loss, nnclr_loss, nt_xent, nt_xent_multi_crop, supcon_loss
 from methods.momentum import MomentumSpec
+from methods.pretrain import PretrainMethod
 
 GLOBAL_LOCAL = {
     "weak": {"preset": "crop_flip"},
@@ -76,6 +80,19 @@ def test_by_resolution_batching_concatenates_runs_of_one_resolution_and_runs_the
     torch.testing.assert_close(features, trunk(torch.cat(crops[:2]))[:4])
 
 
+def test_by_resolution_batching_splits_every_output_of_a_head_that_returns_several():
+    """SimSiam's and NNCLR's head returns the projection and the prediction (`project_and_predict`)."""
+    model = sce()
+    model.crop_batching = "by_resolution"
+    crops = [torch.randn(4, 3, 8, 8), torch.randn(4, 3, 8, 8), torch.randn(4, 3, 4, 4)]
+    outputs, _ = model.encode_crops(crops, CountingTrunk(), lambda features: (2 * features, features + 1))
+    features = torch.cat([CountingTrunk()(torch.cat(crops[:2])), CountingTrunk()(crops[2])])
+    assert [len(output) for output in outputs] == [2, 2, 2]
+    for index, (doubled, shifted) in enumerate(outputs):
+        torch.testing.assert_close(doubled, 2 * features[4 * index : 4 * index + 4])
+        torch.testing.assert_close(shifted, features[4 * index : 4 * index + 4] + 1)
+
+
 def test_a_config_may_choose_the_crop_batching_of_a_method_whose_official_code_batches_by_resolution():
     """solo-learn forwards every crop on its own, also for DINO and SwAV (solo/methods/base.py training_step)."""
     options = dict(backbone=TINY_BACKBONE, projector=TINY_PROJECTOR, out_dim=16, knn_k=0)
@@ -96,5 +113,142 @@ def test_local_crops_are_consumed_views_that_the_data_must_provide():
 
 
 def test_a_method_without_a_branch_for_local_crops_refuses_them():
-    with pytest.raises(ValueError, match=r"model.local_crops \['local'\]: MoCoV2 has no branch for local crops"):
-        MoCoV2(backbone=TINY_BACKBONE, projector=TINY_PROJECTOR, queue_size=256, knn_k=0, local_crops=["local"])
+    """A new method must say that its `step` reads `local_crops` (every shipped pretraining method does)."""
+
+    class TwoViewsOnly(PretrainMethod):
+        views = ("first", "second")
+
+    with pytest.raises(ValueError, match=r"model.local_crops \['local'\]: TwoViewsOnly has no branch for local crops"):
+        TwoViewsOnly(backbone=TINY_BACKBONE, projector=TINY_PROJECTOR, knn_k=0, local_crops=["local"])
+
+
+# Every pretraining method with 2 local crops of 16 px: its step's loss against the loop of the reference it follows,
+# written out here over separately computed embeddings (BatchNorm in training mode: each crop its own forward, as the
+# methods' per-crop batching), so that a pair left out, a sum taken for a mean or a local crop sent to the target fails.
+BATCH, LOCAL = 8, 2
+PREDICTOR = MLPSpec(hidden_dim=32, output_dim=TINY_PROJECTOR.output_dim)
+NO_SHUFFLE = MomentumSpec(base=0.99, shuffle_bn=False)
+
+
+def views_and_local_crops(*names: str, **shaped: tuple) -> dict:
+    generator = torch.Generator().manual_seed(0)
+    views = {name: torch.randn(BATCH, 3, 32, 32, generator=generator) for name in names}
+    views |= {name: torch.randn(BATCH, *shape, generator=generator) for name, shape in shaped.items()}
+    return views | {"local": torch.randn(BATCH, LOCAL, 3, 16, 16, generator=generator)}
+
+
+def local_crops(views: dict) -> list:
+    return list(views["local"].unbind(1))
+
+
+def online(model, images):
+    return model.embed(images)[1]
+
+
+def step_loss(model, batch) -> torch.Tensor:
+    with torch.no_grad():
+        return model.step(batch)[0]
+
+
+@torch.no_grad()
+def test_moco_v2_contrasts_each_local_crop_with_the_key_and_the_queue_and_averages_as_eztorch():
+    model = MoCoV2(backbone=TINY_BACKBONE, projector=TINY_PROJECTOR, queue_size=64, momentum=NO_SHUFFLE, knn_k=0, local_crops=["local"])
+    views = views_and_local_crops("query", "key")
+    queue, key = model.queue.read().clone(), model.target_embed(views["key"])
+    queries = [online(model, views["query"])] + [online(model, crop) for crop in local_crops(views)]
+    expected = sum(info_nce(query, key, queue, model.temperature) for query in queries) / len(queries)  # tot_loss /= num_crops - 1
+    torch.testing.assert_close(step_loss(model, {"views": views}), expected)
+    torch.testing.assert_close(model.queue.read()[:BATCH], key)  # the key alone entered the queue
+
+
+@torch.no_grad()
+def test_moco_v3_sums_every_pair_of_a_global_key_and_another_crop_as_eztorch():
+    model = MoCoV3(backbone=TINY_BACKBONE, projector=TINY_PROJECTOR, predictor=PREDICTOR, temperature=0.2, knn_k=0, local_crops=["local"])
+    views = views_and_local_crops("first", "second")
+    keys = [model.target_embed(views[name]) for name in ("first", "second")]
+    queries = [online(model, views[name]) for name in ("first", "second")] + [online(model, crop) for crop in local_crops(views)]
+    expected = sum(mocov3_loss(queries[j], keys[i], 0.2) for i in range(2) for j in range(len(queries)) if j != i)
+    torch.testing.assert_close(step_loss(model, {"views": views}), expected)
+
+
+@torch.no_grad()
+def test_byol_sums_the_regression_of_every_other_crop_on_each_global_target_as_solo_learn():
+    model = BYOL(backbone=TINY_BACKBONE, projector=TINY_PROJECTOR, predictor=PREDICTOR, knn_k=0, local_crops=["local"])
+    views = views_and_local_crops("first", "second")
+    targets = [model.target_embed(views[name]) for name in ("first", "second")]
+    predictions = [online(model, views[name]) for name in ("first", "second")] + [online(model, crop) for crop in local_crops(views)]
+    # solo/losses/byol.py byol_loss_func: 2 - 2 cos, mean over the batch; solo/methods/byol.py sums the pairs
+    expected = sum((2 - 2 * (predictions[j] * targets[i]).sum(dim=1)).mean() for i in range(2) for j in range(len(predictions)) if j != i)
+    torch.testing.assert_close(step_loss(model, {"views": views}), expected)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("method", ["SimSiam", "NNCLR"])
+def test_simsiam_and_nnclr_average_over_every_pair_of_a_global_target_and_another_crop(method):
+    model = (SimSiam(predictor=PREDICTOR, backbone=TINY_BACKBONE, projector=TINY_PROJECTOR, knn_k=0, local_crops=["local"]) if method == "SimSiam"
+             else NNCLR(queue_size=32, predictor=PREDICTOR, backbone=TINY_BACKBONE, projector=TINY_PROJECTOR, knn_k=0, local_crops=["local"]))
+    if method == "NNCLR":
+        model.support_set.push(F.normalize(torch.randn(32, TINY_PROJECTOR.output_dim, generator=torch.Generator().manual_seed(1)), dim=1))
+    views = views_and_local_crops("first", "second")
+    embedded = [model.embed_and_predict(views[name])[1:] for name in ("first", "second")] + [model.embed_and_predict(crop)[1:] for crop in local_crops(views)]
+    support = model.support_set.read().clone() if method == "NNCLR" else None
+
+    def pair(target: int, crop: int) -> torch.Tensor:
+        projection, prediction = embedded[target][0], embedded[crop][1]
+        if method == "SimSiam":
+            return -(prediction * projection).sum(dim=1).mean()  # D(p, sg(z)), main_simsiam.py's criterion
+        return nnclr_loss(projection, prediction, support, model.temperature)
+
+    pairs = [pair(i, j) for i in range(2) for j in range(len(embedded)) if j != i]
+    torch.testing.assert_close(step_loss(model, {"views": views}), sum(pairs) / len(pairs))
+
+
+@torch.no_grad()
+def test_simclr_contrasts_every_crop_with_the_other_crops_of_its_image_as_solo_learn():
+    model = SimCLR(backbone=TINY_BACKBONE, projector=TINY_PROJECTOR, temperature=0.2, knn_k=0, local_crops=["local"])
+    views = views_and_local_crops("first", "second")
+    z = torch.cat([online(model, torch.cat([views["first"], views["second"]]))] + [online(model, crop) for crop in local_crops(views)])
+    # solo/losses/simclr.py simclr_loss_func, one process: the positives summed inside the log
+    indexes = torch.arange(BATCH).repeat(2 + LOCAL)
+    similarity = torch.exp(z @ z.T / 0.2)
+    positive = (indexes[:, None] == indexes[None, :]).fill_diagonal_(False)
+    negative = indexes[:, None] != indexes[None, :]
+    pos, neg = (similarity * positive).sum(dim=1), (similarity * negative).sum(dim=1)
+    torch.testing.assert_close(step_loss(model, {"views": views}), -torch.log(pos / (pos + neg)).mean())
+    with pytest.raises(ValueError, match=r"model.num_hard 4 with model.local_crops \['local'\]: the hard loss is for two views only"):
+        SimCLR(backbone=TINY_BACKBONE, projector=TINY_PROJECTOR, num_hard=4, knn_k=0, local_crops=["local"])
+
+
+def test_simclrs_multi_crop_loss_with_two_crops_is_nt_xent():
+    generator = torch.Generator().manual_seed(0)
+    z1, z2 = (F.normalize(torch.randn(6, 5, generator=generator), dim=1) for _ in range(2))
+    torch.testing.assert_close(nt_xent_multi_crop(torch.stack([z1, z2], dim=1), 0.3), nt_xent(z1, z2, 0.3))
+
+
+@torch.no_grad()
+def test_supcon_takes_the_local_crops_as_further_views_of_its_loss():
+    model = SupCon(backbone=TINY_BACKBONE, projector=TINY_PROJECTOR, temperature=0.1, knn_k=0, local_crops=["local"])
+    views = views_and_local_crops(crops=(2, 3, 32, 32))
+    labels = torch.tensor([0, 1, 0, 1, 2, 2, 3, 0])
+    crops = online(model, views["crops"].flatten(0, 1)).view(BATCH, 2, -1)
+    features = torch.cat([crops, torch.stack([online(model, crop) for crop in local_crops(views)], dim=1)], dim=1)
+    torch.testing.assert_close(step_loss(model, {"views": views, "label": labels}), supcon_loss(features, labels, 0.1, 0.1))
+
+
+@torch.no_grad()
+def test_jcl_and_npid_average_their_loss_over_the_view_and_the_local_crops_against_the_same_positives():
+    jcl = JCL(backbone=TINY_BACKBONE, projector=TINY_PROJECTOR, queue_size=64, momentum=NO_SHUFFLE, knn_k=0, local_crops=["local"])
+    views = views_and_local_crops("query", keys=(3, 3, 32, 32))
+    keys, queue = jcl.embed_keys(views["keys"]), jcl.queue.read().clone()
+    queries = [online(jcl, views["query"])] + [online(jcl, crop) for crop in local_crops(views)]
+    expected = sum(jcl_loss(query, keys, queue, jcl.temperature, jcl.jcl_lambda) for query in queries) / len(queries)
+    torch.testing.assert_close(step_loss(jcl, {"views": views}), expected)
+
+    npid = NPID(backbone=TINY_BACKBONE, projector=TINY_PROJECTOR, temperature=0.2, knn_k=0, local_crops=["local"])
+    npid.build_bank(20)
+    views, index = views_and_local_crops("image"), torch.arange(3, 3 + BATCH)
+    bank, view = npid.bank.read().clone(), online(npid, views["image"])
+    anchors = [view] + [online(npid, crop) for crop in local_crops(views)]
+    expected = sum(contrastive_loss(anchor, bank[index], bank, 0.2, exclude=index) for anchor in anchors) / len(anchors)
+    torch.testing.assert_close(step_loss(npid, {"views": views, "index": index}), expected)
+    torch.testing.assert_close(npid.bank.read()[index], F.normalize(0.5 * bank[index] + 0.5 * view, dim=1))  # the view alone moved the bank

@@ -24,7 +24,7 @@ from methods.losses.common import HYPERPARAMETER_DOMAINS, check_hyperparameters
 from methods.losses.contrastive import contrastive_loss, info_nce, jcl_loss, mocov3_loss, nnclr_loss, nt_xent
 from methods.losses.predictive import byol_loss, simsiam_loss
 from methods.losses.relational import ressl_loss, sce_loss
-from methods.losses.supervised import paco_loss, supcon_loss, tcl_loss
+from methods.losses.supervised import nt_xent_multi_crop, paco_loss, supcon_loss, tcl_loss
 from methods.losses.redundancy import barlow_twins_loss, vicreg_loss
 from methods.losses.clustering import dino_loss, sinkhorn_knopp, swav_loss
 
@@ -38,6 +38,7 @@ __all__ = [
     "mocov3_loss",
     "nnclr_loss",
     "nt_xent",
+    "nt_xent_multi_crop",
     "paco_loss",
     "ressl_loss",
     "sce_loss",

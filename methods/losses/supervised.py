@@ -1,5 +1,5 @@
 """Losses with labels: SupCon's single masked loss over V views per image, TCL's bounded variant, and PaCo's contrast
-with learnable class centres."""
+with learnable class centres; and, in SupCon's layout with the image as the label, SimCLR's loss over V crops."""
 
 import torch
 from torch import Tensor
@@ -39,6 +39,18 @@ def check_multiview(features: Tensor, labels: Tensor | None, temperature: float)
     if labels is not None:
         check_labels("labels", labels, features.shape[0])
     check_hyperparameters(temperature=temperature)
+
+
+@float32_math
+def nt_xent_multi_crop(features: Tensor, temperature: float) -> Tensor:
+    """SimCLR's NT-Xent over the V crops of each image, (B, V, D): the other crops of an anchor's image are its
+    positives, summed inside the log, ``-log(sum_pos e^{s/T} / sum_{a != anchor} e^{s/T})``, mean over the V·B anchors
+    (vturrisi/solo-learn solo/losses/simclr.py, its multi-crop SimCLR; SupCon's L_in with the image as the label,
+    Khosla et al. Eq. 3). With two crops it is `nt_xent`."""
+    check_multiview(features, None, temperature)
+    similarity, positive, not_self = multiview_similarities(features, None, features.shape[0] * features.shape[1])
+    logits = similarity / temperature
+    return (masked_logsumexp(logits, not_self) - masked_logsumexp(logits, positive)).mean()
 
 
 @float32_math
