@@ -56,3 +56,17 @@ class CheckpointRecord:
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         checked_record(checkpoint, "the checkpoint being loaded")
         super().on_load_checkpoint(checkpoint)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """A strict load of tensors other than the model's is one error naming some of them (torch's is a traceback):
+        a checkpoint of the method's code before a buffer or parameter was added, or of another configuration."""
+        if strict:
+            own, given = set(self.state_dict()), set(state_dict)
+            missing, unexpected = sorted(own - given), sorted(given - own)
+            if missing or unexpected:
+                raise CheckpointMismatch(
+                    f"the checkpoint being loaded does not fit this {type(self).__name__}: it lacks {len(missing)} of its tensors "
+                    f"{missing[:3]} and holds {len(unexpected)} it has not {unexpected[:3]} (written by the method's code before a "
+                    "buffer or parameter was added or removed, or with another configuration)"
+                )
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)

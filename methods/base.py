@@ -35,6 +35,7 @@ from engine.optim import (
     schedule_weight_decay_,
 )
 from engine.checkpoint_record import CheckpointRecord
+from methods.contract import check_method_class
 from methods.evaluation import EvaluationMixin
 from methods.queues import KeyQueue
 
@@ -80,15 +81,7 @@ class MethodBase(EvaluationMixin, CheckpointRecord, L.LightningModule):
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        order = cls.__mro__
-        late = [mixin for mixin in order[order.index(MethodBase):] if issubclass(mixin, MethodMixin)]
-        if late:
-            hooks = sorted(name for name in vars(late[0]) if not name.startswith("__") and hasattr(L.LightningModule, name))
-            base = next(parent for parent in cls.__bases__ if issubclass(parent, MethodBase))
-            raise TypeError(
-                f"class {cls.__name__}: {late[0].__name__} must come before {base.__name__} in its bases "
-                f"(class {cls.__name__}({late[0].__name__}, {base.__name__})), or its hooks {hooks} never run"
-            )
+        check_method_class(cls, MethodBase)
 
     def __init__(
         self,

@@ -31,7 +31,10 @@ def method_class(checkpoint: dict, source: str) -> tuple[str, type] | None:
         return None
     try:
         return class_path, class_at(class_path)
-    except (ImportError, AttributeError):
+    except ImportError as error:  # a method module outside the repository, not on the path here, or failing to import
+        raise CheckpointMismatch(f"{source} names the class {class_path}, whose module cannot be imported here ({error}): "
+                                 "a method outside methods/ needs its folder on PYTHONPATH") from None
+    except AttributeError:
         raise CheckpointMismatch(f"{source} names the class {class_path}, which this contrastlab does not have") from None
 
 

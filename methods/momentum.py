@@ -136,6 +136,8 @@ class MomentumMixin(MethodMixin):
     def check_data(self, datamodule, world_size: int) -> None:
         """Split BatchNorm (`momentum.split_bn`) normalises each of its groups of a batch on its own: the batch must
         split evenly, with at least 2 images per group."""
+        if not hasattr(self, "momentum_spec"):
+            raise ValueError(f"{type(self).__name__} has no momentum encoder: its __init__ must end with self.init_momentum(momentum)")
         super().check_data(datamodule, world_size)
         groups, batch = self.momentum_spec.split_bn, datamodule.batch_size
         if groups > 1 and (batch % groups or batch // groups < 2):

@@ -44,6 +44,8 @@ class KeyQueue(nn.Module):
         """Enqueue already-gathered keys (and labels) in order, overwriting the oldest entries. At most `size`
         keys: `MethodBase.check_data` refuses, before training, a queue smaller than the keys of a step."""
         count = keys.shape[0]
+        if count > self.size:  # the slots would repeat: a method that enqueues more keys per image than its keys_per_sample says
+            raise ValueError(f"{count} keys pushed into a queue of {self.size}: a step's keys must fit (the method's keys_per_sample)")
         if (labels is None) != (self.labels is None):
             raise ValueError("labels must be given exactly when the queue keeps labels")
         slots = (self.pointer + torch.arange(count, device=keys.device)) % self.size

@@ -672,3 +672,6 @@ def test_check_hyperparameters_names_where_the_value_came_from_and_skips_unset_v
         check_hyperparameters("model.", temperature=0.1, coeff=1.5)
     with pytest.raises(ValueError, match=r"^temperature must be > 0, got -0.5$"):
         check_hyperparameters(temperature=torch.tensor(-0.5))
+    # a new method's own hyper-parameter: one line saying what to do (it was a bare KeyError, "error: 'sharpness'")
+    with pytest.raises(ValueError, match=r"^model.sharpness has no domain in HYPERPARAMETER_DOMAINS \(methods/losses/common.py\): add one, or check it in __init__$"):
+        check_hyperparameters("model.", sharpness=2.0)

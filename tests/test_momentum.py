@@ -1,5 +1,6 @@
 import math
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -9,7 +10,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from methods import MoCoV2
-from methods.momentum import MomentumSpec, ema_update_, momentum_at
+from methods.momentum import MomentumMixin, MomentumSpec, ema_update_, momentum_at
+from methods.pretrain import PretrainMethod
 from methods.queues import KeyQueue, MemoryBank
 from methods.shuffle_bn import SplitBatchNorm2d, convert_to_split_batchnorm, distributed_shuffled_forward
 from helpers import TINY_BACKBONE, TINY_PROJECTOR, free_port, start_processes
@@ -104,6 +106,14 @@ def test_queue_wraps_around_when_its_size_is_not_a_multiple_of_the_batch():
     assert queue.keys.flatten().tolist() == [6.0, 2.0, 3.0, 4.0, 5.0]
     assert queue.labels.tolist() == [6, 2, 3, 4, 5]  # labels stay aligned with their keys
     assert queue.pointer.item() == 1
+
+
+def test_a_push_of_more_keys_than_the_queue_holds_is_refused():
+    """A method that enqueues more keys per image than its keys_per_sample says passes the size check before training;
+    its pushes then wrote 128 keys into 100 slots (some twice), silently."""
+    queue = KeyQueue(size=4, dim=2)
+    with pytest.raises(ValueError, match=r"^5 keys pushed into a queue of 4: a step's keys must fit \(the method's keys_per_sample\)$"):
+        queue.push(torch.ones(5, 2))
 
 
 def test_queue_read_is_a_detached_copy_unaffected_by_later_pushes():
@@ -255,3 +265,12 @@ def test_shuffle_bn_in_one_process_without_split_bn_is_a_warning_naming_both_set
     messages = [str(warning.message) for warning in recwarn if "shuffle_bn" in str(warning.message)]
     assert len(messages) == warned
     assert all("momentum.shuffle_bn is true" in message and "momentum.split_bn N > 1" in message for message in messages)
+
+
+def test_a_method_that_never_calls_init_momentum_is_one_error_line_before_training():
+    class Forgetful(MomentumMixin, PretrainMethod):
+        views = ("first", "second")
+
+    model = Forgetful(backbone=TINY_BACKBONE, projector=TINY_PROJECTOR, knn_k=0)
+    with pytest.raises(ValueError, match=r"^Forgetful has no momentum encoder: its __init__ must end with self.init_momentum\(momentum\)$"):
+        model.check_data(SimpleNamespace(batch_size=8), world_size=1)

@@ -63,3 +63,40 @@ def test_the_analysis(not_a_checkpoint, tmp_path, capfd):
     assert_one_line_about(str(exit_info.value.code), not_a_checkpoint, "checkpoint ")  # the line `python -m analysis` prints: its argument is the checkpoint
     assert capfd.readouterr().err == ""  # and nothing else
     assert not (tmp_path / "out").exists()
+
+
+def test_a_checkpoint_of_a_method_whose_module_cannot_be_imported_here_says_so_not_that_the_class_is_missing():
+    """A method kept outside the repository, its folder not on PYTHONPATH: the linear stage and the export said the
+    checkpoint named a class 'this contrastlab does not have', and sent its user looking for a version mismatch."""
+    from engine.checkpoint_record import RECORD_KEY, VERSION
+    from methods.checkpoints import CheckpointMismatch, method_class
+
+    outside = {"state_dict": {}, RECORD_KEY: {"version": VERSION, "module": "my_methods_not_on_the_path.SymMoCo"}}
+    with pytest.raises(CheckpointMismatch, match=r"^run.ckpt names the class my_methods_not_on_the_path.SymMoCo, whose module cannot be "
+                       r"imported here \(No module named 'my_methods_not_on_the_path'\): a method outside methods/ needs its folder on PYTHONPATH$"):
+        method_class(outside, "run.ckpt")
+    missing = {"state_dict": {}, RECORD_KEY: {"version": VERSION, "module": "methods.NoSuchMethod"}}
+    with pytest.raises(CheckpointMismatch, match=r"^run.ckpt names the class methods.NoSuchMethod, which this contrastlab does not have$"):
+        method_class(missing, "run.ckpt")
+
+
+def test_a_checkpoint_written_before_the_method_gained_a_buffer_is_one_error_naming_it():
+    """A method's code that adds a buffer, resumed from a run of its earlier code: a 13-frame "Missing key(s)" traceback."""
+    import torch
+    from helpers import TINY_BACKBONE, TINY_PROJECTOR
+
+    from engine.checkpoint_record import CheckpointMismatch
+    from methods import MoCoV2
+
+    class CountingMoCo(MoCoV2):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.register_buffer("steps_seen", torch.zeros((), dtype=torch.long))
+
+    options = dict(backbone=TINY_BACKBONE, projector=TINY_PROJECTOR, queue_size=64, knn_k=0)
+    earlier = MoCoV2(**options).state_dict()
+    model = CountingMoCo(**options)
+    with pytest.raises(CheckpointMismatch, match=r"^the checkpoint being loaded does not fit this CountingMoCo: it lacks 1 of its tensors \['steps_seen'\] "
+                       r"and holds 0 it has not \[\] \(written by the method's code before a buffer or parameter was added or removed"):
+        model.load_state_dict(earlier)
+    model.load_state_dict(earlier, strict=False)  # a non-strict load is the caller's choice

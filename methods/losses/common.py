@@ -47,6 +47,8 @@ HYPERPARAMETER_DOMAINS = {
 def check_hyperparameters(where: str = "", **values: float | Tensor | None) -> None:
     """Raise a ValueError naming the first value outside its domain in `HYPERPARAMETER_DOMAINS` (None: not set)."""
     for name, value in values.items():
+        if name not in HYPERPARAMETER_DOMAINS:
+            raise ValueError(f"{where}{name} has no domain in HYPERPARAMETER_DOMAINS (methods/losses/common.py): add one, or check it in __init__")
         description, holds = HYPERPARAMETER_DOMAINS[name]
         if value is not None and not holds(value):
             raise ValueError(f"{where}{name} must {description}, got {float(value) if isinstance(value, Tensor) else value}")

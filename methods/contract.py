@@ -1,0 +1,47 @@
+"""The contract of a method class, checked when the class is created (`MethodBase.__init_subclass__`): what a subclass
+may override and where a mixin goes, so that a new method cannot silently drop the work the base does in its hooks."""
+
+import inspect
+
+import lightning as L
+
+
+# The base's training, optimisation and evaluation path: a method implements `step` and never overrides these.
+BASE_HOOKS = ("training_step", "configure_optimizers", "validation_step", "test_step", "on_validation_epoch_end", "on_test_epoch_end")
+
+
+def lightning_hooks(cls: type) -> set[str]:
+    """The LightningModule hooks a class defines itself."""
+    return {name for name in vars(cls) if not name.startswith("__") and hasattr(L.LightningModule, name)}
+
+
+def check_method_class(cls: type, method_base: type) -> None:
+    """Refuse, when a method class is created, what would silently drop the base's work: a Lightning hook of the base
+    overridden (`BASE_HOOKS`: the method implements `step`), another hook the base or a mixin implements overridden
+    without calling `super()` (on_train_batch_start's weight-decay schedule, on_before_optimizer_step's clipping, ...;
+    checked where the source can be read), or a class with Lightning hooks placed after the base in its bases."""
+    order = cls.__mro__
+    late = [parent for parent in order[order.index(method_base) + 1 :] if parent not in method_base.__mro__ and lightning_hooks(parent)]
+    if late:
+        base = next(parent for parent in cls.__bases__ if issubclass(parent, method_base))
+        raise TypeError(
+            f"class {cls.__name__}: {late[0].__name__} must come before {base.__name__} in its bases "
+            f"(class {cls.__name__}({late[0].__name__}, {base.__name__})), or its hooks {sorted(lightning_hooks(late[0]))} never run"
+        )
+    end = order.index(L.LightningModule)
+    for position, owner in enumerate(order[: order.index(method_base)]):  # the class and the mixins before the base (its classes were checked when made)
+        if owner is not cls and issubclass(owner, method_base):
+            continue
+        own = lightning_hooks(owner)
+        if own & set(BASE_HOOKS):
+            raise TypeError(f"class {cls.__name__}: {owner.__name__} overrides {sorted(own & set(BASE_HOOKS))}: the base trains, optimises and "
+                            "evaluates every method (methods/base.py); a method implements step(batch) -> (loss, probe features) instead")
+        later = {name for parent in order[position + 1 : end] for name in lightning_hooks(parent)}
+        for name in sorted(own & later):
+            try:
+                source = inspect.getsource(vars(owner)[name])
+            except (OSError, TypeError):  # no source to read (a class made in an interactive session)
+                continue
+            if f"super().{name}(" not in source:
+                raise TypeError(f"class {cls.__name__}: {owner.__name__}.{name} overrides the base's or a mixin's, which does the run's work "
+                                f"there; call super().{name}(...) in it")
