@@ -58,15 +58,20 @@ class CheckpointRecord:
         super().on_load_checkpoint(checkpoint)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """A strict load of tensors other than the model's is one error naming some of them (torch's is a traceback):
-        a checkpoint of the method's code before a buffer or parameter was added, or of another configuration."""
+        """A strict load of tensors other than the model's, or of other shapes, is one error naming some of them (torch's
+        is a traceback): a checkpoint of the method's code before a buffer or parameter was added, or of another
+        configuration (a queue of another size)."""
         if strict:
-            own, given = set(self.state_dict()), set(state_dict)
-            missing, unexpected = sorted(own - given), sorted(given - own)
+            own = self.state_dict()
+            missing, unexpected = sorted(set(own) - set(state_dict)), sorted(set(state_dict) - set(own))
             if missing or unexpected:
                 raise CheckpointMismatch(
                     f"the checkpoint being loaded does not fit this {type(self).__name__}: it lacks {len(missing)} of its tensors "
                     f"{missing[:3]} and holds {len(unexpected)} it has not {unexpected[:3]} (written by the method's code before a "
                     "buffer or parameter was added or removed, or with another configuration)"
                 )
+            reshaped = [f"{name} {tuple(state_dict[name].shape)} for {tuple(tensor.shape)}" for name, tensor in own.items() if state_dict[name].shape != tensor.shape]
+            if reshaped:
+                raise CheckpointMismatch(f"the checkpoint being loaded does not fit this {type(self).__name__}: {len(reshaped)} of its tensors have other "
+                                         f"shapes ({', '.join(reshaped[:3])}): written with another configuration")
         return super().load_state_dict(state_dict, strict=strict, assign=assign)

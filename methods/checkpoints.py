@@ -6,6 +6,8 @@ import importlib
 from engine.checkpoint_record import CheckpointMismatch, checked_record
 from engine.files import read_checkpoint
 
+PACKAGES = ("methods", "engine", "datamodules", "backbones", "analysis", "interop")  # the project's (pyproject.toml)
+
 # Model classes that moved since checkpoints recorded them (issue 23 moved the long-tail family into methods/longtail/)
 MOVED_CLASSES = {
     "methods.paco.PaCo": "methods.longtail.paco.PaCo",
@@ -31,10 +33,13 @@ def method_class(checkpoint: dict, source: str) -> tuple[str, type] | None:
         return None
     try:
         return class_path, class_at(class_path)
-    except ImportError as error:  # a method module outside the repository, not on the path here, or failing to import
-        raise CheckpointMismatch(f"{source} names the class {class_path}, whose module cannot be imported here ({error}): "
-                                 "a method outside methods/ needs its folder on PYTHONPATH") from None
-    except AttributeError:
+    except (ImportError, AttributeError, TypeError) as error:
+        outside = class_path.split(".")[0] not in PACKAGES
+        if isinstance(error, ImportError) and outside:  # a method module outside the repository, not on the path here
+            raise CheckpointMismatch(f"{source} names the class {class_path}, whose module cannot be imported here ({error}): "
+                                     "a method outside methods/ needs its folder on PYTHONPATH") from None
+        if isinstance(error, TypeError):  # the class breaks the method contract (methods/contract.py) when it is created
+            raise CheckpointMismatch(f"{source} names the class {class_path}, which cannot be created here: {error}") from None
         raise CheckpointMismatch(f"{source} names the class {class_path}, which this contrastlab does not have") from None
 
 

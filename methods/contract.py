@@ -15,11 +15,27 @@ def lightning_hooks(cls: type) -> set[str]:
     return {name for name in vars(cls) if not name.startswith("__") and hasattr(L.LightningModule, name)}
 
 
+def reaches_the_overridden(function, name: str) -> bool:
+    """Whether a hook's code (nested functions included) names the hook it overrides as an attribute: `super().name(...)`,
+    `super(Class, self).name(...)` or `Parent.name(self, ...)`. A wrapper without functools.wraps, whose own code is not
+    the hook's, counts as doing so (its hook cannot be read)."""
+    code = getattr(function, "__code__", None)
+    if code is None or code.co_name != name:
+        return True
+    codes = [code]
+    while codes:
+        code = codes.pop()
+        if name in code.co_names:
+            return True
+        codes += [constant for constant in code.co_consts if hasattr(constant, "co_names")]
+    return False
+
+
 def check_method_class(cls: type, method_base: type) -> None:
     """Refuse, when a method class is created, what would silently drop the base's work: a Lightning hook of the base
     overridden (`BASE_HOOKS`: the method implements `step`), another hook the base or a mixin implements overridden
-    without calling `super()` (on_train_batch_start's weight-decay schedule, on_before_optimizer_step's clipping, ...;
-    checked where the source can be read), or a class with Lightning hooks placed after the base in its bases."""
+    without reaching the overridden one (on_train_batch_start's weight-decay schedule, on_before_optimizer_step's
+    clipping, ...: `reaches_the_overridden`), or a class with Lightning hooks placed after the base in its bases."""
     order = cls.__mro__
     late = [parent for parent in order[order.index(method_base) + 1 :] if parent not in method_base.__mro__ and lightning_hooks(parent)]
     if late:
@@ -38,10 +54,6 @@ def check_method_class(cls: type, method_base: type) -> None:
                             "evaluates every method (methods/base.py); a method implements step(batch) -> (loss, probe features) instead")
         later = {name for parent in order[position + 1 : end] for name in lightning_hooks(parent)}
         for name in sorted(own & later):
-            try:
-                source = inspect.getsource(vars(owner)[name])
-            except (OSError, TypeError):  # no source to read (a class made in an interactive session)
-                continue
-            if f"super().{name}(" not in source:
+            if not reaches_the_overridden(inspect.unwrap(vars(owner)[name]), name):
                 raise TypeError(f"class {cls.__name__}: {owner.__name__}.{name} overrides the base's or a mixin's, which does the run's work "
                                 f"there; call super().{name}(...) in it")

@@ -10,7 +10,7 @@ parameters it excludes from adaptation, nor for the weight decay of those it ada
 With `num_hard`, Wang & Liu's hard contrastive loss replaces NT-Xent (their SimCLR experiments).
 
 Multi-crop (not in SimCLR's code): the local crops' embeddings join the contrast, every other crop of an anchor's image
-its positive (`nt_xent_multi_crop`, vturrisi/solo-learn solo/methods/simclr.py); each local crop its own forward.
+its positive (`nt_xent_multi_crop`, vturrisi/solo-learn solo/methods/simclr.py); forwarded as `crop_batching` says.
 """
 
 import torch

@@ -12,7 +12,8 @@ the anchor's own image (`positives: instance`, self-supervised TCL, TCL suppleme
 linear classifier on the frozen trunk (`main_linear.py`, configs/linear_tcl_<dataset>.yaml).
 
 Multi-crop: the local crops are further views of each image in the same loss (SupContrast's loss takes any number of
-views; solo-learn solo/methods/supcon.py contrasts every crop), each local crop its own forward.
+views), forwarded as `crop_batching` says. solo-learn's SupCon (solo/methods/supcon.py) contrasts every crop too, with
+its loss that sums the positives inside the log; this keeps SupContrast's.
 """
 
 from typing import Literal

@@ -98,3 +98,26 @@ def test_any_class_with_lightning_hooks_after_the_method_base_is_refused_not_onl
 
         class HidesTheBase(BatchStartMixin, PretrainMethod):
             pass
+
+
+def test_every_way_of_calling_the_overridden_hook_is_accepted_and_a_mention_in_a_comment_is_not():
+    """The check reads the hook's code, not its text (a review: `super(Class, self).setup(...)`, `super().setup (stage)`
+    and `PretrainMethod.setup(self, stage)` were refused, a `super().setup(` in a comment accepted)."""
+
+    class TwoArgumentSuper(PretrainMethod):
+        def setup(self, stage):
+            super(TwoArgumentSuper, self).setup(stage)
+
+    class Spaced(PretrainMethod):
+        def setup(self, stage):
+            super().setup (stage)  # noqa: E211
+
+    class Explicit(PretrainMethod):
+        def setup(self, stage):
+            PretrainMethod.setup(self, stage)
+
+    with pytest.raises(TypeError, match=r"class OnlyAComment: OnlyAComment.setup overrides"):
+
+        class OnlyAComment(PretrainMethod):
+            def setup(self, stage):
+                pass  # super().setup(stage)

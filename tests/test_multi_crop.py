@@ -201,6 +201,8 @@ def test_simsiam_and_nnclr_average_over_every_pair_of_a_global_target_and_anothe
 
     pairs = [pair(i, j) for i in range(2) for j in range(len(embedded)) if j != i]
     torch.testing.assert_close(step_loss(model, {"views": views}), sum(pairs) / len(pairs))
+    if method == "NNCLR":  # the first view's projections alone entered the support set
+        torch.testing.assert_close(model.support_set.read()[:BATCH], embedded[0][0])
 
 
 @torch.no_grad()

@@ -75,9 +75,24 @@ def test_a_checkpoint_of_a_method_whose_module_cannot_be_imported_here_says_so_n
     with pytest.raises(CheckpointMismatch, match=r"^run.ckpt names the class my_methods_not_on_the_path.SymMoCo, whose module cannot be "
                        r"imported here \(No module named 'my_methods_not_on_the_path'\): a method outside methods/ needs its folder on PYTHONPATH$"):
         method_class(outside, "run.ckpt")
-    missing = {"state_dict": {}, RECORD_KEY: {"version": VERSION, "module": "methods.NoSuchMethod"}}
-    with pytest.raises(CheckpointMismatch, match=r"^run.ckpt names the class methods.NoSuchMethod, which this contrastlab does not have$"):
-        method_class(missing, "run.ckpt")
+    for gone in ("methods.NoSuchMethod", "methods.removed_module.Method"):  # the project's own: no PYTHONPATH hint
+        missing = {"state_dict": {}, RECORD_KEY: {"version": VERSION, "module": gone}}
+        with pytest.raises(CheckpointMismatch, match=rf"^run.ckpt names the class {gone}, which this contrastlab does not have$"):
+            method_class(missing, "run.ckpt")
+
+
+def test_a_checkpoint_of_a_method_class_that_breaks_the_contract_is_one_error_line(tmp_path, monkeypatch):
+    """A trial method written before the contract checks: importing its module raises TypeError when its class is made."""
+    from engine.checkpoint_record import RECORD_KEY, VERSION
+    from methods.checkpoints import CheckpointMismatch, method_class
+
+    (tmp_path / "old_trial.py").write_text("from methods.pretrain import PretrainMethod\n\n\nclass Trial(PretrainMethod):\n"
+                                          "    def on_train_batch_start(self, batch, batch_idx):\n        pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    checkpoint = {"state_dict": {}, RECORD_KEY: {"version": VERSION, "module": "old_trial.Trial"}}
+    with pytest.raises(CheckpointMismatch, match=r"^run.ckpt names the class old_trial.Trial, which cannot be created here: class Trial: "
+                       r"Trial.on_train_batch_start overrides the base's or a mixin's"):
+        method_class(checkpoint, "run.ckpt")
 
 
 def test_a_checkpoint_written_before_the_method_gained_a_buffer_is_one_error_naming_it():
@@ -100,3 +115,6 @@ def test_a_checkpoint_written_before_the_method_gained_a_buffer_is_one_error_nam
                        r"and holds 0 it has not \[\] \(written by the method's code before a buffer or parameter was added or removed"):
         model.load_state_dict(earlier)
     model.load_state_dict(earlier, strict=False)  # a non-strict load is the caller's choice
+    with pytest.raises(CheckpointMismatch, match=r"^the checkpoint being loaded does not fit this MoCoV2: 1 of its tensors have other shapes "
+                       r"\(queue.keys \(64, 32\) for \(128, 32\)\): written with another configuration$"):
+        MoCoV2(**(options | {"queue_size": 128})).load_state_dict(earlier)

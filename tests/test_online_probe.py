@@ -21,6 +21,8 @@ CASES = {  # a method, its views: which crops are global
     "supcon: the crops of one view in one forward": (tiny_supcon, {"crops": CROPS["crops"] | {"count": 3}}, None),
     "barlow twins: per crop, local crops left out": (lambda **kwargs: tiny(BarlowTwins, local_crops=["local"], **kwargs), VIEWS | LOCAL, ["global1", "global2"]),
     "dino: by resolution, local crops left out": (lambda **kwargs: tiny_dino(local_crops=["local"], **kwargs), VIEWS | LOCAL, ["global1", "global2"]),
+    "byol: local crops left out": (lambda **kwargs: tiny_byol(local_crops=["local"], **kwargs), BYOL_VIEWS | LOCAL, ["first", "second"]),
+    "supcon: local crops left out": (lambda **kwargs: tiny_supcon(local_crops=["local"], **kwargs), {"crops": CROPS["crops"] | {"count": 3}} | LOCAL, None),
 }
 
 
