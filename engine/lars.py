@@ -47,6 +47,8 @@ class LARS(Optimizer):
                 if group["clip_lr"]:
                     ratio = (ratio / group["lr"]).clamp(max=1.0)
                 trust = torch.where((param_norms > 0) & defined, ratio, torch.ones_like(ratio))
+                if group["trust_denominator"] == "norm_sum":  # solo-learn adds no weight decay to a zero gradient (solo/utils/lars.py)
+                    trust = torch.where(grad_norms > 0, trust, torch.zeros_like(trust))
             if lr_in_momentum:  # the step lr x trust, as one factor (simclr's scaled_lr), enters the momentum
                 torch._foreach_mul_(updates, list((group["lr"] * trust).unbind()) if trust is not None else group["lr"])
             elif trust is not None:

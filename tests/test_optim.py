@@ -263,9 +263,11 @@ def test_lars_with_norm_sum_and_clipped_rate_is_solo_learns_optimizer():
                          lars_trust_denominator="norm_sum", lars_clip_lr=True)
     optimizer = build_optimizer(parameter_groups([(str(i), p) for i, p in enumerate(params)], spec), spec, lr=0.4)
     expected, buffers = [tensor.clone() for tensor in start], [torch.zeros(shape) for shape in shapes]
-    # the ratio is at most eta / wd = 0.04: below the lr 0.4 (not clipped), above the lr 0.01 (clipped: SGD at the lr)
-    for lr, scale in ((0.4, 1e-3), (0.4, 1.0), (0.01, 1.0)):
+    # the ratio is at most eta / wd = 0.04: below the lr 0.4 (not clipped), above the lr 0.01 (clipped: SGD at the lr);
+    # last, a tensor whose gradient is exactly zero takes no weight decay (it moves by its momentum only)
+    for lr, scale, zero_first in ((0.4, 1e-3, False), (0.4, 1.0, False), (0.01, 1.0, False), (0.4, 1.0, True)):
         grads = [scale * torch.randn(shape, generator=generator) for shape in shapes]
+        grads[0] = torch.zeros_like(grads[0]) if zero_first else grads[0]
         for group in optimizer.param_groups:
             group["lr"] = lr
         for param, grad in zip(params, grads):
