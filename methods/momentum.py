@@ -88,6 +88,9 @@ class MomentumMixin(MethodMixin):
             raise ValueError(f"momentum.base must lie in [0, 1], got {spec.base}")
         if spec.split_bn < 1:
             raise ValueError(f"momentum.split_bn is a number of BatchNorm groups and must be >= 1, got {spec.split_bn}")
+        if "backbone" not in self.momentum_modules and (spec.split_bn > 1 or self.evaluated_encoder == "momentum"):
+            why = f"momentum.split_bn {spec.split_bn}" if spec.split_bn > 1 else "evaluated_encoder 'momentum'"
+            raise ValueError(f"{type(self).__name__}: {why} needs a momentum trunk, but momentum_modules {list(self.momentum_modules)} has no 'backbone'")
         self.momentum_spec = spec
         for name in self.momentum_modules:  # split-BN converts BatchNorm2d only: a projector's BatchNorm1d is never split
             setattr(self, f"target_{name}", frozen_copy(getattr(self, name), spec.split_bn))

@@ -274,3 +274,25 @@ def test_a_method_that_never_calls_init_momentum_is_one_error_line_before_traini
     model = Forgetful(backbone=TINY_BACKBONE, projector=TINY_PROJECTOR, knn_k=0)
     with pytest.raises(ValueError, match=r"^Forgetful has no momentum encoder: its __init__ must end with self.init_momentum\(momentum\)$"):
         model.check_data(SimpleNamespace(batch_size=8), world_size=1)
+
+
+def test_a_momentum_encoder_without_its_trunk_is_refused_where_a_momentum_trunk_is_needed():
+    """A method whose EMA copy leaves out the trunk: split-BN and an evaluated momentum encoder read target_backbone
+    (an AttributeError traceback at the first step or validation, after the run directory was made)."""
+
+    class HeadOnly(MomentumMixin, PretrainMethod):
+        views = ("first", "second")
+        momentum_modules = ("projector",)
+
+        def __init__(self, momentum: MomentumSpec, **kwargs):
+            super().__init__(**kwargs)
+            self.init_momentum(momentum)
+
+    options = dict(backbone=TINY_BACKBONE, projector=TINY_PROJECTOR, knn_k=0)
+    with pytest.raises(ValueError, match=r"^HeadOnly: momentum.split_bn 2 needs a momentum trunk, but momentum_modules \['projector'\] has no 'backbone'$"):
+        HeadOnly(MomentumSpec(split_bn=2), **options)
+    HeadOnly.evaluated_encoder = "momentum"
+    with pytest.raises(ValueError, match=r"^HeadOnly: evaluated_encoder 'momentum' needs a momentum trunk"):
+        HeadOnly(MomentumSpec(split_bn=1), **options)
+    HeadOnly.evaluated_encoder = "online"
+    assert not hasattr(HeadOnly(MomentumSpec(split_bn=1), **options), "target_backbone")  # otherwise it may leave the trunk out
