@@ -54,7 +54,7 @@ class BYOL(MomentumMixin, PretrainMethod):
 
     def step(self, batch):
         views = batch["views"]
-        predictions, features = self.embed_crops(views, self.views + self.local_crops, len(self.views))  # each crop its own forward, as the official code
+        predictions, features = self.embed_crops(views, self.views + self.local_crops, len(self.views))  # per_crop: each view its own forward, as the official code
         target1, target2 = self.target_embed(views["first"]), self.target_embed(views["second"])
         loss = byol_loss(predictions[0], predictions[1], target1, target2)
         for prediction in predictions[2:]:  # a local crop in both prediction slots: its two pairs

@@ -48,7 +48,7 @@ class MoCoV3(MomentumMixin, PretrainMethod):
 
     def step(self, batch):
         views = batch["views"]
-        queries, features = self.embed_crops(views, self.views + self.local_crops, len(self.views))  # each crop its own forward, as moco/builder.py
+        queries, features = self.embed_crops(views, self.views + self.local_crops, len(self.views))  # per_crop: each view its own forward, as moco/builder.py
         key1, key2 = self.gather(self.target_embed(views["first"])), self.gather(self.target_embed(views["second"]))
         offset = self.global_rank * len(queries[0])  # this process's keys in the gathered batch
         loss = mocov3_loss(queries[0], key2, self.temperature, offset) + mocov3_loss(queries[1], key1, self.temperature, offset)
