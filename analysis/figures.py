@@ -28,7 +28,9 @@ def save_figure(figure: Figure, path: str | Path) -> Path:
 
 def plot_local_separation(positive: Tensor, nearest_negatives: Tensor, path: str | Path, title: str = "") -> Path:
     """Wang & Liu supplementary, Figs. 1-7: histograms, over all anchors, of the similarity to the positive ('pos')
-    and to the i-th nearest negative ('n1' ... 'nk'); a gap between them is a strong local separation."""
+    and to the i-th nearest negative ('n1' ... 'nk'); a gap between them is a strong local separation. The negatives are
+    the analysed subset's other images, not the author code's whole memory bank: from a smaller pool the nearest
+    negatives lie farther (docs/usage.md, "Representation analysis")."""
     figure = Figure(figsize=(6, 4), layout="constrained")
     axes = figure.add_subplot()
     count = nearest_negatives.shape[1]

@@ -28,13 +28,17 @@ def _as_float(z: Tensor) -> Tensor:
 
 
 def uniformity(z: Tensor, t: float = 2.0) -> Tensor:
-    """Wang & Isola's L_uniformity = log mean_{i<j} exp(-t ||z_i - z_j||^2); lower is more uniform.
+    """Wang & Isola's L_uniformity = log mean_{i<j} exp(-t ||z_i - z_j||^2) of L2-normalised rows; lower is more uniform.
 
-    Wang & Liu plot -L_uniformity. Computed as a logsumexp over ``torch.pdist`` pairs.
+    Wang & Liu plot -L_uniformity. Computed as a logsumexp over ``torch.pdist`` pairs. Rows of other norms are refused
+    (Wang & Isola's function, like this one, does not normalise: 3z would read as far more uniform than z).
     """
     if not t > 0:
         raise ValueError(f"t must be > 0, got {float(t)}")
     z = _as_float(z)
+    norms = z.norm(dim=1)
+    if len(z) and not torch.allclose(norms, torch.ones_like(norms), atol=1e-2):  # bf16 rows are unit to 0.2%
+        raise ValueError(f"uniformity needs L2-normalised rows, got norms from {norms.min().item():.4g} to {norms.max().item():.4g}")
     exponents = -t * torch.pdist(z).pow(2)
     return exponents.logsumexp(dim=0) - math.log(len(exponents))
 

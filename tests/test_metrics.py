@@ -29,6 +29,12 @@ def test_uniformity_matches_mean_over_unordered_pairs():
     assert uniformity(z, t).item() == pytest.approx(math.log(sum(pairs) / len(pairs)), abs=1e-12)
 
 
+def test_uniformity_refuses_rows_that_are_not_unit_vectors():
+    """Unnormalised rows would read as far more uniform: 3z gave -11.24 where z gives -2.45."""
+    with pytest.raises(ValueError, match=r"^uniformity needs L2-normalised rows, got norms from 3 to 3$"):
+        uniformity(3 * unit(1, 7, 4))
+
+
 def test_tolerance_of_identical_same_class_features_is_one():
     z = torch.cat([unit(2, 1, 4).expand(3, 4), unit(3, 1, 4).expand(2, 4)])
     assert tolerance(z, torch.tensor([0, 0, 0, 1, 1])).item() == pytest.approx(1.0, abs=1e-12)
