@@ -7,8 +7,8 @@ process with their gradients. `nt_xent` averages over the 2B_g anchors (solo-lea
 google-research/simclr's `objective.add_contrastive_loss` sums the means of the two directions, twice that
 (`sum_of_directions`): the scale its lr and weight decay were tuned at, which LARS does not undo for the
 parameters it excludes from adaptation, nor for the weight decay of those it adapts.
-With `num_hard`, Wang & Liu's hard contrastive loss, defined over NPID's memory bank, replaces NT-Xent over the batch's
-negatives (the author code's simclr.py, WangFeng18/UnsupervisedLearningCodes, trains SimCLR with the ordinary loss).
+With `num_hard`, Wang & Liu's hard contrastive loss (their experiments use NPID's memory bank) replaces NT-Xent over the
+batch's negatives (the author code's simclr.py, WangFeng18/UnsupervisedLearningCodes, trains SimCLR with the ordinary loss).
 
 Multi-crop (not in SimCLR's code): the local crops' embeddings join the contrast, every other crop of an anchor's image
 its positive (`nt_xent_multi_crop`, vturrisi/solo-learn solo/methods/simclr.py); forwarded as `crop_batching` says.
