@@ -20,7 +20,9 @@ The directions come from NumPy's PCG64 generator, which gives the same numbers o
 
 import hashlib
 import math
+import platform
 import zlib
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -34,16 +36,28 @@ RECORDED_THREADS = 2  # the intra-op threads of the recording machine: the tests
 HELD_TO_AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 
 
+def cpu_vendor() -> str:
+    """The CPU's maker as x86 Linux names it (`vendor_id` of /proc/cpuinfo: AuthenticAMD, GenuineIntel), else
+    `platform.processor()`. Part of the machine kind: held to the same AVX2 kernels, an Intel Xeon (AMX,
+    2026-11-28) did not give the AMD EPYC recordings' bits in any pinned case, an AMD AVX-512 CPU gives them all
+    (MKL and oneDNN choose kernels by more than the instruction set; MKL_ENABLE_INSTRUCTIONS=AVX2 did not help)."""
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.is_file() else []
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("vendor_id")), platform.processor() or "unknown")
+
+
 def machine() -> dict:
-    return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_vendor": cpu_vendor()}
 
 
 def held_like(recorded: dict) -> dict[str, str] | None:
     """The environment under which this machine computes as the machine that recorded numbers did, when it is
-    another kind that can: an AVX-512 CPU for an AVX2 recording of the same torch. None on the recording kind itself
-    (compared bit for bit as it is) and where no holding reproduces it (compared to the tolerances)."""
+    another kind that can: an AVX-512 CPU of the same maker for an AVX2 recording of the same torch. None on the
+    recording kind itself (compared bit for bit as it is) and where no holding reproduces it (compared to the
+    tolerances)."""
     here = machine()
-    if here["torch"] == recorded["torch"] and (recorded["cpu_capability"], here["cpu_capability"]) == ("AVX2", "AVX512"):
+    same_software_and_maker = (here["torch"], here["cpu_vendor"]) == (recorded["torch"], recorded["cpu_vendor"])
+    if same_software_and_maker and (recorded["cpu_capability"], here["cpu_capability"]) == ("AVX2", "AVX512"):
         return HELD_TO_AVX2
     return None
 

@@ -4,8 +4,8 @@ saved `config.yaml` (old class paths such as `methods.tracking.WandbRun` include
 their trunk, a probe's checkpoint validates and the analysis rebuilds the method.
 
 Resuming and validating give the numbers recorded in `expected.json`: the loss and the fingerprint of every module
-(`tests/fingerprint.py`) after one more step, bit for bit on the CPU kind that recorded them (and on an AVX-512 CPU,
-where these tests run again in one pytest process held to the AVX2 kernels, `fingerprint.held_like`) and to the
+(`tests/fingerprint.py`) after one more step, bit for bit on the CPU kind that recorded them (and on an AVX-512 CPU of the
+recording's maker, where these tests run again in one pytest process held to the AVX2 kernels, `fingerprint.held_like`) and to the
 tolerances of `test_pinned_steps.py` elsewhere; the accuracies of the probe. To record them anew, at a commit meant to change them:
 `CONTRASTLAB_REPIN=1 uv run --locked pytest tests/test_old_checkpoints.py` (on an AVX-512 machine with the variables of
 `fingerprint.HELD_TO_AVX2` set before it, so that the numbers stay the AVX2 kernels').

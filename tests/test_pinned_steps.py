@@ -9,9 +9,9 @@ change that is meant to keep every method's computation (a refactor, a move of p
 bit. The steps run in fp32 (`--trainer.precision 32-true`): the Digits-M configs' bf16 autocast is emulated on a
 CPU without bf16 units, and rounds as the CPU's kernels do.
 
-On the machine kind that recorded them (`torch.backends.cpu.get_cpu_capability()` and the torch version) the
-loss and the bytes must be equal. An AVX-512 machine checks the AVX2 recordings bit for bit too: it computes every
-case in one process held to the AVX2 kernels (`fingerprint.HELD_TO_AVX2`, `ATEN_CPU_CAPABILITY=avx2
+On the machine kind that recorded them (`torch.backends.cpu.get_cpu_capability()`, the CPU's maker and the torch
+version) the loss and the bytes must be equal. An AVX-512 machine of the same maker checks the AVX2 recordings bit for
+bit too: it computes every case in one process held to the AVX2 kernels (`fingerprint.HELD_TO_AVX2`, `ATEN_CPU_CAPABILITY=avx2
 ONEDNN_MAX_CPU_ISA=AVX2`: the capability then reads AVX2), shared by the parallel workers. Elsewhere kernels
 round differently: the loss and the fingerprints are compared to `TOLERANCE` (its comment says how it was
 measured and what it cannot see), the tensors' names, shapes and dtypes and the integer tensors exactly.
@@ -30,7 +30,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from fingerprint import RECORDED_THREADS, differences, held_like, initial_state, loss_differs, machine, module_fingerprints
+import fingerprint
+from fingerprint import HELD_TO_AVX2, RECORDED_THREADS, differences, held_like, initial_state, loss_differs, machine, module_fingerprints
 
 import main_linear
 import main_pretrain
@@ -182,3 +183,15 @@ def test_swapped_cases_fail_on_any_machine(case, other):
     for same_machine in (True, False):
         assert mismatches(pinned[other], pinned[case], same_machine)
         assert mismatches(pinned[case], pinned[other], same_machine)
+
+
+def test_only_an_avx512_cpu_of_the_recording_maker_and_torch_is_held_to_the_avx2_kernels(monkeypatch):
+    recording = {"torch": "2.15.0+cu132", "cpu_capability": "AVX2", "cpu_vendor": "AuthenticAMD"}
+    for here, held in [
+        ({**recording, "cpu_capability": "AVX512"}, HELD_TO_AVX2),
+        ({**recording, "cpu_capability": "AVX512", "cpu_vendor": "GenuineIntel"}, None),  # other kernels held or not
+        ({**recording, "cpu_capability": "AVX512", "torch": "2.16.0+cpu"}, None),
+        (recording, None),  # the recording kind: compared as it is
+    ]:
+        monkeypatch.setattr(fingerprint, "machine", lambda here=here: here)
+        assert held_like(recording) == held, here
