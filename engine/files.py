@@ -7,7 +7,7 @@
   tensors (SupContrast its `argparse.Namespace` of options, SCE's Lightning checkpoints their OmegaConf
   hyperparameters): every class such a file names besides torch's and Python's plain types is let in as an inert
   `ForeignObject`, which runs nothing and keeps the plain data it held as attributes (DINO's `args.arch`).
-- `write_atomically(path, write)` writes `<name>.partial` next to `path`, then renames it over `path`.
+- `write_atomically(path, write)` writes a partial file of its own next to `path`, then renames it over `path`.
 - `SameDirectoryCheckpointIO`: Lightning's checkpoint writes, done that way; `write_run_file`: a run's config.yaml.
 """
 
@@ -17,6 +17,7 @@ import json
 import os
 import pickle
 import re
+import secrets
 import shutil
 import zipfile
 from pathlib import Path
@@ -132,22 +133,27 @@ def free_bytes(directory: Path) -> int:
 
 
 def write_atomically(path: Path, write: Callable[[Path], object], size: int | None = None) -> None:
-    """`write(partial)` to `<name>.partial` next to `path`, then rename it over `path` (`os.replace`, atomic
-    within a filesystem): a reader never sees half a file, and an interrupted run never leaves one. A write that
-    fails removes its partial file (the previous `path` stays) and raises `WriteFailed` naming the path; on a full
-    disk with the bytes `size` (or the partial file's size) and the bytes free. torch's writer reports a full disk
-    as a RuntimeError ("unexpected pos"), so a failed write is called a full disk by the free space left."""
+    """`write(partial)` to `<name>.<pid>-<random>.partial` next to `path`, then rename it over `path` (`os.replace`,
+    atomic within a filesystem): a reader never sees half a file, and an interrupted run never leaves one. The
+    partial file is this call's own: two processes that write one file at once (two `reproduce.py` on halves of a
+    table's rows, two runs filling the Digits-M cache) each publish a whole file, the later one last. A write that
+    fails or is interrupted removes its partial file (the previous `path` stays); a failure raises `WriteFailed`
+    naming the path, on a full disk with the bytes `size` (or the partial file's size) and the bytes free. torch's
+    writer reports a full disk as a RuntimeError ("unexpected pos"), so a failed write is called a full disk by the
+    free space left."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(path.name + ".partial")
+        partial = path.with_name(f"{path.name}.{os.getpid()}-{secrets.token_hex(4)}.partial")
     except OSError as error:
         raise WriteFailed(f"cannot write {path}: {error.strerror or error}") from None
     try:
         write(partial)
         os.replace(partial, path)
-    except (OSError, RuntimeError) as error:
+    except BaseException as error:
         written = partial.stat().st_size if partial.exists() else 0
         partial.unlink(missing_ok=True)
+        if not isinstance(error, (OSError, RuntimeError)):  # an interrupt, a mistake of `write`: raised as it came
+            raise
         needed = max(size or 0, written)
         free = free_bytes(path.parent)
         if getattr(error, "errno", None) == errno.ENOSPC or (needed and free < needed) or free == 0:
@@ -161,7 +167,7 @@ def write_atomically(path: Path, write: Callable[[Path], object], size: int | No
 
 
 class SameDirectoryCheckpointIO(TorchCheckpointIO):
-    """Writes a local checkpoint to `<name>.partial` in the target's directory, then renames it over the
+    """Writes a local checkpoint to a partial file in the target's directory, then renames it over the
     target (`os.replace`, atomic within a filesystem). Lightning's own save goes through an fsspec
     transaction whose temporary file lies in the system temp dir; where /tmp is another filesystem than
     the run directory (node-local /tmp, shared run storage: the usual cluster), the final move is a copy,

@@ -33,7 +33,7 @@ from datamodules import SplitFileDataModule
 from datamodules.base import seed_draw
 from datamodules.samplers import ClassPrioritySampler, EpochSampler
 from engine.checkpoint_record import VERSION, CheckpointMismatch, compatible
-from engine.files import SameDirectoryCheckpointIO
+from engine.files import SameDirectoryCheckpointIO, write_atomically
 from engine.non_finite import NonFiniteLossError, NonFiniteLossGuard
 from engine.preemption import LastCheckpointOnSigterm, PreemptionSignals
 from engine.random_state import RandomStateCheckpoint
@@ -600,8 +600,11 @@ def test_an_interrupted_checkpoint_write_leaves_the_previous_one_intact(tmp_path
     checkpoint_io = SameDirectoryCheckpointIO()
     checkpoint_io.save_checkpoint({"global_step": 2, "weights": torch.ones(4)}, last)
 
+    partials = []
+
     def killed_while_writing(checkpoint, path):
         Path(path).write_bytes(b"half a checkpoint")
+        partials.append(Path(path))
         raise KeyboardInterrupt
 
     monkeypatch.setattr(torch, "save", killed_while_writing)
@@ -609,7 +612,23 @@ def test_an_interrupted_checkpoint_write_leaves_the_previous_one_intact(tmp_path
         checkpoint_io.save_checkpoint({"global_step": 3, "weights": torch.zeros(4)}, last)
     monkeypatch.undo()
     assert torch.load(last, weights_only=True)["global_step"] == 2
-    assert (tmp_path / "last.ckpt.partial").read_bytes() == b"half a checkpoint"  # written next to it: a rename, never a copy
+    assert [partial.parent for partial in partials] == [tmp_path]  # written next to it: a rename, never a copy
+    assert sorted(tmp_path.iterdir()) == [last]  # the interrupted write's partial file is removed
+
+
+def test_two_writers_of_one_file_at_once_each_publish_a_whole_file(tmp_path):
+    table = tmp_path / "table.md"
+
+    def first_writer(partial):
+        partial.write_text("the first writer's ")
+        write_atomically(table, lambda other: other.write_text("the second writer's table"))  # in the middle of it
+        assert table.read_text() == "the second writer's table"
+        with partial.open("a") as stream:
+            stream.write("table")
+
+    write_atomically(table, first_writer)
+    assert table.read_text() == "the first writer's table"
+    assert sorted(tmp_path.iterdir()) == [table]
 
 
 def test_fit_in_a_directory_that_holds_a_run_is_refused_naming_how_to_resume_it(tmp_path, capsys):
