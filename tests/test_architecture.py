@@ -24,10 +24,12 @@ from pathlib import Path
 
 import pytest
 
+import methods.checkpoints
 from methods.checkpoints import trainable_classes
 
 ROOT = Path(__file__).parents[1]
-PACKAGES = ("engine", "methods", "datamodules", "backbones", "analysis", "interop")
+# the packages pyproject.toml installs (`include = ["engine*", ...]`; tomllib is not in Python 3.10)
+PACKAGES = tuple(re.findall(r'"(\w+)\*"', re.search(r"^\[tool\.setuptools\.packages\.find\]\ninclude = \[(.*)\]$", (ROOT / "pyproject.toml").read_text(), re.M)[1]))
 # the layers, bottom first: a module belongs to the most specific prefix listed
 LAYERS = (
     ("engine",),
@@ -180,3 +182,8 @@ def test_the_size_check_finds_a_file_over_its_limit(tmp_path):
     (tmp_path / "long.py").write_text("x = 1\n" * 151)
     (tmp_path / "short.py").write_text("x = 1\n" * 150)
     assert {Path(name).name: lines for name, lines in lines_over(150, tmp_path.glob("*.py")).items()} == {"long.py": 151}
+
+
+def test_the_checkpoint_reader_knows_the_packages_pyproject_installs():
+    """`methods.checkpoints.PACKAGES` tells a class of the project (a moved or renamed one) from one of the user's."""
+    assert sorted(methods.checkpoints.PACKAGES) == sorted(PACKAGES) == ["analysis", "backbones", "datamodules", "engine", "interop", "methods"]
