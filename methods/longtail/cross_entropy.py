@@ -35,7 +35,9 @@ class CrossEntropy(LongTailClassifier):
         """
         Args:
             loss: `ce` or `balanced_softmax` (cross-entropy of the logits plus the log prior, Ren et al. 2020).
-            tau_norm: tau of the post-hoc weight normalisation at evaluation (0: the raw classifier).
+            tau_norm: tau of the post-hoc weight normalisation at evaluation (0: the raw classifier, bias included;
+                facebookresearch/classifier-balancing tau_norm.py sweeps p over linspace(0, 2, 21) without the
+                bias, so its p = 0 row is the classifier without its bias, which no value here gives).
             **kwargs: the LongTailClassifier arguments (backbone, optimizer, schedule, ...).
         """
         if loss not in ("ce", "balanced_softmax"):
