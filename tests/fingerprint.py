@@ -39,8 +39,8 @@ HELD_TO_AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 def cpu_vendor() -> str:
     """The CPU's maker as x86 Linux names it (`vendor_id` of /proc/cpuinfo: AuthenticAMD, GenuineIntel), else
     `platform.processor()`. Part of the machine kind: held to the same AVX2 kernels, an Intel Xeon (AMX,
-    2026-11-28) did not give the AMD EPYC recordings' bits in any pinned case, an AMD AVX-512 CPU gives them all
-    (MKL and oneDNN choose kernels by more than the instruction set; MKL_ENABLE_INSTRUCTIONS=AVX2 did not help)."""
+    2026-11-28) did not give the AMD EPYC recordings' bits in any pinned case, with MKL_ENABLE_INSTRUCTIONS=AVX2 or
+    MKL_CBWR=AVX2 added neither; an AMD AVX-512 CPU gives them all."""
     cpuinfo = Path("/proc/cpuinfo")
     lines = cpuinfo.read_text().splitlines() if cpuinfo.is_file() else []
     return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("vendor_id")), platform.processor() or "unknown")
