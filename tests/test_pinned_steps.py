@@ -77,7 +77,8 @@ CASES = {
 # (2026-11-27) against oneDNN held to SSE4.1 and MKL to SSE4.2, the largest differences over all cases were 6.0e-4 of
 # the loss (barlow_twins_digits), 2.1e-3 of a state's norm, 1.8e-3 of a buffers' change and 5.6e-2 of a parameters'
 # change (tcl_digits' trunk; barlow_twins 5.2e-2, vicreg 4.5e-2, supcon 4.3e-2); against the AVX2 recording 1.8e-5,
-# 8.5e-4, 9.9e-4 and 5.3e-2 (tcl_digits). The tolerances are about 5 times those. So another kind sees a parameter
+# 8.5e-4, 9.9e-4 and 5.3e-2 (tcl_digits); an Intel Xeon (AVX-512, AMX; 2026-11-28) against it 1.6e-5, 9.8e-4,
+# 1.0e-3 and 6.0e-2 (tcl_digits). The tolerances are about 5 times those. So another kind sees a parameter
 # update only to 30%: an EMA not applied or a swapped method, not an lr 10% off or a weight decay left out (its
 # share of three steps' update is a few percent); the bit-for-bit comparisons above see every change. Two methods
 # differ by far more: the change of CE's and Balanced Softmax's classifiers by 1.5 times its norm, of linear_digits'
