@@ -12,7 +12,6 @@ tolerances of `test_pinned_steps.py` elsewhere; the accuracies of the probe. To 
 """
 
 import json
-import math
 import os
 import shutil
 import subprocess
@@ -61,8 +60,8 @@ def check_recorded(case: str, found: dict) -> None:
         assert mismatches(found, recorded, same_machine) == []
     elif same_machine:  # evaluation metrics
         assert found == recorded
-    else:  # a prediction that flips on another CPU kind moves an accuracy by one image: 1 / 64 here
-        assert found.keys() == recorded.keys() and all(math.isclose(found[key], value, abs_tol=1e-4) for key, value in recorded.items()), case
+    else:  # another CPU kind may flip a prediction near a tie: up to one image of the 64 validated (2 batches of 32)
+        assert found.keys() == recorded.keys() and all(abs(found[key] - value) <= 1 / 64 for key, value in recorded.items()), case
 
 
 RECORDED_TESTS = ["test_an_old_pretraining_checkpoint_resumes_with_its_saved_config_to_the_recorded_state",
