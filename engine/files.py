@@ -133,17 +133,19 @@ def free_bytes(directory: Path) -> int:
 
 
 def write_atomically(path: Path, write: Callable[[Path], object], size: int | None = None) -> None:
-    """`write(partial)` to `<name>.<pid>-<random>.partial` next to `path`, then rename it over `path` (`os.replace`,
-    atomic within a filesystem): a reader never sees half a file, and an interrupted run never leaves one. The
-    partial file is this call's own: two processes that write one file at once (two `reproduce.py` on halves of a
-    table's rows, two runs filling the Digits-M cache) each publish a whole file, the later one last. A write that
-    fails or is interrupted removes its partial file (the previous `path` stays); a failure raises `WriteFailed`
+    """`write(partial)` to `<name>.<pid>-<random>.partial` next to `path` (the name cut to 200 bytes, so that the
+    partial file's stays within the usual 255), then rename it over `path` (`os.replace`, atomic within a
+    filesystem): a reader never sees half a file, and an interrupted run never leaves one. The partial file is this
+    call's own: two processes that write one file at once (two `reproduce.py` on halves of a table's rows, two runs
+    filling the Digits-M cache) each publish a whole file, the later one last. A write that fails or is interrupted
+    by an exception (KeyboardInterrupt, SystemExit) removes its partial file (the previous `path` stays; a process
+    killed by a signal it does not handle, SIGKILL, leaves it); a failure raises `WriteFailed`
     naming the path, on a full disk with the bytes `size` (or the partial file's size) and the bytes free. torch's
     writer reports a full disk as a RuntimeError ("unexpected pos"), so a failed write is called a full disk by the
     free space left."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f"{path.name}.{os.getpid()}-{secrets.token_hex(4)}.partial")
+        partial = path.with_name(f"{path.name.encode()[:200].decode(errors='ignore')}.{os.getpid()}-{secrets.token_hex(4)}.partial")
     except OSError as error:
         raise WriteFailed(f"cannot write {path}: {error.strerror or error}") from None
     try:

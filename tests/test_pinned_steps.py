@@ -16,8 +16,8 @@ ONEDNN_MAX_CPU_ISA=AVX2`: the capability then reads AVX2), shared by the paralle
 round differently: the loss and the fingerprints are compared to `TOLERANCE` (its comment says how it was
 measured and what it cannot see), the tensors' names, shapes and dtypes and the integer tensors exactly.
 
-To record them anew, when a change is meant to alter the numbers (say why in its commit; an AVX-512 machine records
-them as its held process computes them, the AVX2 kernels'):
+To record them anew, when a change is meant to alter the numbers (say why in its commit; an AVX-512 machine of the
+recording's maker records them as its held process computes them, the AVX2 kernels'):
 
     CONTRASTLAB_REPIN=1 uv run --locked pytest tests/test_pinned_steps.py
 """

@@ -33,7 +33,7 @@ from datamodules import SplitFileDataModule
 from datamodules.base import seed_draw
 from datamodules.samplers import ClassPrioritySampler, EpochSampler
 from engine.checkpoint_record import VERSION, CheckpointMismatch, compatible
-from engine.files import SameDirectoryCheckpointIO, write_atomically
+from engine.files import SameDirectoryCheckpointIO, WriteFailed, write_atomically
 from engine.non_finite import NonFiniteLossError, NonFiniteLossGuard
 from engine.preemption import LastCheckpointOnSigterm, PreemptionSignals
 from engine.random_state import RandomStateCheckpoint
@@ -629,6 +629,16 @@ def test_two_writers_of_one_file_at_once_each_publish_a_whole_file(tmp_path):
     write_atomically(table, first_writer)
     assert table.read_text() == "the first writer's table"
     assert sorted(tmp_path.iterdir()) == [table]
+
+
+def test_a_name_of_up_to_255_bytes_is_written_and_a_longer_one_is_refused_naming_it(tmp_path):
+    longest = tmp_path / ("a" * 255)  # the partial file's name is cut to fit beside it
+    write_atomically(longest, lambda partial: partial.write_text("whole"))
+    assert longest.read_text() == "whole" and sorted(tmp_path.iterdir()) == [longest]
+    too_long = tmp_path / ("b" * 256)
+    with pytest.raises(WriteFailed, match=f"cannot write {too_long}: File name too long"):
+        write_atomically(too_long, lambda partial: partial.write_text("whole"))
+    assert sorted(tmp_path.iterdir()) == [longest]
 
 
 def test_fit_in_a_directory_that_holds_a_run_is_refused_naming_how_to_resume_it(tmp_path, capsys):
