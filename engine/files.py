@@ -145,7 +145,8 @@ def write_atomically(path: Path, write: Callable[[Path], object], size: int | No
     free space left."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f"{path.name.encode()[:200].decode(errors='ignore')}.{os.getpid()}-{secrets.token_hex(4)}.partial")
+        prefix = path.name.encode()[:200].decode(errors="ignore")
+        partial = path.with_name(f"{prefix}.{os.getpid()}-{secrets.token_hex(4)}.partial")
     except OSError as error:
         raise WriteFailed(f"cannot write {path}: {error.strerror or error}") from None
     try:
