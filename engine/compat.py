@@ -90,6 +90,21 @@ def reopen_stopped_epoch(checkpoint: dict) -> None:
         progress["processed"] = progress["completed"] = progress["started"] - 1
 
 
+def close_finished_epoch(checkpoint: dict) -> None:
+    """Make a checkpoint written at the end of an epoch (processed, not yet completed) resume at the start of the next
+    epoch also when the run sets max_steps: Lightning then counts every resumption as a restart (`FitLoop.restarting`,
+    `_iteration_based_training`) and would continue the finished epoch, one batch past its end with the next epoch's
+    data and every later epoch a data order ahead. The epoch counts as completed and the batch progress of the current
+    epoch as empty, the state Lightning gives the same checkpoint without max_steps (`FitLoop.on_run_start`, the batch
+    progress `reset_on_run`). The loop state as Lightning 2.6 writes it; tests/test_long_runs.py checks its layout."""
+    loop = checkpoint["loops"]["fit_loop"]
+    for progress in loop["epoch_progress"].values():
+        progress["completed"] = progress["processed"]
+    batches = loop["epoch_loop.batch_progress"]
+    batches["current"] = dict.fromkeys(batches["current"], 0)
+    batches["is_last_batch"] = False
+
+
 def processed_epochs(checkpoint: dict) -> int:
     """The epochs a checkpoint's fit loop counts as processed: a resumed run starts the next one."""
     return checkpoint["loops"]["fit_loop"]["epoch_progress"]["current"]["processed"]

@@ -13,6 +13,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from engine.compat import (
     checkpoint_and_requeue,
+    close_finished_epoch,
     cluster_environment,
     processed_epochs,
     reopen_stopped_epoch,
@@ -146,9 +147,14 @@ class ProcessTimeLimit(Timer):
 class ResumeInStoppedEpoch(Callback):
     """A run that Lightning stopped inside an epoch (max_steps, max_time) resumes with the next batch of that epoch:
     Lightning counts such an epoch as completed and would start the next one, while the DataModule's state
-    (`ContrastiveDataModule.state_dict`) holds the batches trained of it."""
+    (`ContrastiveDataModule.state_dict`) holds the batches trained of it. A run stopped at the end of an epoch resumes
+    with the next epoch, with or without max_steps (`close_finished_epoch`)."""
 
     def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
         position = checkpoint.get(type(trainer.datamodule).__qualname__) if trainer.datamodule is not None else None
-        if position and position.get("batches") and processed_epochs(checkpoint) > position["epoch"]:
+        if not position:
+            return
+        if position.get("batches") and processed_epochs(checkpoint) > position["epoch"]:
             reopen_stopped_epoch(checkpoint)
+        elif position.get("batches") == 0 and position.get("epoch", 0) > 0 and processed_epochs(checkpoint) == position["epoch"]:
+            close_finished_epoch(checkpoint)

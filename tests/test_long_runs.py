@@ -230,10 +230,13 @@ def assert_same_state(straight: dict, resumed: dict) -> None:
 
 
 @pytest.mark.slow
-def test_a_run_stopped_by_max_steps_inside_an_epoch_and_extended_trains_as_one_straight_run(tmp_path):
+@pytest.mark.parametrize("stop", [3, 4], ids=["inside-an-epoch", "at-an-epochs-end"])  # epoch 0 has 4 batches
+def test_a_run_stopped_by_max_steps_and_extended_trains_as_one_straight_run(tmp_path, stop):
+    # at an epoch's end Lightning itself would continue epoch 0 past its end, with epoch 1's first batch, and then
+    # train epoch 1 on epoch 2's data order (`engine.compat.close_finished_epoch`)
     straight = pretrain(tmp_path / "straight", *STOPPABLE, "--trainer.max_steps=6")
-    stopped = pretrain(tmp_path / "extended", *STOPPABLE, "--trainer.max_steps=3")  # inside epoch 0, at its batch 3 of 4
-    assert stopped.trainer.global_step == 3
+    stopped = pretrain(tmp_path / "extended", *STOPPABLE, f"--trainer.max_steps={stop}")
+    assert stopped.trainer.global_step == stop
     extended = pretrain(tmp_path / "extended", *STOPPABLE, "--trainer.max_steps=6", "--ckpt_path=last")
     assert extended.trainer.global_step == straight.trainer.global_step == 6
     assert extended.trainer.callback_metrics["train/loss"].item() == straight.trainer.callback_metrics["train/loss"].item()
@@ -339,6 +342,22 @@ def test_a_checkpoint_of_a_stop_inside_an_epoch_reopens_that_epoch(completed):
     reopen_stopped_epoch(checkpoint)
     assert checkpoint["loops"]["fit_loop"]["epoch_progress"]["current"] == {"ready": 1, "started": 1, "processed": 0, "completed": 0}
     assert processed_epochs(checkpoint) == 0
+
+
+def test_a_checkpoint_of_a_stop_at_an_epochs_end_starts_the_next_epoch():
+    """The layout of Lightning's loop state that engine.compat.close_finished_epoch changes: a max_steps stop at the last
+    batch of epoch 0 writes the epoch processed but not completed, with its 4 batches as the current epoch's."""
+    from engine.compat import close_finished_epoch, processed_epochs
+
+    epochs = {"ready": 1, "started": 1, "processed": 1, "completed": 0}
+    batches = {"ready": 4, "started": 4, "processed": 4, "completed": 4}
+    checkpoint = {"loops": {"fit_loop": {"epoch_progress": {"total": dict(epochs), "current": dict(epochs)},
+                                         "epoch_loop.batch_progress": {"total": dict(batches), "current": dict(batches), "is_last_batch": True}}}}
+    close_finished_epoch(checkpoint)
+    loop = checkpoint["loops"]["fit_loop"]
+    assert loop["epoch_progress"]["current"] == loop["epoch_progress"]["total"] == {"ready": 1, "started": 1, "processed": 1, "completed": 1}
+    assert loop["epoch_loop.batch_progress"] == {"total": batches, "current": dict.fromkeys(batches, 0), "is_last_batch": False}
+    assert processed_epochs(checkpoint) == 1
 
 
 # ----------------------------------------------------------------- a full disk, a read-only directory
