@@ -206,6 +206,9 @@ def test_pretrain_then_linear_probe_pipeline_with_reruns_and_a_validate_in_the_s
     validated = json.loads((run_dir / "results_validate.json").read_text())
     assert validated["metrics"]["val/knn_top1"] == results["metrics"]["val/knn_top1"]  # the same weights, the same images
     assert (validated["checkpoint"], validated["global_step"]) == (str(checkpoint), 2) and "epoch" not in validated  # what was evaluated
+    main_pretrain.cli_main(["test", *args[1:], "--ckpt_path=last"])  # the config's W&B logger: `last` is still the run's last.ckpt
+    tested = json.loads((run_dir / "results_test.json").read_text())
+    assert (tested["checkpoint"], tested["global_step"]) == (str(checkpoint), 2)
 
     linear = main_linear.cli_main(
         [
@@ -249,6 +252,16 @@ def test_a_yaml_syntax_error_names_the_config_file_line_and_column(tmp_path, cap
     line = run_failing(main_pretrain, ["fit", "--config", PRETRAIN_DIGITS, "--config", str(bad), f"--trainer.default_root_dir={tmp_path / 'run'}"], capsys)
     assert line == f"error: config file {str(bad)!r}, line 3, column 11: mapping values are not allowed here"
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("subcommand", ["validate", "test"])
+def test_an_evaluation_of_the_last_checkpoint_of_a_directory_without_one_is_one_error_line(subcommand, tmp_path, capsys):
+    # it evaluated the untrained model, and a run directory's earlier results_validate.json was overwritten with its numbers
+    run_dir = tmp_path / "run"
+    line = run_failing(main_pretrain, [subcommand, "--config", PRETRAIN_DIGITS, *TINY_RUN, f"--trainer.default_root_dir={run_dir}", "--ckpt_path=last"], capsys)
+    assert line == (f"error: ckpt_path 'last', but trainer.default_root_dir {run_dir} holds no checkpoint to {subcommand}: "
+                    "give the run's directory or a checkpoint file")
+    assert not run_dir.exists()
 
 
 def test_a_ckpt_path_that_does_not_exist_is_one_error_line_and_nothing_is_written(tmp_path, capsys):

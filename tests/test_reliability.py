@@ -556,7 +556,7 @@ def test_a_truncated_last_ckpt_resumes_from_the_newest_readable_checkpoint_with_
                                       *(["--ckpt_path=last"] if resume == "ckpt_path-last" else [])])
     messages = "\n".join(str(warning.message) for warning in warned)
     assert f"{last} could not be read as a checkpoint: " in messages
-    assert f": resuming from {older} instead, the newest readable checkpoint of this run" in messages
+    assert f": taking {older} instead, the newest readable checkpoint of this run" in messages
     assert cli.trainer.ckpt_path == str(older) and cli.trainer.global_step == 4
     resumed = torch.load(last, weights_only=True)
     for key in ("state_dict", "optimizer_states", "DigitsDataModule"):

@@ -218,9 +218,8 @@ class ContrastlabCLI(KeepsEvaluationSettings):
     def before_fit(self) -> None:
         self._check_data()
         self._say_precision()
+        self._checkpoints_in_the_run_directory()
         for callback in self.trainer.checkpoint_callbacks:
-            if callback.dirpath is None:  # not under the logger's version folder: one known place per run
-                callback.dirpath = str(Path(self.trainer.default_root_dir) / "checkpoints")
             if self.trainer.fast_dev_run and isinstance(callback, ModelCheckpoint):
                 # Lightning suppresses checkpoints in a smoke run but still writes last.ckpt when training ends,
                 # which a later `--ckpt_path last` would quietly continue from
@@ -240,6 +239,13 @@ class ContrastlabCLI(KeepsEvaluationSettings):
         mode = self._tracking_mode()
         self._claim_run_directory()  # the checks above only read: two runs that pass them together meet here
         self._start_tracking(mode, resumed=continues_this_run(self.trainer, run.get("ckpt_path"), resumed is not None))
+
+    def _checkpoints_in_the_run_directory(self) -> None:
+        """One known place for a run's checkpoints, which `last` finds whatever the logger: Lightning would put them
+        under the logger's version folder (W&B's: <project>/<run id>/checkpoints) and look for `last` there."""
+        for callback in self.trainer.checkpoint_callbacks:
+            if callback.dirpath is None:
+                callback.dirpath = str(Path(self.trainer.default_root_dir) / "checkpoints")
 
     def _claim_run_directory(self) -> None:
         """One run at a time in a run directory (`engine.cli.run_lock`), claimed before anything is written there."""
@@ -270,6 +276,15 @@ class ContrastlabCLI(KeepsEvaluationSettings):
     def _prepare_evaluation(self) -> None:
         self._check_data()
         self._say_precision()
+        self._checkpoints_in_the_run_directory()
+        run = self.config_init[self.subcommand]
+        if run.get("ckpt_path") in ("last", "hpc"):  # the run's newest readable checkpoint, never the untrained model
+            found = readable_checkpoint_to_resume(self.trainer, run)
+            if found is None:
+                fail(f"ckpt_path {run['ckpt_path']!r}, but trainer.default_root_dir {self.trainer.default_root_dir} holds no checkpoint "
+                     f"to {self.subcommand}: give the run's directory or a checkpoint file")
+            with one_error_line(CheckpointMismatch):
+                check_resumable(found[1], f"checkpoint {found[0]}", self.config[self.subcommand])
         mode = self._tracking_mode()
         self._claim_run_directory()
         self._start_tracking(mode)

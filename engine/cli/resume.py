@@ -159,7 +159,7 @@ def checkpoint_to_resume(trainer, ckpt_path: str | None) -> Path | None:
 
 
 def readable_checkpoint_to_resume(trainer, run: dict) -> tuple[Path, dict] | None:
-    """The checkpoint the run (its `ckpt_path`) restores, read; None for a new run. One that cannot be read (a copy
+    """The checkpoint the run (its `ckpt_path`) restores or evaluates, read; None for a new run. One that cannot be read (a copy
     cut short, a full disk) is passed over, with a warning, for the newest readable checkpoint of the run (by
     modification time: an epoch-end `epoch=*-step=*.ckpt`, an hpc checkpoint), which becomes the run's `ckpt_path`;
     with none, one error line."""
@@ -176,7 +176,7 @@ def readable_checkpoint_to_resume(trainer, run: dict) -> tuple[Path, dict] | Non
                 checkpoint = read_checkpoint(candidate, str(candidate))
             except UnreadableCheckpoint:
                 continue
-            rank_zero_warn(f"{unreadable}: resuming from {candidate} instead, the newest readable checkpoint of this run")
+            rank_zero_warn(f"{unreadable}: taking {candidate} instead, the newest readable checkpoint of this run")
             run["ckpt_path"] = str(candidate)
             return candidate, checkpoint
         fail(f"{unreadable}; this run holds no other readable checkpoint: start a new run under another trainer.default_root_dir")
