@@ -872,6 +872,10 @@ def test_a_probe_runs_under_its_pretraining_run_and_resuming_it_with_another_pre
     assert yaml.safe_load((probe_dir / "config.yaml").read_text())["model"]["init_args"]["pretrained_encoder"] == "online"
     resumed = main_linear.cli_main([*probe, f"--model.pretrained_ckpt={pretrained}", f"--trainer.default_root_dir={probe_dir}", "--ckpt_path=last"])
     assert resumed.trainer.current_epoch == 1 and resumed.model.hparams.pretrained_encoder == "online"
+    # the file itself resumes as `last` does: the null default is settled before the comparison (it was refused, as a run with None)
+    by_file = main_linear.cli_main([*probe, f"--model.pretrained_ckpt={pretrained}", f"--trainer.default_root_dir={probe_dir}",
+                                    f"--ckpt_path={probe_dir / 'checkpoints' / 'last.ckpt'}"])
+    assert by_file.model.hparams.pretrained_encoder == "online"
 
 
 # ----------------------------------------------------------------- bad inputs

@@ -157,19 +157,22 @@ class ContrastlabCLI(KeepsEvaluationSettings):
             checkpoint = read_checkpoint(ckpt_path, source)
             check_resumable(checkpoint, source, config)
             if subcommand == "fit":  # an evaluation may use other data settings (batch size, workers)
-                check_unchanged(checkpoint, source, self.resolved_config())
+                check_unchanged(checkpoint, source, self.resolved_config(settled=True))
         self.given_checkpoint = (checkpoint, source)
 
     def at_default(self, class_path: str, name: str, value) -> bool:  # an evaluation setting left as the class sets it
         default = class_default({"model": {"class_path": class_path}}, f"model.init_args.{name}")
         return default is not UNKNOWN and value == plain(default)
 
-    def resolved_config(self) -> dict:
-        """The resolved config of the subcommand as `config.yaml` and the checkpoints record it (plain YAML types)."""
+    def resolved_config(self, settled: bool = False) -> dict:
+        """The resolved config of the subcommand as `config.yaml` and the checkpoints record it (plain YAML types); with
+        `settled`, before `before_instantiate_classes` settles the model's arguments, as it will record them."""
         subcommand = self.config.get("subcommand")
         dumped = load_yaml(self.parser.dump(self.config, skip_none=False, skip_validation=True))  # as SaveConfigToRun dumps it
         resolved = dumped[subcommand] if subcommand else dumped
         resolved["trainer"].update(integer_batch_counts((self.config[subcommand] if subcommand else self.config)["trainer"]))
+        if settled:
+            class_at(resolved["model"]["class_path"]).settle_arguments(resolved["model"]["init_args"])
         return resolved
 
     def before_instantiate_classes(self) -> None:
