@@ -91,6 +91,9 @@ def test_the_lock_of_a_run_that_ended_or_died_is_taken_over(tmp_path):
         ("--data.init_args.batch_size=32", "data.init_args.batch_size 32 (the run was trained with 16)"),
         ("--trainer.max_epochs=3", "trainer.max_epochs 3 (the run was trained with 1)"),
         ("--seed_everything=1", "seed_everything 1 (the run was trained with 0)"),
+        # a view given anew with its preset only: its other settings would revert to the preset's (blur 0.5) without a word
+        ("--data.init_args.views={query: {preset: mocov2}, key: {preset: mocov2}}",
+         "data.init_args.views.key.blur_prob not given (the run was trained with 0.0)"),
     ],
 )
 @pytest.mark.slow
@@ -134,7 +137,7 @@ class TrainingBatches(Callback):
         self.count += 1
 
 
-def test_a_setting_added_since_the_checkpoint_is_kept_at_its_default_and_refused_otherwise():
+def test_a_setting_added_since_the_checkpoint_is_kept_at_its_default_and_one_the_run_recorded_cannot_be_left_out():
     """A checkpoint written before a setting existed trained as with its default (its class's constructor says which)."""
     from engine.cli.resume import changed_setting
 
@@ -143,6 +146,9 @@ def test_a_setting_added_since_the_checkpoint_is_kept_at_its_default_and_refused
     assert changed_setting(recorded, {"model": {"init_args": {"lr": 0.2}}, "trainer": {"max_epochs": 5}}) == (
         "model.init_args.lr 0.2 (the run was trained with 0.1)")
     assert changed_setting({"contrastlab": {}}, {"model": {}}) is None  # a checkpoint without a recorded config
+    subset = {"contrastlab": {"config": {"data": {"init_args": {"label_subset": {"fraction": 0.1}}}}}}
+    assert changed_setting(subset, {"data": {"init_args": {"label_subset": None}}}) == (  # the whole training set instead of a tenth
+        "data.init_args.label_subset.fraction not given (the run was trained with 0.1)")
 
     simclr = {"class_path": "methods.SimCLR", "init_args": {"temperature": 0.5, "optimizer": {"name": "lars", "lr": 1.0}}}
     old = {"contrastlab": {"config": {"model": simclr}}}

@@ -70,6 +70,8 @@ def changed_setting(checkpoint: dict, config: dict, world_size: int | None = Non
     for key in sorted(before.keys() & now.keys()):
         if before[key] != now[key] and not without_effect(key, before, now, record.get("world_size"), world_size):
             return f"{key} {now[key]!r} (the run was trained with {before[key]!r})"
+    for key in sorted(before.keys() - now.keys()):  # left out now: a dict replaced by a shorter one or by null (whose values would revert silently)
+        return f"{key} not given (the run was trained with {before[key]!r})"
     for key in sorted(now.keys() - before.keys()):  # a setting added since the checkpoint: the run trained with its default
         default = class_default(config, key)
         if default is not UNKNOWN and plain(default) != now[key]:
