@@ -74,6 +74,8 @@ class OptimizerSpec:
                 raise ValueError(f"optimizer.{name} must lie in [0, 1), got {getattr(self, name)}")
         if not self.trust_coefficient > 0:
             raise ValueError(f"optimizer.trust_coefficient must be > 0, got {self.trust_coefficient:g}")
+        if self.fused and self.name == "lars":
+            raise ValueError("optimizer.fused: true, but LARS has no fused kernel (it runs multi-tensor); set optimizer.fused: null")
         if self.fused and self.clip_grad_per_parameter is not None:
             raise ValueError("optimizer.fused: true with optimizer.clip_grad_per_parameter: a fused step unscales 16-mixed gradients "
                              "itself, after the clip would have cut their loss-scaled norms; set optimizer.fused: null")
@@ -185,8 +187,6 @@ def with_group_lrs(groups: list[dict], lr: float, batch_scale: float) -> list[di
 
 def build_optimizer(groups: list[dict], spec: OptimizerSpec, lr: float) -> Optimizer:
     if spec.name == "lars":
-        if spec.fused:
-            raise ValueError("optimizer.fused: true, but LARS has no fused kernel (it runs multi-tensor); set optimizer.fused: null")
         return LARS(
             groups, lr=lr, momentum=spec.momentum, trust_coefficient=spec.trust_coefficient,
             trust_denominator=spec.lars_trust_denominator, clip_lr=spec.lars_clip_lr, lr_in_momentum=spec.lars_lr_in_momentum,

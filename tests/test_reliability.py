@@ -889,6 +889,14 @@ def test_a_probe_runs_under_its_pretraining_run_and_resuming_it_with_another_pre
         ("paco_digits_lt", "--model.init_args.temperature=-0.1", "model.init_args.temperature must be > 0, got -0.1 (given on the command line)"),
         ("moco_digits", "--model.init_args.optimizer.lr=-1", "model.init_args.optimizer.lr must be >= 0, got -1 (given on the command line)"),  # as given, not scaled to -0.5
         ("ce_digits_lt", "--model.init_args.optimizer.weight_decay=-1e-4", "model.init_args.optimizer.weight_decay must be >= 0, got -0.0001 (given on the command line)"),
+        # refused while configure_optimizers built it, with a traceback, after config.yaml and run.lock were written
+        ("vicreg_digits", "--model.init_args.optimizer.fused=true", "optimizer.fused: true, but LARS has no fused kernel (it runs multi-tensor)"),
+        # trainer values Lightning refuses when it builds the trainer: a traceback of 35-40 lines before
+        ("moco_digits", "--trainer.max_time=48h", "error: `Timer(duration='48h')` is not a valid duration. Expected a string in the format DD:HH:MM:SS."),
+        ("moco_digits", "--trainer.devices=0", "error: `Trainer(devices='0')` value is not a valid input using cpu accelerator."),
+        # a ZeroDivisionError once training started, after config.yaml and run.lock were written
+        ("moco_digits", "--trainer.accumulate_grad_batches=0", "error: trainer.accumulate_grad_batches must be an integer >= 1, got 0"),
+        ("moco_digits", "--trainer.max_epochs=0", "error: trainer.max_epochs 0 trains nothing"),  # it wrote its files and exited 0
     ],
 )
 def test_an_out_of_range_or_mistyped_value_ends_with_one_error_line_naming_it(config, override, expected, tmp_path, capsys):

@@ -39,7 +39,7 @@ from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator, MPSAccelerator
 from lightning.pytorch.callbacks import ModelCheckpoint, Timer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
-from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
 from analysis.monitors import CollapseMonitor, EmbeddingMap
 from datamodules.base import ContrastiveDataModule
@@ -140,6 +140,12 @@ class ContrastlabCLI(KeepsEvaluationSettings):
         seed = config.get("seed_everything")
         if not isinstance(seed, int) or isinstance(seed, bool):  # true means seed 0 every time (Lightning >= 2.2 seeds None as 0: Lightning-AI/pytorch-lightning #18846)
             fail(f"seed_everything must be an explicit integer (a config's seed_everything or --seed_everything), got {seed!r}")
+        accumulate = config["trainer"].get("accumulate_grad_batches")
+        if not (isinstance(accumulate, int) and accumulate >= 1):  # Lightning divides by it once the run has started
+            fail(f"trainer.accumulate_grad_batches must be an integer >= 1, got {accumulate!r}")
+        if subcommand == "fit" and 0 in (config["trainer"].get("max_epochs"), config["trainer"].get("max_steps")):
+            stop = "max_epochs" if config["trainer"].get("max_epochs") == 0 else "max_steps"
+            fail(f"trainer.{stop} 0 trains nothing: give the run's length (or evaluate a checkpoint with validate or test)")
         accelerator = config["trainer"].get("accelerator")
         on_cpu = accelerator == "cpu" or (accelerator in ("auto", None) and not (CUDAAccelerator.is_available() or MPSAccelerator.is_available()))
         self.precision_note = choose_cpu_precision(config["trainer"], config.get("bf16_on_cpu", "auto")) if on_cpu else None  # said at the start
@@ -197,7 +203,9 @@ class ContrastlabCLI(KeepsEvaluationSettings):
         accelerator, devices = trainer.get("accelerator"), trainer.get("devices")
         if accelerator in ("gpu", "cuda") and not (CUDAAccelerator.is_available() or MPSAccelerator.is_available()):
             fail(f"trainer.accelerator {accelerator!r}, but this machine has no GPU: give --trainer.accelerator cpu (and --trainer.devices N for N CPU processes)")
-        with one_error_line(ValueError, describe=lambda error: located(condense_parser_error(str(root_cause(error))), self.resolved_config(), self.command_line)):
+        # MisconfigurationException: a trainer value Lightning refuses (max_time '48h', devices 0, max_epochs -5)
+        with one_error_line(ValueError, MisconfigurationException,
+                            describe=lambda error: located(condense_parser_error(str(root_cause(error))), self.resolved_config(), self.command_line)):
             super().instantiate_classes()
         self.run_lock = RunDirectoryLock(self.trainer.default_root_dir)
         max_time = trainer.get("max_time")
