@@ -3,6 +3,7 @@ process at the same batch, and `last.ckpt` written at that step; `trainer.max_ti
 stopped inside an epoch (max_steps, max_time) resumes inside that epoch."""
 
 import signal
+import sys
 
 import torch
 import torch.distributed as dist
@@ -142,6 +143,13 @@ class ProcessTimeLimit(Timer):
         if remaining is None or remaining > 0:
             return False
         return not (0 <= trainer.max_steps <= trainer.global_step or trainer.global_step >= schedule_length(trainer))
+
+    def exit_if_cut_short(self, trainer, max_time) -> None:
+        """End the process as a SIGTERM does (status 143), saying how to resume, when the time ran out before the run's end."""
+        if self.cut_short(trainer):
+            sys.stderr.write(f"stopped at trainer.max_time {max_time} (this process's time) after global step {trainer.global_step} "
+                             "(checkpoints/last.ckpt): resume with --ckpt_path last\n")
+            sys.exit(128 + signal.SIGTERM)
 
 
 class ResumeInStoppedEpoch(Callback):

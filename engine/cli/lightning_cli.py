@@ -46,12 +46,14 @@ from datamodules.base import ContrastiveDataModule
 from datamodules.folders import TooManyUnreadableImages
 from engine.checkpoint_record import CheckpointMismatch
 from engine.cli.errors import condense_parser_error, fail, last_line, located, one_error_line, root_cause
-from engine.cli.parsing import ContrastlabArgumentParser, SaveConfigToRun, batch_counts_as_written, integer_batch_counts
+from engine.cli.parsing import ContrastlabArgumentParser, SaveConfigToRun, batch_counts_as_written, check_run_values, integer_batch_counts
 from engine.cli.quiet import quiet_run
 from engine.cli.resume import (
     LIGHTNING_CHECKPOINT_NAMES,
     UNKNOWN,
     check_resumable,
+    checkpoints_in_the_run_directory,
+    choose_checkpoint_to_evaluate,
     class_default,
     check_unchanged,
     continues_this_run,
@@ -137,23 +139,13 @@ class ContrastlabCLI(KeepsEvaluationSettings):
         super().parse_arguments(parser, args)
         subcommand = self.config.get("subcommand")
         config = self.config[subcommand] if subcommand else self.config
-        seed = config.get("seed_everything")
-        if not isinstance(seed, int) or isinstance(seed, bool):  # true means seed 0 every time (Lightning >= 2.2 seeds None as 0: Lightning-AI/pytorch-lightning #18846)
-            fail(f"seed_everything must be an explicit integer (a config's seed_everything or --seed_everything), got {seed!r}")
-        accumulate = config["trainer"].get("accumulate_grad_batches")
-        if not (isinstance(accumulate, int) and accumulate >= 1):  # Lightning divides by it once the run has started
-            fail(f"trainer.accumulate_grad_batches must be an integer >= 1, got {accumulate!r}")
-        if subcommand == "fit" and 0 in (config["trainer"].get("max_epochs"), config["trainer"].get("max_steps")):
-            stop = "max_epochs" if config["trainer"].get("max_epochs") == 0 else "max_steps"
-            fail(f"trainer.{stop} 0 trains nothing: give the run's length (or evaluate a checkpoint with validate or test)")
+        check_run_values(config, subcommand)
         accelerator = config["trainer"].get("accelerator")
         on_cpu = accelerator == "cpu" or (accelerator in ("auto", None) and not (CUDAAccelerator.is_available() or MPSAccelerator.is_available()))
         self.precision_note = choose_cpu_precision(config["trainer"], config.get("bf16_on_cpu", "auto")) if on_cpu else None  # said at the start
         for name, count in batch_counts_as_written(config["trainer"], self.command_line).items():  # `limit_val_batches=1`: one batch
             config["trainer"][name] = count
         ckpt_path = config.get("ckpt_path")
-        if ckpt_path == "best":  # Lightning's name for the best checkpoint of this process's fit: a new process has none
-            fail("ckpt_path 'best' names the best checkpoint of a fit in this process, which a new process has not written: give last or a checkpoint file")
         if ckpt_path is None or ckpt_path in LIGHTNING_CHECKPOINT_NAMES or "://" in str(ckpt_path) or str(ckpt_path).startswith("registry"):
             return  # a name Lightning resolves (`last` is read in before_fit), a remote or registry path
         if not Path(ckpt_path).is_file():
@@ -229,7 +221,7 @@ class ContrastlabCLI(KeepsEvaluationSettings):
     def before_fit(self) -> None:
         self._check_data()
         self._say_precision()
-        self._checkpoints_in_the_run_directory()
+        checkpoints_in_the_run_directory(self.trainer)
         for callback in self.trainer.checkpoint_callbacks:
             if self.trainer.fast_dev_run and isinstance(callback, ModelCheckpoint):
                 # Lightning suppresses checkpoints in a smoke run but still writes last.ckpt when training ends,
@@ -250,13 +242,6 @@ class ContrastlabCLI(KeepsEvaluationSettings):
         mode = self._tracking_mode()
         self._claim_run_directory()  # the checks above only read: two runs that pass them together meet here
         self._start_tracking(mode, resumed=continues_this_run(self.trainer, run.get("ckpt_path"), resumed is not None))
-
-    def _checkpoints_in_the_run_directory(self) -> None:
-        """One known place for a run's checkpoints, which `last` finds whatever the logger: Lightning would put them
-        under the logger's version folder (W&B's: <project>/<run id>/checkpoints) and look for `last` there."""
-        for callback in self.trainer.checkpoint_callbacks:
-            if callback.dirpath is None:
-                callback.dirpath = str(Path(self.trainer.default_root_dir) / "checkpoints")
 
     def _claim_run_directory(self) -> None:
         """One run at a time in a run directory (`engine.cli.run_lock`), claimed before anything is written there."""
@@ -287,15 +272,8 @@ class ContrastlabCLI(KeepsEvaluationSettings):
     def _prepare_evaluation(self) -> None:
         self._check_data()
         self._say_precision()
-        self._checkpoints_in_the_run_directory()
-        run = self.config_init[self.subcommand]
-        if run.get("ckpt_path") in ("last", "hpc"):  # the run's newest readable checkpoint, never the untrained model
-            found = readable_checkpoint_to_resume(self.trainer, run)
-            if found is None:
-                fail(f"ckpt_path {run['ckpt_path']!r}, but trainer.default_root_dir {self.trainer.default_root_dir} holds no checkpoint "
-                     f"to {self.subcommand}: give the run's directory or a checkpoint file")
-            with one_error_line(CheckpointMismatch):
-                check_resumable(found[1], f"checkpoint {found[0]}", self.config[self.subcommand])
+        with one_error_line(CheckpointMismatch):
+            choose_checkpoint_to_evaluate(self.trainer, self.config_init[self.subcommand], self.subcommand, self.config[self.subcommand])
         mode = self._tracking_mode()
         self._claim_run_directory()
         self._start_tracking(mode)
@@ -303,12 +281,8 @@ class ContrastlabCLI(KeepsEvaluationSettings):
     before_validate = before_test = _prepare_evaluation
 
     def after_fit(self) -> None:
-        limits = [callback for callback in self.trainer.callbacks if isinstance(callback, ProcessTimeLimit)]
-        if limits and limits[0].cut_short(self.trainer):  # the run has not ended: no results, as after a SIGTERM
-            max_time = self.config[self.subcommand]["trainer"]["max_time"]
-            sys.stderr.write(f"stopped at trainer.max_time {max_time} (this process's time) after global step {self.trainer.global_step} "
-                             "(checkpoints/last.ckpt): resume with --ckpt_path last\n")
-            sys.exit(128 + signal.SIGTERM)
+        for limit in (callback for callback in self.trainer.callbacks if isinstance(callback, ProcessTimeLimit)):
+            limit.exit_if_cut_short(self.trainer, self.config[self.subcommand]["trainer"]["max_time"])  # no results: as after a SIGTERM
         validate_the_end_if_missed(self.trainer, self.model, self.datamodule)
         report_results(self.trainer, "val", "results_val.json")
 

@@ -64,6 +64,24 @@ def integer_batch_counts(trainer) -> dict[str, int]:
     return {name: trainer[name] for name in BATCH_COUNTS if type(trainer.get(name)) is int}
 
 
+def check_run_values(config, subcommand: str | None) -> None:
+    """Values Lightning accepts but a run of this project cannot use, refused before anything is written: a seed that
+    is not an explicit integer, an accumulation of no batch (a ZeroDivisionError once training started), a fit of no
+    epoch or step (it wrote its files and trained nothing) and the checkpoint `best` of a fit in another process."""
+    seed = config.get("seed_everything")
+    if not isinstance(seed, int) or isinstance(seed, bool):  # true means seed 0 every time (Lightning >= 2.2 seeds None as 0: Lightning-AI/pytorch-lightning #18846)
+        fail(f"seed_everything must be an explicit integer (a config's seed_everything or --seed_everything), got {seed!r}")
+    trainer = config["trainer"]
+    accumulate = trainer.get("accumulate_grad_batches")
+    if not (isinstance(accumulate, int) and accumulate >= 1):
+        fail(f"trainer.accumulate_grad_batches must be an integer >= 1, got {accumulate!r}")
+    if subcommand == "fit" and 0 in (trainer.get("max_epochs"), trainer.get("max_steps")):
+        stop = "max_epochs" if trainer.get("max_epochs") == 0 else "max_steps"
+        fail(f"trainer.{stop} 0 trains nothing: give the run's length (or evaluate a checkpoint with validate or test)")
+    if config.get("ckpt_path") == "best":  # Lightning's name for the best checkpoint of this process's fit: a new process has none
+        fail("ckpt_path 'best' names the best checkpoint of a fit in this process, which a new process has not written: give last or a checkpoint file")
+
+
 def fail_on_syntax_error(path, text: str) -> None:
     """End with one line naming the file, line and column of a YAML syntax error, worded by PyYAML's Python parser
     (libyaml's words differ, and a PyYAML without libyaml would give those)."""

@@ -184,6 +184,29 @@ def readable_checkpoint_to_resume(trainer, run: dict) -> tuple[Path, dict] | Non
         fail(f"{unreadable}; this run holds no other readable checkpoint: start a new run under another trainer.default_root_dir")
 
 
+def choose_checkpoint_to_evaluate(trainer, run: dict, subcommand: str, config) -> None:
+    """A `validate` or `test` with `last` or `hpc` evaluates the run directory's newest readable checkpoint, which
+    becomes the run's `ckpt_path`; a directory without one is one error line (Lightning would warn and evaluate the
+    untrained model)."""
+    checkpoints_in_the_run_directory(trainer)
+    if run.get("ckpt_path") not in ("last", "hpc"):
+        return
+    found = readable_checkpoint_to_resume(trainer, run)
+    if found is None:
+        fail(f"ckpt_path {run['ckpt_path']!r}, but trainer.default_root_dir {trainer.default_root_dir} holds no checkpoint to {subcommand}: "
+             "give the run's directory or a checkpoint file")
+    check_resumable(found[1], f"checkpoint {found[0]}", config)
+
+
+def checkpoints_in_the_run_directory(trainer) -> None:
+    """One known place for a run's checkpoints, `<default_root_dir>/checkpoints`, where `last` is found whatever the
+    logger: Lightning would put them under the logger's version folder (W&B's: <project>/<run id>/checkpoints) and
+    look for `last` there."""
+    for callback in trainer.checkpoint_callbacks:
+        if callback.dirpath is None:
+            callback.dirpath = str(Path(trainer.default_root_dir) / "checkpoints")
+
+
 def refuse_to_overwrite_a_run(trainer, ckpt_path: str | None) -> str | None:
     """A `fit` must not overwrite the checkpoints of an earlier run in the same directory (any of its checkpoints:
     `last.ckpt`, the epochs' files of a run without one, `hpc_ckpt_*.ckpt`): one error line, unless it resumes that
