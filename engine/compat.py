@@ -16,7 +16,8 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import WandbLogger
 
-from engine.config import load_yaml
+from engine.checkpoint_record import CheckpointMismatch
+from engine.config import flattened, load_yaml
 
 # (what holds it, attribute path): the private attributes used below, checked by tests/test_compat.py
 PRIVATE_ATTRIBUTES = {
@@ -169,9 +170,10 @@ def save_last_checkpoint_unless_saved(trainer: Trainer, callback) -> None:
 
 class KeepsEvaluationSettings(LightningCLI):
     """A LightningCLI whose `validate` and `test` keep the model arguments named by the model class's
-    `evaluation_settings` (tau-norm's tau) that their config or command line set to another value than the class's
-    default: Lightning's `_parse_ckpt_path` puts a checkpoint's hyperparameters over every model argument. One left
-    at its default keeps the checkpoint's."""
+    `evaluation_settings` (tau-norm's tau, the kNN monitor's k) that their config or command line set to another value
+    than the class's default: Lightning's `_parse_ckpt_path` puts a checkpoint's hyperparameters over every model
+    argument. One left at its default keeps the checkpoint's; any other model argument that the command line sets to
+    another value than the checkpoint's is refused."""
 
     def _parse_ckpt_path(self) -> None:
         subcommand = self.config.get("subcommand")
@@ -180,9 +182,24 @@ class KeepsEvaluationSettings(LightningCLI):
         if given is not None:
             model = self.config[subcommand]["model"]
             module_name, _, class_name = model["class_path"].rpartition(".")
-            for name in getattr(importlib.import_module(module_name), class_name).evaluation_settings:
+            settings = getattr(importlib.import_module(module_name), class_name).evaluation_settings
+            for name in settings:
                 if name in given and not self.at_default(model["class_path"], name, given[name]):
                     model["init_args"][name] = given[name]
+            self.refuse_model_arguments_the_checkpoint_overrides(flattened(given.as_dict()), flattened(model["init_args"].as_dict()), settings)
+
+    def refuse_model_arguments_the_checkpoint_overrides(self, given: dict, restored: dict, settings: tuple[str, ...]) -> None:
+        """An evaluation's model is the checkpoint's: a model argument its command line sets to another value would be
+        dropped without a word (its config files may differ: a run's training config beside a checkpoint of overrides)."""
+        flags = [token.partition("=")[0].removeprefix("--").replace(".init_args.", ".") for token in getattr(self, "command_line", [])
+                 if isinstance(token, str) and token.startswith("--model")]
+        for key, value in given.items():
+            set_here = any(f"model.{key}" == flag or f"model.{key}".startswith(flag + ".") for flag in flags)
+            if set_here and key.split(".")[0] not in settings and restored.get(key, value) != value:
+                raise CheckpointMismatch(
+                    f"model.init_args.{key} {value!r} given on the command line, but {self.config['subcommand']} evaluates the model of its "
+                    f"checkpoint, trained with {restored[key]!r}; an evaluation may change {', '.join(settings) or 'none of its model arguments'}"
+                )
 
     def at_default(self, class_path: str, name: str, value) -> bool:
         """Whether `value` is the default of the model argument `name` of `class_path` (the subclass knows defaults)."""

@@ -76,7 +76,8 @@ class MethodBase(EvaluationMixin, CheckpointRecord, L.LightningModule):
     # teacher's (DINO); what `python -m interop.export` writes unless told otherwise.
     evaluated_encoder: Literal["online", "momentum"] = "online"
     # Arguments that a `validate` / `test` of a checkpoint takes from its own config and command line, not from the
-    # checkpoint's hyperparameters (which Lightning's CLI puts over every other model argument): tau-norm's tau.
+    # checkpoint's hyperparameters (which Lightning's CLI puts over every other model argument): tau-norm's tau, the
+    # kNN monitor's k. Any other model argument given on the command line of an evaluation is refused (engine.compat).
     evaluation_settings: tuple[str, ...] = ()
 
     def __init_subclass__(cls, **kwargs):

@@ -90,6 +90,7 @@ class LinearProbe(MethodBase):
     monitors_representations = False  # its trunk is frozen: the pretraining run monitored it
     trains_trunk = False  # the trunk is frozen in eval mode and run without gradients (FineTune trains it)
     run_folder = "linear"  # where it runs beside its pretraining checkpoint (`probe_run_directory`)
+    evaluation_settings = ("knn_k", "knn_temperature")  # the kNN evaluation's vote: no part of the trained model
 
     def __init__(
         self,

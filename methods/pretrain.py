@@ -30,6 +30,7 @@ class PretrainMethod(MethodBase):
     # forward on all crops (the `MultiCropWrapper` of facebookresearch/dino utils.py and the forward of
     # facebookresearch/swav src/resnet50.py).
     crop_batching: CropBatching = "per_crop"
+    evaluation_settings = ("knn_k", "knn_temperature")  # the kNN monitor's vote: no part of the trained model
 
     def __init__(
         self,

@@ -807,6 +807,23 @@ def test_resuming_from_an_incompatible_or_foreign_checkpoint_is_one_error_line(c
         assert line.startswith(f"error: ckpt_path '{path}' {expected}")
 
 
+def test_an_evaluation_takes_the_knn_settings_from_its_command_line_and_refuses_other_model_arguments(cli_checkpoint, tmp_path, capsys):
+    """Lightning puts the checkpoint's hyperparameters over the model arguments of `validate`: knn_k 5 was evaluated as
+    200, and a temperature or trunk given there was dropped without a word."""
+    run_dir = tmp_path / "run"
+    evaluation = ["validate", "--config", PRETRAIN_DIGITS, *TINY_RUN, "--trainer.logger=false",
+                  f"--trainer.default_root_dir={run_dir}", f"--ckpt_path={cli_checkpoint}"]
+    assert main_pretrain.cli_main([*evaluation, "--model.init_args.knn_k=5", "--model.knn_temperature=0.1"]).model.knn_k == 5
+    assert yaml.safe_load((run_dir / "config_validate.yaml").read_text())["model"]["init_args"]["knn_temperature"] == 0.1
+    shutil.rmtree(run_dir)
+    for override, value, trained in (("--model.init_args.temperature=0.5", "0.5", "0.2"), ("--model.backbone.name=resnet18", "'resnet18'", "'timm:test_resnet'")):
+        line = run_failing(main_pretrain, [*evaluation, override], capsys)
+        key = override.partition("=")[0].removeprefix("--").replace("model.backbone", "model.init_args.backbone")
+        assert line == (f"error: {key} {value} given on the command line, but validate evaluates the model of its checkpoint, trained with "
+                        f"{trained}; an evaluation may change knn_k, knn_temperature")
+        assert not run_dir.exists()
+
+
 def test_a_checkpoint_written_before_the_record_existed_loads_with_a_warning(cli_checkpoint, tmp_path):
     checkpoint = torch.load(cli_checkpoint, weights_only=True)
     del checkpoint["contrastlab"]  # as every checkpoint of the runs measured before issue 12
