@@ -246,6 +246,15 @@ def test_an_abbreviated_option_is_refused_like_an_unknown_key(abbreviated, tmp_p
     assert not run_dir.exists()
 
 
+def test_a_value_outside_a_settings_choices_is_named_with_every_choice(tmp_path, capsys):
+    # jsonargparse's last reason named one of Lightning's three precision literals, without the value or bf16-mixed
+    run_dir = tmp_path / "run"
+    line = run_failing(main_pretrain, ["fit", "--config", PRETRAIN_DIGITS, "--trainer.precision=bf16-mix", f"--trainer.default_root_dir={run_dir}"], capsys)
+    assert line.startswith("error: Parser key \"trainer.precision\": got 'bf16-mix', expected one of 64, 32, 16, 'transformer-engine', ")
+    assert "'bf16-mixed', '32-true', '64-true', '64', '32', '16', 'bf16' (run with --help" in line
+    assert not run_dir.exists()
+
+
 def test_a_yaml_syntax_error_names_the_config_file_line_and_column(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("trainer:\n  max_epochs: 1\n   devices: [1\n")

@@ -37,11 +37,26 @@ def condense_parser_error(message: str) -> str:
     if not lines:
         return message
     keys = [match.group(1) for line in lines if (match := re.fullmatch(r'Parser key "(.+)":', line))]
+    if choices := literal_choices(lines):  # a value outside a union of fixed choices (trainer.precision): the value and the choices
+        return f'Parser key "{".init_args.".join(keys)}": {choices}' if keys else choices
     reasons = [line.lstrip("- ") for line in lines[1:] if not line.startswith(NOISE) and not line.startswith("Parser key")]
     head = f'Parser key "{".init_args.".join(keys)}"' if keys else None if lines[0].startswith(NOISE) else lines[0].rstrip(":")
     if not reasons:
         return head or message
     return f"{head}: {reasons[-1]}" if head else reasons[-1]
+
+
+def literal_choices(lines: list[str]) -> str | None:
+    """For a value that none of a union of `Literal`s (and None) accepts: the value given and every choice, which
+    jsonargparse spreads over its "Subtypes:" and "Given value:" lines."""
+    subtypes = next((line.removeprefix("Subtypes: ") for line in lines if line.startswith("Subtypes: [")), None)
+    given = next((line.removeprefix("Given value: ") for line in lines if line.startswith("Given value: ")), None)
+    if subtypes is None or given is None:
+        return None
+    members = re.findall(r"typing\.Literal\[([^\]]*)\]|<class 'NoneType'>", subtypes)
+    if not any(members) or subtypes.count("typing.Literal[") + subtypes.count("<class 'NoneType'>") != len(members):
+        return None  # another kind of type among them: the general reason below
+    return f"got {given!r}, expected one of {', '.join(member for member in members if member)}"
 
 
 def last_line(error: BaseException) -> str:
