@@ -202,7 +202,10 @@ def build_view(view_name: str, spec: dict[str, Any], defaults: dict[str, Any], p
     """Build the pipeline of one named view from its config entry, failing with a message that names
     the view and the offending key. `defaults` gives `size`, `mean` and `std` of the dataset."""
     if not isinstance(spec, dict) or "preset" not in spec:
-        raise ValueError(f"view {view_name!r} must be a mapping with a 'preset' key (one of {PRESET_NAMES}), got {spec!r}")
+        # the usual way there: a command line's --data.init_args.views.NAME.KEY, which jsonargparse gives as the whole view
+        hint = (f"; a key of a view given on the command line replaces the config's whole view: give the view whole, as --data.init_args.views.{view_name} "
+                f"'{{preset: ..., {next(iter(spec))}: ...}}'") if isinstance(spec, dict) and spec else ""
+        raise ValueError(f"view {view_name!r} must be a mapping with a 'preset' key (one of {PRESET_NAMES}), got {spec!r}{hint}")
     params = dict(spec)
     preset = params.pop("preset")
     count = params.pop("count", 1)

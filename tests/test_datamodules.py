@@ -87,7 +87,8 @@ def test_presets_carry_the_papers_parameters_and_accept_overrides():
     [
         ({"preset": "mocov3"}, "view 'v': unknown preset 'mocov3'"),
         ({"preset": "mocov2", "strength": 1.0}, "view 'v': preset 'mocov2' does not accept \\['strength'\\]"),
-        ({"size": 32}, "view 'v' must be a mapping with a 'preset' key"),
+        ({"size": 32}, "view 'v' must be a mapping with a 'preset' key .*, got {'size': 32}; a key of a view given on the command line replaces "
+                       "the config's whole view: give the view whole, as --data.init_args.views.v '{preset: ..., size: ...}'"),
         ({"preset": "mocov2", "count": 0}, "view 'v': count must be an integer >= 1"),
         ({"preset": "mocov2", "scale": [1.0, 0.2]}, r"view 'v': scale must be \(min, max\) with 0 < min <= max <= 1, got \[1.0, 0.2\]"),
         ({"preset": "mocov2", "jitter": [0.4, 0.4]}, r"view 'v': jitter must have 4 values, got \[0.4, 0.4\]"),
