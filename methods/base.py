@@ -157,7 +157,7 @@ class MethodBase(EvaluationMixin, CheckpointRecord, L.LightningModule):
             if isinstance(module, KeyQueue) and module.size < keys_per_step:
                 raise ValueError(
                     f"{name} size {module.size} is smaller than the {keys_per_step} keys enqueued per step "
-                    f"(data.batch_size {batch} x {world_size} processes x {self.keys_per_sample})"
+                    f"(data.init_args.batch_size {batch} x {world_size} processes x {self.keys_per_sample})"
                 )
             if isinstance(module, KeyQueue) and images is not None and module.size > images * self.keys_per_sample:
                 warnings.warn(

@@ -70,7 +70,7 @@ class SwAV(PretrainMethod):
         if self.queues is not None and self.queues[0].size % global_batch:
             size = self.queues[0].size
             raise ValueError(
-                f"model.queue_size {size} must be a multiple of the global batch {global_batch} (data.batch_size x "
+                f"model.init_args.queue_size {size} must be a multiple of the global batch {global_batch} (data.init_args.batch_size x "
                 f"{world_size} processes), as facebookresearch/swav trims it: {size - size % global_batch}"
             )
 

@@ -110,7 +110,7 @@ def test_codes_of_a_full_queue_come_from_sinkhorn_over_the_queue_and_the_batch()
 
 def test_a_queue_that_is_not_a_multiple_of_the_global_batch_is_refused():
     model = tiny_swav(queue_size=20)
-    with pytest.raises(ValueError, match=r"model.queue_size 20 must be a multiple of the global batch 16 .* 16"):
+    with pytest.raises(ValueError, match=r"model.init_args.queue_size 20 must be a multiple of the global batch 16 \(data.init_args.batch_size x .* 16"):
         model.check_data(digits(VIEWS, batch_size=8), world_size=2)
 
 
