@@ -84,6 +84,8 @@ def parse_grid(entries: list[str]) -> list[tuple[str, list[str]]]:
         listed = values.split(",")
         if repeated := sorted({value for value in listed if listed.count(value) > 1}):
             raise ValueError(f"--grid {entry!r} repeats {', '.join(repeated)}: each run would count as two")
+        if key in (given for given, _ in grid):  # the later value would win in every run, labelled with both
+            raise ValueError(f"--grid {entry!r}: {key} has a --grid already; give all its values in one, as {key}=v1,v2")
         grid.append((key, listed))
     return grid
 

@@ -173,6 +173,8 @@ def test_results_made_before_the_configs_values_were_edited_are_stale_and_a_comm
         (["--seeds", "0", "0"], "error: --seeds 0 0: seed 0 is repeated or negative (each seed is one run)"),
         (["--seeds", "-1"], "error: --seeds -1: seed -1 is repeated or negative"),
         (["--grid", "model.init_args.temperature=0.1,0.1"], "error: --grid 'model.init_args.temperature=0.1,0.1' repeats 0.1: each run would count as two"),
+        (["--grid", "model.init_args.temperature=0.1", "--grid", "model.init_args.temperature=0.2"],  # one run at 0.2, labelled with both
+         "error: --grid 'model.init_args.temperature=0.2': model.init_args.temperature has a --grid already; give all its values in one"),
     ],
 )
 def test_a_seed_or_grid_value_given_twice_is_refused_before_anything_is_written(arguments, message, tmp_path, capsys):

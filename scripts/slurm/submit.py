@@ -14,7 +14,8 @@ It fills `scripts/slurm/template.sbatch` from the config and the command line, w
 `main_linear.py fit` instead (CONFIG a linear-stage config, the checkpoint an override), `--stage test`
 runs `main_pretrain.py test`. `--after JOB_ID` starts the job only once that job has ended successfully
 (`--dependency=afterok`; if it fails, Slurm cancels this one: `--kill-on-invalid-dep=yes`). Each submitted
-job is printed as `submitted job <id>: <job file>`.
+job is printed as `submitted job <id>: <job file>`. Before any job file is written, every grid point's command is
+resolved by the CLI (`--print_config`): a misspelt key or a value of the wrong type is one error line.
 
 RUN_DIR (`--run-dir`, else the config's trainer.default_root_dir) holds the job file, the Slurm logs
 `slurm.out` / `slurm.err` (appended to across requeues) and the run itself. It contains no job id, so
@@ -64,6 +65,23 @@ def render_jobs(args: argparse.Namespace) -> list[tuple[Path, str]]:
     return jobs
 
 
+def unresolved(args: argparse.Namespace) -> str | None:
+    """The first grid point whose command the CLI does not resolve (a misspelt key, a value of the wrong type), with
+    the CLI's error line, before a job file is written: as sweep.py and reproduce.py check theirs. A `--ckpt_path`
+    (a checkpoint an earlier job is still to write) is left out of the check."""
+    entry, subcommand = STAGES[args.stage]
+    overrides, skip = [], False
+    for argument in args.overrides:
+        if not skip and not argument.startswith("--ckpt_path"):
+            overrides.append(argument)
+        skip = argument == "--ckpt_path"
+    for point in sweep.grid_points(sweep.parse_grid(args.grid)):
+        arguments = [subcommand, "--config", str(Path(args.config).resolve()), *sweep.point_overrides(point), *overrides]
+        if (problem := sweep.resolution_problem(entry, arguments)) is not None:
+            return f"{sweep.point_label(point)}, {entry}: {problem}"
+    return None
+
+
 def write_and_submit(jobs: list[tuple[Path, str]], dry_run: bool) -> list[tuple[Path, str | None]]:
     """Write each job file into its run directory and, unless `dry_run`, submit it: (job file, job id or None)."""
     executable = None if dry_run else job.sbatch_executable()
@@ -100,7 +118,10 @@ def main(argv: list[str]) -> int:
     try:
         if args.after is not None and not args.after.isdigit():
             raise ValueError(f"--after {args.after!r} is not a Slurm job id")
-        write_and_submit(render_jobs(args), args.dry_run)
+        jobs = render_jobs(args)
+        if (problem := unresolved(args)) is not None:
+            raise ValueError(problem)
+        write_and_submit(jobs, args.dry_run)
     except ValueError as error:
         raise SystemExit(f"error: {error}") from None
     return 0
