@@ -132,10 +132,24 @@ def free_bytes(directory: Path) -> int:
     return shutil.disk_usage(directory).free
 
 
+def flush_to_disk(path: Path, directory: bool = False) -> None:
+    """fsync a file's data, or a directory's entries (where the filesystem cannot, as some network ones, it is left
+    to the filesystem)."""
+    descriptor = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
+    try:
+        os.fsync(descriptor)
+    except OSError as error:
+        if not directory or error.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+    finally:
+        os.close(descriptor)
+
+
 def write_atomically(path: Path, write: Callable[[Path], object], size: int | None = None) -> None:
     """`write(partial)` to `<name>.<pid>-<random>.partial` next to `path` (the name cut to 200 bytes, so that the
-    partial file's stays within the usual 255), then rename it over `path` (`os.replace`, atomic within a
-    filesystem): a reader never sees half a file, and an interrupted run never leaves one. The partial file is this
+    partial file's stays within the usual 255), flush it to disk, then rename it over `path` (`os.replace`, atomic
+    within a filesystem): a reader never sees half a file, and an interrupted run or a machine that goes down never
+    leaves one (Lightning's save does not flush). The partial file is this
     call's own: two processes that write one file at once (two `reproduce.py` on halves of a table's rows, two runs
     filling the Digits-M cache) each publish a whole file, the later one last. A write that fails or is interrupted
     by an exception (KeyboardInterrupt, SystemExit) removes its partial file (the previous `path` stays; a process
@@ -151,7 +165,9 @@ def write_atomically(path: Path, write: Callable[[Path], object], size: int | No
         raise WriteFailed(f"cannot write {path}: {error.strerror or error}") from None
     try:
         write(partial)
+        flush_to_disk(partial)  # before the rename: a machine that goes down then has the old file or the new, whole
         os.replace(partial, path)
+        flush_to_disk(path.parent, directory=True)  # the rename itself
     except BaseException as error:
         written = partial.stat().st_size if partial.exists() else 0
         partial.unlink(missing_ok=True)

@@ -616,6 +616,19 @@ def test_an_interrupted_checkpoint_write_leaves_the_previous_one_intact(tmp_path
     assert sorted(tmp_path.iterdir()) == [last]  # the interrupted write's partial file is removed
 
 
+def test_a_file_is_flushed_to_disk_before_it_is_renamed_over_the_old_one_and_the_rename_after(tmp_path, monkeypatch):
+    # without the first flush a machine that goes down after the rename can leave an empty or truncated last.ckpt
+    events = []
+    fsync, replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda descriptor: (events.append(("fsync", os.readlink(f"/proc/self/fd/{descriptor}"))), fsync(descriptor)))
+    monkeypatch.setattr(os, "replace", lambda source, target: (events.append(("replace", str(target))), replace(source, target)))
+    last = tmp_path / "last.ckpt"
+    SameDirectoryCheckpointIO().save_checkpoint({"global_step": 3}, last)
+    assert [(event, Path(name).parent if event == "fsync" and name.endswith(".partial") else name) for event, name in events] == [
+        ("fsync", tmp_path), ("replace", str(last)), ("fsync", str(tmp_path))]
+    assert torch.load(last, weights_only=True)["global_step"] == 3
+
+
 def test_two_writers_of_one_file_at_once_each_publish_a_whole_file(tmp_path):
     table = tmp_path / "table.md"
 
