@@ -327,6 +327,15 @@ def test_a_progressive_sampler_without_a_number_of_epochs_is_one_error_line_befo
     assert not run_dir.exists()
 
 
+def test_a_command_that_builds_the_cli_from_its_own_arguments_does_not_print_its_command_line(monkeypatch):
+    # `python -m analysis CKPT --config C ...` printed a warning of Lightning's quoting its sys.argv and the CLI's args
+    monkeypatch.setattr(sys, "argv", ["analysis", "run/checkpoints/last.ckpt", "--config", PRETRAIN_DIGITS])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        instantiate_config(PRETRAIN_DIGITS, ["--trainer.max_epochs=1"])
+    assert [str(warning.message) for warning in caught if "args parameter" in str(warning.message)] == []
+
+
 @pytest.mark.parametrize(
     "entry, arguments",
     [("main_pretrain.py", ["--config", PRETRAIN_DIGITS]),
