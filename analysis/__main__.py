@@ -27,7 +27,7 @@ from pathlib import Path
 
 from analysis import embedding_map, few_shot
 from analysis.embedding_map import MAX_LEGEND_CLASSES, write_embedding_map
-from analysis.loading import add_checkpoint_arguments, default_out, load_checkpoint_and_data, load_method, measured_on, positive_int
+from analysis.loading import add_checkpoint_arguments, default_out, load_checkpoint_and_data, load_method, measured_on, positive_float, positive_int
 from analysis.representation import analyse
 from engine.config import split_overrides
 from engine.files import write_atomically
@@ -67,7 +67,7 @@ def main(argv: list[str]) -> int:
     add_checkpoint_arguments(parser)
     parser.add_argument("--max-samples", type=positive_int, default=2048, help="images analysed (a fixed random subset)")
     parser.add_argument("--view", help="the training view of the anchors (default: the method's first)")
-    parser.add_argument("--temperature", type=float, help="of the entropy over negatives (default: the method's)")
+    parser.add_argument("--temperature", type=positive_float, help="of the entropy over negatives, > 0 (default: the method's)")
     args = parser.parse_args(own)
     try:
         model, datamodule, checkpoint_format = load_checkpoint_and_data(args, overrides)

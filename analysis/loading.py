@@ -39,6 +39,14 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_float(text: str) -> float:
+    """An argparse type: a temperature (argparse's one error line names the option and the value)."""
+    value = float(text)
+    if not value > 0:
+        raise ValueError(text)
+    return value
+
+
 def usable_device(text: str) -> str:
     """An argparse type: a CPU or a CUDA device this machine has (torch also names devices it has no kernels for
     here, e.g. `meta`, or that another build would have, e.g. `mps`)."""

@@ -163,12 +163,13 @@ def test_pretraining_logs_the_analysis_and_the_command_analyses_its_checkpoint(t
     "arguments, message",
     [(["--max-samples", "-5"], "argument --max-samples: invalid positive_int value: '-5'"),
      (["embedding-map", "--max-samples", "0"], "argument --max-samples: invalid positive_int value: '0'"),
+     (["--temperature", "0"], "argument --temperature: invalid positive_float value: '0'"),  # named no option, after the checkpoint was read
      (["--device", "cuda"] if not torch.cuda.is_available() else ["--device", "nodevice"], "argument --device: invalid usable_device value:"),
      (["--device", f"cuda:{torch.cuda.device_count()}"], f"argument --device: invalid usable_device value: 'cuda:{torch.cuda.device_count()}'"),
      (["--device", "meta"], "argument --device: invalid usable_device value: 'meta'"),
      (["--device", "mps"], "argument --device: invalid usable_device value: 'mps'")],
 )
-def test_a_count_below_one_or_a_device_this_machine_lacks_is_refused_before_any_checkpoint_is_read(arguments, message, tmp_path, capsys):
+def test_a_count_below_one_a_temperature_of_0_or_a_device_this_machine_lacks_is_refused_before_any_checkpoint_is_read(arguments, message, tmp_path, capsys):
     command = arguments[:1] if arguments[0] == "embedding-map" else []
     with pytest.raises(SystemExit) as exit_info:
         analyse_checkpoint([*command, str(tmp_path / "absent.ckpt"), "--config", "configs/moco_digits.yaml", *arguments[len(command):]])
