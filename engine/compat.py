@@ -189,8 +189,9 @@ class KeepsEvaluationSettings(LightningCLI):
             self.refuse_model_arguments_the_checkpoint_overrides(flattened(given.as_dict()), flattened(model["init_args"].as_dict()), settings)
 
     def refuse_model_arguments_the_checkpoint_overrides(self, given: dict, restored: dict, settings: tuple[str, ...]) -> None:
-        """An evaluation's model is the checkpoint's: a model argument its command line sets to another value would be
-        dropped without a word (its config files may differ: a run's training config beside a checkpoint of overrides)."""
+        """An evaluation's model is the checkpoint's: a model argument its command line (the subclass's `command_line`)
+        sets to another value would be dropped without a word (its config files may differ: a run's training config
+        beside a checkpoint of overrides)."""
         flags = [token.partition("=")[0].removeprefix("--").replace(".init_args.", ".") for token in getattr(self, "command_line", [])
                  if isinstance(token, str) and token.startswith("--model")]
         for key, value in given.items():

@@ -149,14 +149,13 @@ def write_atomically(path: Path, write: Callable[[Path], object], size: int | No
     """`write(partial)` to `<name>.<pid>-<random>.partial` next to `path` (the name cut to 200 bytes, so that the
     partial file's stays within the usual 255), flush it to disk, then rename it over `path` (`os.replace`, atomic
     within a filesystem): a reader never sees half a file, and an interrupted run or a machine that goes down never
-    leaves one (Lightning's save does not flush). The partial file is this
-    call's own: two processes that write one file at once (two `reproduce.py` on halves of a table's rows, two runs
-    filling the Digits-M cache) each publish a whole file, the later one last. A write that fails or is interrupted
-    by an exception (KeyboardInterrupt, SystemExit) removes its partial file (the previous `path` stays; a process
-    killed by a signal it does not handle, SIGKILL, leaves it); a failure raises `WriteFailed`
-    naming the path, on a full disk with the bytes `size` (or the partial file's size) and the bytes free. torch's
-    writer reports a full disk as a RuntimeError ("unexpected pos"), so a failed write is called a full disk by the
-    free space left."""
+    leaves one (Lightning's save does not flush). The partial file is this call's own: two processes that write one
+    file at once (two `reproduce.py` on halves of a table's rows, two runs filling the Digits-M cache) each publish a
+    whole file, the later one last. A write that fails or is interrupted by an exception (KeyboardInterrupt,
+    SystemExit) removes its partial file (the previous `path` stays; a process killed by a signal it does not handle,
+    SIGKILL, leaves it); a failure raises `WriteFailed` naming the path, on a full disk with the bytes `size` (or the
+    partial file's size) and the bytes free. torch's writer reports a full disk as a RuntimeError ("unexpected pos"),
+    so a failed write is called a full disk by the free space left."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         prefix = path.name.encode()[:200].decode(errors="ignore")
