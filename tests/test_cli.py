@@ -183,6 +183,20 @@ def test_a_bad_value_from_a_config_file_is_named_by_its_key_and_its_file(tmp_pat
     line = run_failing(main_pretrain, ["fit", "--config", PRETRAIN_DIGITS, "--model.init_args.knn_temperature=0", *run], capsys)
     assert line == "error: knn_k must be >= 0 and knn_temperature > 0, got 200, 0.0"  # two values: kept as the class says it
 
+def test_a_bad_view_setting_is_named_by_its_key_and_where_it_came_from(tmp_path, capsys):
+    # it said "view 'query': scale must be ...", naming neither its key nor the file that set it
+    overlay, run = tmp_path / "views.yaml", [f"--trainer.default_root_dir={tmp_path / 'run'}"]
+    overlay.write_text("data:\n  init_args:\n    views:\n      query: {preset: mocov2, scale: [0.9, 0.5]}\n      key: {preset: mocov2}\n")
+    line = run_failing(main_pretrain, ["fit", "--config", PRETRAIN_DIGITS, "--config", str(overlay), *run], capsys)
+    assert line == f"error: data.init_args.views.query.scale must be (min, max) with 0 < min <= max <= 1, got [0.9, 0.5] (from {overlay})"
+    line = run_failing(main_pretrain, ["fit", "--config", PRETRAIN_DIGITS, "--data.init_args.views.key={preset: mocov2, blur_prob: 1.5}", *run], capsys)
+    assert line == "error: data.init_args.views.key.blur_prob must be a probability in [0, 1], got 1.5 (given on the command line)"
+    # a value the config does not hold as such (SimCLR's jitter, from its strength) keeps the view's own message
+    line = run_failing(main_pretrain, ["fit", "--config", PRETRAIN_DIGITS, "--data.init_args.views.key={preset: simclr, strength: 3.0}", *run], capsys)
+    assert line.startswith("error: view 'key': jitter must be (brightness, contrast, saturation, hue) >= 0, hue <= 0.5, got [2.4")
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.slow
 def test_pretrain_then_linear_probe_pipeline_with_reruns_and_a_validate_in_the_same_directory_keeps_each_stages_results(tmp_path, capsys):
     run_dir = tmp_path / "pretrain"

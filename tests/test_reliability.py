@@ -940,7 +940,7 @@ def test_fewer_than_one_key_view_per_query_is_refused(tmp_path, capsys):
     config = tmp_path / "jcl.yaml"
     config.write_text((ROOT / "configs" / "jcl_digits.yaml").read_text().replace("count: 3}", "count: 0}"))
     line = run_failing(main_pretrain, ["fit", "--config", str(config), f"--trainer.default_root_dir={tmp_path / 'run'}"], capsys)
-    assert line == "error: view 'keys': count must be an integer >= 1, got 0"  # JCL's M'
+    assert line == f"error: data.init_args.views.keys.count must be an integer >= 1, got 0 (from {config})"  # JCL's M'
 
 
 def test_an_empty_split_file_is_refused_naming_it(tmp_path):

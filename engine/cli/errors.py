@@ -75,15 +75,20 @@ def root_cause(error: BaseException) -> BaseException:
 
 def located(message: str, config: dict, command_line: list[str]) -> str:
     """A constructor names a bad value by its place in its class ("optimizer.lr must be >= 0", "model.temperature
-    must be > 0"): name it by its key in the run's config ("model.init_args.optimizer.lr") and say where the value
-    came from: the last of the command line's `--config`/`-c` files and arguments that sets it (or a dict above
-    it), else the class's default. A message about several values, or that names no key of the config, is kept."""
+    must be > 0", a view's "view 'query': scale must be ..."): name it by its key in the run's config
+    ("model.init_args.optimizer.lr", "data.init_args.views.query.scale") and say where the value came from: the last
+    of the command line's `--config`/`-c` files and arguments that sets it (or a dict above it), else the class's
+    default. A message about several values, or that names no key of the config, is kept."""
+    if view := re.fullmatch(r"view '([^']+)': (\w+) (must .*)", message, flags=re.DOTALL):
+        in_config = located(f"data.views.{view[1]}.{view[2]} {view[3]}", config, command_line)
+        return message if in_config.startswith("data.views.") else in_config
     name, _, rest = message.partition(" ")
     parts = name.split(".")
     parts = parts[1:] if parts[0] in ("model", "data") else parts  # "model.temperature": an argument of the model itself
     keys = [key for key in flattened(config) if key.split(".")[:2] in (["model", "init_args"], ["data", "init_args"])
             and key.split(".")[2:] == parts]
-    several_values = " got " in rest and ", " in rest.rpartition(" got ")[2]  # e.g. "a must ... and b ..., got 1, 2"
+    got = rest.rpartition(" got ")[2]
+    several_values = " got " in rest and ", " in got and not got.startswith(("[", "("))  # "a must ... and b ..., got 1, 2", not a list
     if len(keys) != 1 or not rest or several_values:
         return message
     key, source = keys[0], "the default of its class"
