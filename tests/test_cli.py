@@ -183,6 +183,7 @@ def test_a_bad_value_from_a_config_file_is_named_by_its_key_and_its_file(tmp_pat
     line = run_failing(main_pretrain, ["fit", "--config", PRETRAIN_DIGITS, "--model.init_args.knn_temperature=0", *run], capsys)
     assert line == "error: knn_k must be >= 0 and knn_temperature > 0, got 200, 0.0"  # two values: kept as the class says it
 
+
 def test_a_bad_view_setting_is_named_by_its_key_and_where_it_came_from(tmp_path, capsys):
     # it said "view 'query': scale must be ...", naming neither its key nor the file that set it
     overlay, run = tmp_path / "views.yaml", [f"--trainer.default_root_dir={tmp_path / 'run'}"]
