@@ -20,6 +20,7 @@ from typing import Literal
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from jsonargparse import Namespace
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from backbones import BackboneSpec, load_state_strictly
@@ -153,16 +154,27 @@ class LinearProbe(MethodBase):
     def settle_arguments(cls, init_args) -> None:
         """A null `pretrained_encoder` is recorded as the encoder it probes: the checkpoint's method's `evaluated_encoder`,
         `online` for an official release or a checkpoint that names no class (a run recorded before the default was null
-        said `online`; a file that cannot be read is left to `__init__`'s error)."""
+        said `online`); a given `backbone` as the trunk probed (`trunk_as_trained`: the checkpoint's or export's
+        recorded trunk, with the features asked for), not as the parser's defaults filled it in. A file that cannot be
+        read, or a trunk that disagrees with it, is left to `__init__`'s error."""
         path = init_args.get("pretrained_ckpt")
-        if init_args.get("pretrained_encoder") is not None or path is None:
+        if path is None:
             return
+        source = f"model.pretrained_ckpt {path!r}"
+        given = init_args.get("backbone")
         try:
-            checkpoint = read_checkpoint(path, f"model.pretrained_ckpt {path!r}")
-            recorded = method_class(checkpoint, f"model.pretrained_ckpt {path!r}") if isinstance(checkpoint, dict) and "state_dict" in checkpoint else None
+            checkpoint = read_checkpoint(path, source)
+            contrastlab = isinstance(checkpoint, dict) and "state_dict" in checkpoint
+            method = method_class(checkpoint, source) if contrastlab else None
+            recorded = exported_backbone(path, source) or (checkpoint.get("hyper_parameters", {}).get("backbone") if contrastlab else None)
+            probed = trunk_as_trained(recorded, given.as_dict() if isinstance(given, Namespace) else given, source)
         except (ValueError, CheckpointMismatch):
             return
-        init_args["pretrained_encoder"] = recorded[1].evaluated_encoder if recorded is not None else "online"
+        if init_args.get("pretrained_encoder") is None:
+            init_args["pretrained_encoder"] = method[1].evaluated_encoder if method is not None else "online"
+        if given is not None and recorded is not None:  # the parser fills a given trunk's other fields with defaults
+            probed = dataclasses.asdict(dataclasses.replace(as_spec(BackboneSpec, probed), weights=None))  # as `__init__` builds it
+            init_args["backbone"] = Namespace(probed) if isinstance(given, Namespace) else probed
 
     @classmethod
     def default_run_directory(cls, init_args: dict, dataset: str, seed: int) -> str:

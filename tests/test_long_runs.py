@@ -148,7 +148,9 @@ def test_a_setting_added_since_the_checkpoint_is_kept_at_its_default_and_one_the
     assert changed_setting({"contrastlab": {}}, {"model": {}}) is None  # a checkpoint without a recorded config
     subset = {"contrastlab": {"config": {"data": {"init_args": {"label_subset": {"fraction": 0.1}}}}}}
     assert changed_setting(subset, {"data": {"init_args": {"label_subset": None}}}) == (  # the whole training set instead of a tenth
-        "data.init_args.label_subset.fraction not given (the run was trained with 0.1)")
+        "data.init_args.label_subset None (the run was trained with {'fraction': 0.1})")
+    assert changed_setting(subset, {"data": {"init_args": {"label_subset": {}}}}) == (
+        "data.init_args.label_subset {} (the run was trained with {'fraction': 0.1})")
 
     simclr = {"class_path": "methods.SimCLR", "init_args": {"temperature": 0.5, "optimizer": {"name": "lars", "lr": 1.0}}}
     old = {"contrastlab": {"config": {"model": simclr}}}

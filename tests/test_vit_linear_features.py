@@ -3,6 +3,7 @@ of each of the last n blocks, their class tokens concatenated, optionally with t
 (facebookresearch/dino eval_linear.py, vision_transformer.py `get_intermediate_layers`), and the linear stage of
 configs/linear_dino_vit_small_imagenet.yaml on a tiny DINO checkpoint."""
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import torch
 import torch.nn.functional as F
 import yaml
 from helpers import cpu_trainer, digits
+from jsonargparse import Namespace
 from timm.models.vision_transformer import VisionTransformer
 
 from backbones import BackboneSpec, MLPSpec, build_backbone
@@ -181,6 +183,27 @@ def test_the_run_records_the_encoder_a_null_pretrained_encoder_probes(dino_check
     given = {"pretrained_ckpt": str(dino_checkpoint), "pretrained_encoder": "online"}
     LinearProbe.settle_arguments(given)
     assert given["pretrained_encoder"] == "online"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("as_parsed", [dict, Namespace], ids=["dict", "namespace"])
+def test_the_run_records_the_trunk_it_probes_not_the_defaults_the_parser_fills_into_a_given_backbone(as_parsed, dino_checkpoint, tmp_path):
+    """`--model.backbone.kwargs.features ...` alone reaches the model as a BackboneSpec of that and the defaults
+    (name resnet18): config.yaml and the probe's checkpoint record the trunk probed, the checkpoint's or export's
+    ViT with those features, as `__init__` builds it. A null backbone stays null (the checkpoint's trunk)."""
+    features = {"last_blocks": 2}
+    probed = {"name": "vit_tiny", "small_input": False, "weights": None, "kwargs": DINO_OPTIONS | TINY | {"features": features},
+              "small_input_stem": "sce"}
+    exported = export(dino_checkpoint, "timm", tmp_path / "teacher")[0]
+    for path in (dino_checkpoint, exported):
+        init_args = {"pretrained_ckpt": str(path), "pretrained_encoder": None, "backbone": as_parsed(dataclasses.asdict(BackboneSpec(kwargs={"features": features})))}
+        LinearProbe.settle_arguments(init_args)
+        recorded = init_args["backbone"]
+        assert isinstance(recorded, as_parsed) and dict(recorded) == probed, path
+        assert dataclasses.asdict(LinearProbe(pretrained_ckpt=str(path), backbone=BackboneSpec(**probed), knn_k=0).backbone_spec) == probed
+    unset = {"pretrained_ckpt": str(dino_checkpoint), "pretrained_encoder": None, "backbone": None}
+    LinearProbe.settle_arguments(unset)
+    assert unset["backbone"] is None
 
 
 @pytest.mark.slow

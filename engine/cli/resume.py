@@ -71,6 +71,10 @@ def changed_setting(checkpoint: dict, config: dict, world_size: int | None = Non
         if before[key] != now[key] and not without_effect(key, before, now, record.get("world_size"), world_size):
             return f"{key} {now[key]!r} (the run was trained with {before[key]!r})"
     for key in sorted(before.keys() - now.keys()):  # left out now: a dict replaced by a shorter one or by null (whose values would revert silently)
+        replaced = next((parent for parent in prefixes(key) if parent in now), None)  # by null: name the whole setting
+        if replaced is not None:
+            trained = {name.removeprefix(f"{replaced}."): value for name, value in before.items() if name.startswith(f"{replaced}.")}
+            return f"{replaced} {now[replaced]!r} (the run was trained with {trained!r})"
         return f"{key} not given (the run was trained with {before[key]!r})"
     for key in sorted(now.keys() - before.keys()):  # a setting added since the checkpoint: the run trained with its default
         default = class_default(config, key)
@@ -79,6 +83,12 @@ def changed_setting(checkpoint: dict, config: dict, world_size: int | None = Non
     if world_size is not None and record.get("world_size") not in (None, world_size):
         return f"{world_size} processes (the run was trained with {record['world_size']}: another global batch)"
     return None
+
+
+def prefixes(key: str) -> list[str]:
+    """The keys that hold a flattened key, outermost first: "a.b.c" -> ["a", "a.b"]."""
+    parts = key.split(".")
+    return [".".join(parts[:end]) for end in range(1, len(parts))]
 
 
 UNKNOWN = object()
