@@ -29,6 +29,7 @@ from analysis import embedding_map, few_shot
 from analysis.embedding_map import MAX_LEGEND_CLASSES, write_embedding_map
 from analysis.loading import add_checkpoint_arguments, default_out, load_checkpoint_and_data, load_method, measured_on, positive_float, positive_int
 from analysis.representation import analyse
+from engine.arguments import ScriptArgumentParser
 from engine.config import split_overrides
 from engine.files import write_atomically
 
@@ -37,7 +38,7 @@ __all__ = ["load_method", "main"]
 
 def embedding_map_command(argv: list[str]) -> int:
     own, overrides = split_overrides(argv)
-    parser = argparse.ArgumentParser(prog="python -m analysis embedding-map", description=embedding_map.__doc__,
+    parser = ScriptArgumentParser(prog="python -m analysis embedding-map", description=embedding_map.__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_checkpoint_arguments(parser)
     parser.add_argument("--space", choices=("trunk", "embedding"), default="trunk", help="which embeddings to map")
@@ -63,7 +64,7 @@ def main(argv: list[str]) -> int:
     if argv and argv[0] in COMMANDS:
         return COMMANDS[argv[0]](argv[1:])
     own, overrides = split_overrides(argv)
-    parser = argparse.ArgumentParser(prog="python -m analysis", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ScriptArgumentParser(prog="python -m analysis", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_checkpoint_arguments(parser)
     parser.add_argument("--max-samples", type=positive_int, default=2048, help="images analysed (a fixed random subset)")
     parser.add_argument("--view", help="the training view of the anchors (default: the method's first)")

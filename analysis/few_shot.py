@@ -33,6 +33,7 @@ from analysis.loading import add_checkpoint_arguments, default_out, load_checkpo
 from analysis.representation import eval_mode, evaluated_features, split_dataset
 from datamodules.base import ContrastiveDataModule, dataset_labels
 from datamodules.subsets import class_orders
+from engine.arguments import ScriptArgumentParser
 from engine.config import split_overrides
 from engine.files import write_atomically
 
@@ -103,7 +104,7 @@ def few_shot(model, datamodule: ContrastiveDataModule, shots: Sequence[int] = (1
 
 def main(argv: list[str]) -> int:
     own, overrides = split_overrides(argv)
-    parser = argparse.ArgumentParser(prog="python -m analysis few-shot", description=__doc__,
+    parser = ScriptArgumentParser(prog="python -m analysis few-shot", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_checkpoint_arguments(parser)
     parser.add_argument("--shots", type=int, nargs="+", default=[1, 5, 10], help="images per class (several: one probe each)")

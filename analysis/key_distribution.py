@@ -34,6 +34,7 @@ from analysis.figures import save_figure
 from analysis.loading import load_method, positive_int
 from analysis.representation import embed, eval_mode, fixed_subset, isolated_randomness
 from datamodules.base import ContrastiveDataModule
+from engine.arguments import ScriptArgumentParser
 from engine.cli import instantiate_config
 from engine.config import split_overrides
 from engine.files import write_atomically
@@ -94,7 +95,7 @@ def summary(similarity: Tensor, variance: Tensor) -> dict[str, float]:
 
 def main(argv: list[str]) -> int:
     own, overrides = split_overrides(argv)
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ScriptArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run", nargs="+", action="append", required=True, metavar="CHECKPOINT CONFIG [LABEL]",
                         help="a main_pretrain.py checkpoint, its pretraining config (for the data) and optionally the "
                         "label of its histogram; repeat to overlay")

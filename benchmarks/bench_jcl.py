@@ -27,6 +27,7 @@ import warnings
 import torch
 
 from backbones import BackboneSpec, MLPSpec
+from engine.arguments import ScriptArgumentParser
 from methods import JCL, MoCoV2
 from methods.momentum import MomentumSpec, ema_update_
 
@@ -86,7 +87,7 @@ def measure(method: str, num_keys: int, steps: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = ScriptArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--keys", type=int, nargs="+", default=[1, 3, 5, 8], help="M' values for JCL")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per case (after one warm-up)")
     parser.add_argument("--case", nargs=2, metavar=("METHOD", "KEYS"), help=argparse.SUPPRESS)  # one case, in a child process

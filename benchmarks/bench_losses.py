@@ -11,12 +11,12 @@ the minimum is the timing least disturbed by other processes on a shared machine
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
 import torch.nn.functional as F
 
+from engine.arguments import ScriptArgumentParser
 from engine.memory import LargestTensor
 from methods.losses import (
     contrastive_loss,
@@ -72,7 +72,7 @@ def forward_backward(loss, inputs) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ScriptArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
 

@@ -13,7 +13,6 @@ one image (`torch.utils.flop_counter`, 2 per multiply-add), the same on any hard
     uv run --locked python benchmarks/bench_ride.py [--threads 1] [--repeats 3] [--out benchmarks/results/ride_inference_cpu.md]
 """
 
-import argparse
 import datetime
 import os
 import platform
@@ -27,6 +26,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from backbones import BackboneSpec
+from engine.arguments import ScriptArgumentParser
 from engine.files import write_atomically
 from methods import PaCo, PaCoRIDE
 
@@ -75,7 +75,7 @@ def measure(name: str, num_experts: int | None, repeats: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = ScriptArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--repeats", type=int, default=3, help="timed batches per case, after one warm-up batch")
     parser.add_argument("--out", help="write the Markdown table here (and print it)")

@@ -7,7 +7,6 @@ normalisation constants). The linear probe is a multinomial logistic regression 
 L-BFGS, weight decay 1e-4) on standardised features; the kNN is the NPID weighted kNN (k=200, T=0.07) on L2-normalised features.
 """
 
-import argparse
 import time
 
 import numpy as np
@@ -16,6 +15,7 @@ import torch.nn.functional as F
 
 from backbones import build_backbone
 from datamodules.digits import DigitsDataModule, composite_digits
+from engine.arguments import ScriptArgumentParser
 from methods.evaluation import knn_predict, knn_topk_accuracy
 
 
@@ -55,7 +55,7 @@ def trunk_features(trunk, images: np.ndarray) -> np.ndarray:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = ScriptArgumentParser(description=__doc__)
     parser.add_argument("--backbone", default="resnet18")
     parser.add_argument("--small-input", action="store_true")
     parser.add_argument("--seeds", type=int, default=3, help="random initialisations of the trunk")

@@ -30,6 +30,7 @@ from analysis import CollapseMonitor, EmbeddingMap  # noqa: E402
 from analysis.embedding_map import write_embedding_map  # noqa: E402
 from analysis.monitors import collapse_metrics  # noqa: E402
 from benchmarks.throughput import environment  # noqa: E402
+from engine.arguments import ScriptArgumentParser  # noqa: E402
 from engine.cli import instantiate_config  # noqa: E402
 from engine.config import split_overrides  # noqa: E402
 from engine.files import write_atomically  # noqa: E402
@@ -88,7 +89,7 @@ def measure(config: str, epochs: int, repeats: int, overrides: list[str]) -> str
 
 def main(argv: list[str]) -> int:
     own, overrides = split_overrides(argv)
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ScriptArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/moco_digits.yaml", help="a pretraining config")
     parser.add_argument("--epochs", type=int, default=3, help="training epochs timed (the first is left out when there are several)")
     parser.add_argument("--repeats", type=int, default=5, help="timed monitor calls")

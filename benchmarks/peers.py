@@ -34,6 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from engine.arguments import ScriptArgumentParser  # noqa: E402
 from engine.files import write_atomically  # noqa: E402
 from peer_workloads import TRAINED, VIEWED  # noqa: E402
 from benchmarks.portable import cpu_description, write_fake_cifar10  # noqa: E402
@@ -53,7 +54,7 @@ def fail(message: str) -> None:
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ScriptArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds: every system runs once per round")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first")
     parser.add_argument("--steps", type=int, default=30, help="timed steps")

@@ -11,7 +11,6 @@ Round after round, each measurement in a process of its own, started from here w
 Prints the median and every round of each measurement (and writes the table to `--out`).
 """
 
-import argparse
 import json
 import os
 import shutil
@@ -28,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.portable import cpu_description  # noqa: E402
+from engine.arguments import ScriptArgumentParser  # noqa: E402
 from engine.files import write_atomically  # noqa: E402
 
 IMPORTS = ("torch", "lightning", "main_pretrain")
@@ -99,7 +99,7 @@ def table(rounds: list[dict[str, float]]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ScriptArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="configs/moco_digits.yaml")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path, help="also write the table here (atomically)")

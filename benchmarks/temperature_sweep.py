@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from analysis.figures import plot_against_temperature  # noqa: E402
+from engine.arguments import ScriptArgumentParser  # noqa: E402
 from engine.config import split_overrides  # noqa: E402
 from engine.files import write_atomically  # noqa: E402
 
@@ -94,7 +95,7 @@ def table(means: dict[str, dict[float, dict[str, float]]], temperatures: list[fl
 
 def main(argv: list[str]) -> int:
     own, extra = split_overrides(argv)
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ScriptArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="a pretraining config of a method with `temperature`, `loss` and `num_hard`")
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.05, 0.1, 0.2, 0.5, 1.0])

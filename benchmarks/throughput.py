@@ -25,7 +25,6 @@ process and through a DataLoader with K workers, and of the batched views on thi
     uv run python benchmarks/throughput.py --config configs/sce_cifar10.yaml --fake-data --views-only
 """
 
-import argparse
 import datetime
 import sys
 import tempfile
@@ -44,6 +43,7 @@ from torch.utils.flop_counter import FlopCounterMode
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from datamodules.pipeline import PIPELINES  # noqa: E402
+from engine.arguments import ScriptArgumentParser  # noqa: E402
 from engine.cli import ContrastlabCLI, instantiate_config  # noqa: E402
 from engine.config import split_overrides  # noqa: E402
 from engine.files import write_atomically  # noqa: E402
@@ -195,7 +195,7 @@ def views_table(rows: list[dict]) -> str:
 
 def main(argv: list[str]) -> int:
     own, overrides = split_overrides(argv)
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ScriptArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True)
     parser.add_argument("--pipelines", nargs="+", choices=PIPELINES, default=list(PIPELINES))
     parser.add_argument("--steps", type=int, default=20, help="timed training steps per pipeline")

@@ -45,6 +45,7 @@ from backbones import BackboneSpec, load_state_strictly
 from backbones.factory import TORCHVISION_BUILDERS, small_input_padding
 from backbones.vit import LAYER_NORM_EPS, VIT_SIZES, timm_arguments
 from datamodules.folders import IMAGENET_MEAN, IMAGENET_STD
+from engine.arguments import ScriptArgumentParser
 from engine.config import as_spec
 from engine.checkpoint_record import RECORD_KEY, VERSION
 from engine.files import WriteFailed, write_atomically
@@ -280,7 +281,7 @@ def config_hash(config: dict | None) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m interop.export", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ScriptArgumentParser(prog="python -m interop.export", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", type=Path, help="a main_pretrain.py checkpoint (pretraining or long-tail) or a fine-tuned one (main_linear.py, methods.FineTune)")
     parser.add_argument("--format", required=True, choices=EXPORT_FORMATS, help="what to write (see formats above)")
     parser.add_argument("--encoder", choices=tuple(ENCODER_PREFIXES), help="which trunk (default: the one the method's paper evaluates: online; DINO's teacher, momentum)")

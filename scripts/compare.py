@@ -25,7 +25,6 @@ Writes `OUT/comparison.md`, `OUT/comparison.csv` (the same rows, metrics in thei
 `OUT/curves.png` (training loss and the validation top-1 of every run against the step).
 """
 
-import argparse
 import collections
 import csv
 import io
@@ -43,6 +42,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 (after choosing the backend)
 import yaml  # noqa: E402
 
+from engine.arguments import ScriptArgumentParser  # noqa: E402
 from engine.files import read_json_object, write_atomically  # noqa: E402
 
 COLUMNS = {  # metric key -> (column, scale)
@@ -348,7 +348,7 @@ def run_root(run: Run) -> Path:
 
 
 def main(argv: list[str] | None = None) -> str:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = ScriptArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("paths", nargs="+", type=Path, help="runs, W&B runs or directories holding runs")
     parser.add_argument("--out", type=Path, required=True, help="directory for comparison.md, comparison.csv and curves.png")
     parser.add_argument("--metrics", nargs="*", default=[], help="more final metrics as columns, e.g. val/top1 val/few_top1")

@@ -58,6 +58,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script: make `scripts` importable
+from engine.arguments import ScriptArgumentParser  # noqa: E402
 from engine.config import split_overrides  # noqa: E402
 from engine.files import write_atomically  # noqa: E402
 from engine.tracking import stored_run_id, wandb_mode  # noqa: E402
@@ -441,7 +442,7 @@ def assemble(table: Table, runs: list[Run], out: Path) -> str:
 # ----------------------------------------------------------------- the command line
 def parse_args(argv: list[str]) -> argparse.Namespace:
     own, extra = split_overrides(argv)
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ScriptArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("table", type=Path, help="a table file, e.g. tables/sce_table2.yaml")
     parser.add_argument("--rows", nargs="+", help="the ids of the rows to run (default: all)")
     parser.add_argument("--seeds", type=int, help="seeds 0 .. N-1 for every row (default: each row's own)")

@@ -47,6 +47,7 @@ from scipy import stats
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script: make `scripts` importable
+from engine.arguments import ScriptArgumentParser  # noqa: E402
 from engine.config import load_yaml, split_overrides  # noqa: E402
 from engine.files import read_json_object, write_atomically  # noqa: E402
 from scripts.slurm import job  # noqa: E402
@@ -376,7 +377,7 @@ def write_slurm_array(runs: list[Run], args) -> Path:
 
 def parse_args(argv: list[str]):
     own, extra = split_overrides(argv)
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ScriptArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="the pretraining config")
     parser.add_argument("--out", required=True, type=Path, help="folder of the sweep")
     parser.add_argument("--grid", action="append", default=[], help="key=v1,v2,... (repeat for a product grid)")

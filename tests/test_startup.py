@@ -43,4 +43,5 @@ def test_a_config_that_does_not_exist_is_one_error_before_anything_runs(capsys):
     with pytest.raises(SystemExit) as exit_info:
         startup.main(["--config", "configs/no_such_config.yaml"])
     assert exit_info.value.code == 2
-    assert capsys.readouterr().err.splitlines()[-1].endswith("error: --config 'configs/no_such_config.yaml' does not exist")
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith("error: ") and ": --config 'configs/no_such_config.yaml' does not exist (" in line

@@ -35,6 +35,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: make `scripts` importable
+from engine.arguments import ScriptArgumentParser  # noqa: E402
 from engine.config import split_overrides  # noqa: E402
 from scripts import sweep  # noqa: E402
 from scripts.slurm import job  # noqa: E402
@@ -98,7 +99,7 @@ def write_and_submit(jobs: list[tuple[Path, str]], dry_run: bool) -> list[tuple[
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     own, overrides = split_overrides(argv)
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ScriptArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="the pretraining config")
     parser.add_argument("--run-dir", type=Path, help="the run directory (default: the config's trainer.default_root_dir)")
     parser.add_argument("--grid", action="append", default=[], help="key=v1,v2,... one job per point (repeat for a product grid)")
