@@ -17,10 +17,14 @@ def lightning_hooks(cls: type) -> set[str]:
 
 def reaches_the_overridden(function, name: str) -> bool:
     """Whether a hook's code (nested functions included) names the hook it overrides as an attribute: `super().name(...)`,
-    `super(Class, self).name(...)` or `Parent.name(self, ...)`. A wrapper without functools.wraps, whose own code is not
-    the hook's, counts as doing so (its hook cannot be read)."""
+    `super(Class, self).name(...)` or `Parent.name(self, ...)`. A decorator's wrapper without functools.wraps is read
+    through to the function of that name it closes over; one that closes over none counts as calling it (its hook
+    cannot be read)."""
     code = getattr(function, "__code__", None)
-    if code is None or code.co_name != name:
+    if code is not None and code.co_name != name:
+        wrapped = [cell.cell_contents for cell in function.__closure__ or () if getattr(cell.cell_contents, "__code__", None) is not None]
+        return next((reaches_the_overridden(hook, name) for hook in wrapped if hook.__code__.co_name == name), True)
+    if code is None:
         return True
     codes = [code]
     while codes:

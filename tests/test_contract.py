@@ -77,6 +77,32 @@ def test_a_hook_of_the_base_overridden_without_super_is_refused_and_with_super_a
             return super().on_train_batch_start(batch, batch_idx)
 
 
+def logged(hook):
+    """A decorator without functools.wraps: the class sees only `wrapper`."""
+
+    def wrapper(*args, **kwargs):
+        return hook(*args, **kwargs)
+
+    return wrapper
+
+
+def test_a_hook_under_a_decorator_without_functools_wraps_is_read_through_its_wrapper():
+    with pytest.raises(TypeError, match=r"class DecoratedNoSuper: DecoratedNoSuper.on_train_batch_start overrides"):
+
+        class DecoratedNoSuper(PretrainMethod):
+            @logged
+            def on_train_batch_start(self, batch, batch_idx):
+                pass
+
+    class DecoratedWithSuper(PretrainMethod):  # accepted
+        @logged
+        def on_train_batch_start(self, batch, batch_idx):
+            return super().on_train_batch_start(batch, batch_idx)
+
+    class Unreadable(PretrainMethod):  # a wrapper that closes over no function of the hook's name: taken on trust
+        on_train_batch_start = staticmethod(print)
+
+
 def test_any_class_with_lightning_hooks_after_the_method_base_is_refused_not_only_the_projects_mixins():
     class LoggingMixin:
         def on_train_epoch_end(self):
