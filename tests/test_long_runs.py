@@ -127,6 +127,21 @@ def test_what_a_resumption_may_change_does_not_stop_it(finished_run):
     assert cli.trainer.global_step == 2 and batches.count == 0
 
 
+@pytest.mark.slow
+def test_a_finished_run_whose_results_file_was_removed_measures_its_final_weights_again_when_resumed(finished_run):
+    """`reproduce.py --collect` says to remove an unreadable results file to run its stage again: the stage then resumes
+    the finished run, which trains nothing, and must still write its results, of the same final weights."""
+    results = finished_run / "results_val.json"
+    written = json.loads(results.read_text())
+    results.unlink()
+    cli = pretrain(finished_run, "--ckpt_path=last", "--trainer.callbacks+=test_long_runs.TrainingBatches")
+    again = json.loads(results.read_text())
+    batches = next(callback for callback in cli.trainer.callbacks if isinstance(callback, TrainingBatches))
+    assert batches.count == 0 and again["global_step"] == again["val_global_step"] == written["global_step"] == 2
+    measured = {name: value for name, value in written["metrics"].items() if name.startswith("val/")}
+    assert measured and {name: again["metrics"][name] for name in measured} == measured
+
+
 class TrainingBatches(Callback):
     """Counts the training batches a run trains."""
 

@@ -62,7 +62,7 @@ from engine.cli.resume import (
     refuse_to_overwrite_a_run,
 )
 from engine.cli.run_lock import RunDirectoryInUse, RunDirectoryLock
-from engine.cli.results import FinalValidation, evaluated_position, report_results, validate_the_end_if_missed
+from engine.cli.results import FIT_RESULTS, FinalValidation, evaluated_position, report_results, validate_the_end_if_missed
 from engine.compat import KeepsEvaluationSettings, dump_config_for_hyperparameters
 from engine.config import load_yaml
 from engine.devices import choose_cpu_precision, keep_freed_host_memory
@@ -284,7 +284,7 @@ class ContrastlabCLI(KeepsEvaluationSettings):
         for limit in (callback for callback in self.trainer.callbacks if isinstance(callback, ProcessTimeLimit)):
             limit.exit_if_cut_short(self.trainer, self.config[self.subcommand]["trainer"]["max_time"])  # no results: as after a SIGTERM
         validate_the_end_if_missed(self.trainer, self.model, self.datamodule)
-        report_results(self.trainer, "val", "results_val.json")
+        report_results(self.trainer, "val", FIT_RESULTS)
 
     def after_validate(self) -> None:
         # its own file: a `validate` in a run directory keeps the training's results (epoch, step, time, images/s)

@@ -8,6 +8,7 @@ from lightning.pytorch.callbacks import Callback
 
 from engine.files import read_checkpoint, write_atomically
 
+FIT_RESULTS = "results_val.json"  # a fit's results file
 SUMMARY_KEYS = ("probe_top1", "probe_top5", "knn_top1", "knn_top5", "top1", "many_top1", "medium_top1", "few_top1")
 
 
@@ -59,12 +60,16 @@ def final_validation(trainer) -> FinalValidation | None:
 
 
 def validate_the_end_if_missed(trainer, model, datamodule) -> None:
-    """After a fit: validate the final weights if no validation of the final step ran. Lightning counts an epoch
-    stopped by SIGTERM during its validation as done, so a run stopped during its very last validation resumes as
-    finished and validates nothing (FinalValidation cannot reach it). Its W&B run has ended with the fit: the
-    numbers go to the results file only."""
+    """After a fit: validate the final weights if no validation of the final step ran, or if the run's results file
+    is missing. Lightning counts an epoch stopped by SIGTERM during its validation as done, so a run stopped during
+    its very last validation resumes as finished and validates nothing (FinalValidation cannot reach it); a finished
+    run whose results file was removed (unreadable, or to measure it again) resumes without training, and would
+    otherwise write none. Its W&B run has ended with the fit: the numbers go to the results file only."""
     final = final_validation(trainer)
-    if final is None or not trainer.enable_validation or trainer.fast_dev_run or final.validated_step == trainer.global_step:
+    if final is None or not trainer.enable_validation or trainer.fast_dev_run:
+        return
+    results_kept = trainer.strategy.broadcast((Path(trainer.default_root_dir) / FIT_RESULTS).is_file())  # rank 0 writes it
+    if final.validated_step == trainer.global_step and results_kept:
         return
     trained = dict(trainer.callback_metrics)
     loggers, trainer.loggers = trainer.loggers, []
