@@ -27,11 +27,11 @@ from pathlib import Path
 
 from analysis import embedding_map, few_shot
 from analysis.embedding_map import MAX_LEGEND_CLASSES, write_embedding_map
-from analysis.loading import add_checkpoint_arguments, default_out, load_checkpoint_and_data, load_method, measured_on, positive_float, positive_int
+from analysis.loading import add_checkpoint_arguments, default_out, load_checkpoint_and_data, load_method, measured_on, non_negative_int, positive_float, positive_int
 from analysis.representation import analyse
 from engine.arguments import ScriptArgumentParser
 from engine.config import split_overrides
-from engine.files import write_atomically
+from engine.files import WriteFailed, write_atomically
 
 __all__ = ["load_method", "main"]
 
@@ -44,14 +44,15 @@ def embedding_map_command(argv: list[str]) -> int:
     parser.add_argument("--space", choices=("trunk", "embedding"), default="trunk", help="which embeddings to map")
     parser.add_argument("--max-samples", type=positive_int, default=2048, help="images mapped (a fixed random subset)")
     parser.add_argument("--max-classes", type=int, default=10, help=f"map the images of the first classes only (at most {MAX_LEGEND_CLASSES})")
-    parser.add_argument("--seed", type=int, default=0, help="of the subset and of t-SNE")
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="of the subset and of t-SNE")
     args = parser.parse_args(own)
     try:
+        out = default_out(args)
         model, datamodule, _ = load_checkpoint_and_data(args, overrides)
         title = f"{type(model).__name__}, {Path(args.config).stem}, {args.split}, {args.space}"
-        path = write_embedding_map(model, datamodule, default_out(args) / "embedding_map.png", args.split, args.space,
+        path = write_embedding_map(model, datamodule, out / "embedding_map.png", args.split, args.space,
                                    args.max_samples, args.max_classes, args.seed, title)
-    except ValueError as error:
+    except (ValueError, WriteFailed) as error:
         raise SystemExit(f"error: {error}") from None
     print(f"figure: {path}")
     return 0
@@ -71,16 +72,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--temperature", type=positive_float, help="of the entropy over negatives, > 0 (default: the method's)")
     args = parser.parse_args(own)
     try:
+        out = default_out(args)
         model, datamodule, checkpoint_format = load_checkpoint_and_data(args, overrides)
         report = analyse(model, datamodule, args.split, args.view, args.temperature, args.max_samples)
-    except ValueError as error:
+        figures = report.write_figures(out, title=f"{type(model).__name__}, {Path(args.config).stem}, {args.split}")
+        record = {**measured_on(args, overrides, checkpoint_format, datamodule), "split": args.split, "samples": len(report.positive),
+                  "view": report.view, "temperature": report.temperature, **report.scalars()}
+        write_atomically(out / "metrics.json", lambda partial: partial.write_text(json.dumps(record, indent=1)))
+    except (ValueError, WriteFailed) as error:
         raise SystemExit(f"error: {error}") from None
-
-    out = default_out(args)
-    title = f"{type(model).__name__}, {Path(args.config).stem}, {args.split}"
-    figures = report.write_figures(out, title=title)
-    record = {**measured_on(args, overrides, checkpoint_format, datamodule), "split": args.split, "samples": len(report.positive), **report.scalars()}
-    write_atomically(out / "metrics.json", lambda partial: partial.write_text(json.dumps(record, indent=1)))
     print(json.dumps(record, indent=1))
     print("figures: " + ", ".join(str(path) for path in figures.values()))
     return 0

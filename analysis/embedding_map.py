@@ -2,8 +2,9 @@
 
 The images are a fixed random subset of a split (the same at every call), restricted to its first `max_classes`
 classes in label order (a legend of more colours cannot be read), under the evaluation view, embedded in eval
-mode: `trunk`, the L2-normalised trunk features (what the linear probe and the kNN monitor see), or `embedding`,
-the L2-normalised output of the online branch (projector, and predictor where the method has one). The 2-D
+mode: `trunk`, the L2-normalised features of the trunk the method's paper evaluates (`evaluated_trunk`: DINO's
+teacher, else the online trunk; what the linear probe and the kNN monitor see), or `embedding`, the L2-normalised
+output of the online branch (projector, and predictor where the method has one). The 2-D
 points are scikit-learn's t-SNE (van der Maaten & Hinton 2008; PCA initialisation, perplexity 30 or (N - 1) / 3
 for small N, seeded): UMAP's package, umap-learn, is not part of the locked environment. t-SNE keeps
 neighbourhoods, not distances: tight same-colour islands mean classes separate locally; the sizes of and the gaps
@@ -30,7 +31,7 @@ from torch import Tensor
 from torch.utils.data import Subset
 
 from analysis.figures import save_figure
-from analysis.representation import eval_embeddings, eval_mode, fixed_choice, split_dataset
+from analysis.representation import eval_embeddings, eval_mode, evaluated_features, fixed_choice, split_dataset
 from datamodules.base import ContrastiveDataModule, dataset_labels
 
 __all__ = ["embedding_map_figure", "map_embeddings", "tsne", "write_embedding_map"]
@@ -59,8 +60,11 @@ def map_embeddings(model, datamodule: ContrastiveDataModule, split: str = "val",
         raise ValueError(f"space must be 'trunk' or 'embedding', got {space!r}")
     subset = class_subset(datamodule, split, max_samples, max_classes, seed)
     with eval_mode(model):
-        features, projections, labels = eval_embeddings(model, datamodule, subset)
-    return (F.normalize(features, dim=1) if space == "trunk" else projections).cpu(), labels.cpu()
+        if space == "trunk":
+            features, labels = evaluated_features(model, datamodule, subset)
+            return F.normalize(features, dim=1).cpu(), labels.cpu()
+        _, projections, labels = eval_embeddings(model, datamodule, subset)
+    return projections.cpu(), labels.cpu()
 
 
 def tsne(embeddings: Tensor, seed: int = 0) -> np.ndarray:

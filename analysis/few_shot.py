@@ -29,13 +29,13 @@ import torch.nn.functional as F
 from sklearn.linear_model import LogisticRegression
 from torch.utils.data import Subset
 
-from analysis.loading import add_checkpoint_arguments, default_out, load_checkpoint_and_data, measured_on
+from analysis.loading import add_checkpoint_arguments, default_out, load_checkpoint_and_data, measured_on, non_negative_int
 from analysis.representation import eval_mode, evaluated_features, split_dataset
 from datamodules.base import ContrastiveDataModule, dataset_labels
 from datamodules.subsets import class_orders
 from engine.arguments import ScriptArgumentParser
 from engine.config import split_overrides
-from engine.files import write_atomically
+from engine.files import WriteFailed, write_atomically
 
 __all__ = ["draw_shots", "few_shot", "mean_interval", "probe_top1"]
 
@@ -109,17 +109,17 @@ def main(argv: list[str]) -> int:
     add_checkpoint_arguments(parser)
     parser.add_argument("--shots", type=int, nargs="+", default=[1, 5, 10], help="images per class (several: one probe each)")
     parser.add_argument("--draws", type=int, default=5, help="seeded draws per number of shots (>= 2)")
-    parser.add_argument("--seed", type=int, default=0, help="the first draw's seed (then seed + 1, ...)")
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="the first draw's seed (then seed + 1, ...)")
     parser.add_argument("--C", type=float, default=1.0, dest="regularisation", help="the logistic regression's inverse regularisation")
     args = parser.parse_args(own)
     try:
+        out = default_out(args)
         model, datamodule, checkpoint_format = load_checkpoint_and_data(args, overrides)
-        record = few_shot(model, datamodule, args.shots, args.draws, args.seed, args.split, args.regularisation)
-    except ValueError as error:
+        record = {**measured_on(args, overrides, checkpoint_format, datamodule),
+                  **few_shot(model, datamodule, args.shots, args.draws, args.seed, args.split, args.regularisation)}
+        write_atomically(out / "few_shot.json", lambda partial: partial.write_text(json.dumps(record, indent=1)))
+    except (ValueError, WriteFailed) as error:
         raise SystemExit(f"error: {error}") from None
-    record = {**measured_on(args, overrides, checkpoint_format, datamodule), **record}
-    out = default_out(args)
-    write_atomically(out / "few_shot.json", lambda partial: partial.write_text(json.dumps(record, indent=1)))
     for k, result in record["shots"].items():
         low, high = result["interval95"]
         print(f"{k:>3}-shot top-1 {100 * result['mean']:.2f}%  95% interval [{100 * low:.2f}, {100 * high:.2f}]  over {args.draws} draws")

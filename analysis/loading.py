@@ -15,7 +15,7 @@ import torch
 
 from datamodules.base import ContrastiveDataModule
 from engine.cli import instantiate_config
-from engine.files import read_checkpoint
+from engine.files import check_folder, read_checkpoint
 from interop import FORMATS, load_official_encoder
 from methods import PretrainMethod
 from methods.checkpoints import require_method
@@ -35,6 +35,14 @@ def positive_int(text: str) -> int:
     """An argparse type: a count of images or classes (argparse's one error line names the option and the value)."""
     value = int(text)
     if value < 1:
+        raise ValueError(text)
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """An argparse type: a seed (argparse's one error line names the option and the value)."""
+    value = int(text)
+    if value < 0:
         raise ValueError(text)
     return value
 
@@ -95,4 +103,6 @@ def default_out(args: argparse.Namespace) -> Path:
     """`--out`, else the `analysis` folder of the checkpoint's run (`<run>/checkpoints/x.ckpt` -> `<run>/analysis`), or of
     the checkpoint's own folder for one outside a run (a published file), as the linear stage places its run."""
     folder = args.checkpoint.resolve().parent
-    return args.out or (folder.parent if folder.name == "checkpoints" else folder) / "analysis"
+    out = args.out or (folder.parent if folder.name == "checkpoints" else folder) / "analysis"
+    check_folder(out, "the output folder")  # before the analysis runs, not when its first file is written
+    return out

@@ -39,6 +39,8 @@ class RepresentationReport:
     entropy: Tensor  # (N,) entropy of its softmax over the negatives
     uniformity: float  # -L_uniformity of the targets
     tolerance: float
+    view: str  # the training view of the anchors, and the entropy's temperature: the numbers depend on both
+    temperature: float
 
     def scalars(self) -> dict[str, float]:
         return {
@@ -179,4 +181,6 @@ def analyse(
         entropy=negative_entropy(anchors, targets, temperature),
         uniformity=-uniformity(targets).item(),
         tolerance=tolerance(targets, labels).item(),
+        view=view,
+        temperature=float(temperature),
     )

@@ -128,6 +128,14 @@ class WriteFailed(OSError):
     """A file the run must write cannot be written (a full disk, a read-only directory), said in one line."""
 
 
+def check_folder(folder: Path, what: str) -> None:
+    """Refuse (ValueError), before any work, a folder to write into that cannot be made: an existing file is it or one
+    of the folders above it."""
+    existing = next((path for path in (folder, *folder.parents) if path.exists()), None)
+    if existing is not None and not existing.is_dir():
+        raise ValueError(f"{what} {folder} cannot be a folder: {existing} is a file")
+
+
 def free_bytes(directory: Path) -> int:
     return shutil.disk_usage(directory).free
 

@@ -48,7 +48,7 @@ from datamodules.folders import IMAGENET_MEAN, IMAGENET_STD
 from engine.arguments import ScriptArgumentParser
 from engine.config import as_spec
 from engine.checkpoint_record import RECORD_KEY, VERSION
-from engine.files import WriteFailed, write_atomically
+from engine.files import WriteFailed, check_folder, write_atomically
 from interop.official import layout_of
 from methods import FineTune, LongTailClassifier, PretrainMethod
 from methods.checkpoints import read_method_checkpoint
@@ -110,6 +110,7 @@ def export(
     }
     if format == "detectron2":
         record["detectron2_config"] = detectron2_config(spec, record["normalisation"])
+    check_folder(out.parent, "the export folder")
     json_path = out.with_name(out.name + ".json")
     # Everything is known before the first file is written. The record goes last, and an overwritten one goes first:
     # weights whose writing fails are never left beside a record of other weights (`exported_backbone` trusts it).

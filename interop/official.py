@@ -191,7 +191,7 @@ def exported_backbone(path: str, source: str) -> BackboneSpec | None:
         trunk = record["trunk"]
         stem = trunk.get("small_input_stem", "sce")  # the one stem before the key was recorded (7331032)
         return BackboneSpec(trunk["name"], small_input=trunk["small_input"], small_input_stem=stem, kwargs=trunk["kwargs"])
-    except (OSError, ValueError, KeyError, TypeError) as error:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         raise ValueError(f"{source}: its export record {str(record_path)!r} is unreadable ({type(error).__name__}: {error})") from None
 
 
@@ -304,6 +304,10 @@ def load_official_encoder(model, checkpoint: Any, format: str | None, source: st
     load_state_strictly(model.backbone, weights.trunk, source, f"backbone {spec.name!r} (small_input={spec.small_input})")
     for role, head in weights.heads.items():
         load_state_strictly(getattr(model, role), head, source, f"the {role} of {type(model).__name__} as configured")
+    # a release is one encoder (DINO's: its teacher): the model's momentum copies are it too, so that whichever encoder
+    # an analysis reads (`evaluated_trunk`: DINO's teacher) is the release's, not the copies' random initialisation
+    for online, target in getattr(model, "momentum_pairs", list)():
+        target.load_state_dict(online.state_dict())
     return weights.format
 
 

@@ -142,6 +142,7 @@ def test_pretraining_logs_the_analysis_and_the_command_analyses_its_checkpoint(t
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["samples"] == 50 and set(metrics) >= {"uniformity", "tolerance", "negative_entropy", "local_separation"}
     assert (metrics["config"], metrics["overrides"], metrics["dataset"]) == (config, data, "datamodules.digits.DigitsDataModule")  # what it measured
+    assert (metrics["view"], metrics["temperature"]) == ("image", 0.1)  # configs/npid_digits.yaml's, the method's own: both change the numbers
     for name in ("local_separation", "negative_entropy"):
         assert_png(out / f"{name}.png")
 
@@ -174,6 +175,17 @@ def test_a_count_below_one_a_temperature_of_0_or_a_device_this_machine_lacks_is_
     with pytest.raises(SystemExit) as exit_info:
         analyse_checkpoint([*command, str(tmp_path / "absent.ckpt"), "--config", "configs/moco_digits.yaml", *arguments[len(command):]])
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [[], ["embedding-map"], ["few-shot"]], ids=["analysis", "embedding-map", "few-shot"])
+def test_an_output_folder_below_a_file_and_a_negative_seed_are_one_error_line_before_any_checkpoint_is_read(command, tmp_path, capsys):
+    (tmp_path / "taken").write_text("")
+    with pytest.raises(SystemExit, match=rf"^error: the output folder {tmp_path / 'taken' / 'out'} cannot be a folder: {tmp_path / 'taken'} is a file$"):
+        analyse_checkpoint([*command, str(tmp_path / "absent.ckpt"), "--config", "configs/moco_digits.yaml", "--out", str(tmp_path / "taken" / "out")])
+    if command:  # the subcommands draw with a seed
+        with pytest.raises(SystemExit):
+            analyse_checkpoint([*command, str(tmp_path / "absent.ckpt"), "--config", "configs/moco_digits.yaml", "--seed", "-1"])
+        assert "argument --seed: invalid non_negative_int value: '-1'" in capsys.readouterr().err
 
 
 def test_without_out_the_analysis_goes_to_the_checkpoint_s_run_or_beside_a_checkpoint_outside_one(tmp_path):

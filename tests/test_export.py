@@ -24,6 +24,7 @@ from engine.checkpoint_record import VERSION
 from helpers import TINY_PROJECTOR, randomised
 from datamodules import DigitsDataModule
 from interop.export import data_facts, export, main as export_command
+from interop.official import exported_backbone
 from methods import BYOL, DINO, NNCLR, BarlowTwins, CrossEntropy, LinearProbe, MoCoV2, MoCoV3, PaCo, SimCLR, SimSiam, SwAV, VICReg
 from methods.longtail import tau_normalised
 
@@ -400,6 +401,18 @@ def test_an_export_refuses_to_overwrite_files_without_force_and_drops_its_own_su
     assert (tmp_path / "model.pth").stat().st_mtime_ns == before
     assert export_command([str(checkpoint), "--format", "torchvision", "--out", str(tmp_path / "model"), "--force"]) == 0
     assert (tmp_path / "model.pth").stat().st_mtime_ns != before
+
+
+def test_an_out_below_a_file_and_an_export_record_of_the_wrong_shape_are_one_error_line(tmp_path):
+    checkpoint = saved(moco(BackboneSpec("resnet18", small_input=True)), tmp_path / "last.ckpt")
+    (tmp_path / "taken").write_text("")
+    with pytest.raises(SystemExit, match=rf"^error: the export folder {tmp_path / 'taken'} cannot be a folder: {tmp_path / 'taken'} is a file$"):
+        export_command([str(checkpoint), "--format", "torchvision", "--out", str(tmp_path / "taken" / "model")])
+    pth = export(checkpoint, "torchvision", tmp_path / "model")[0]
+    record = json.loads(pth.with_suffix(".json").read_text())
+    pth.with_suffix(".json").write_text(json.dumps(record | {"trunk": 5}))
+    with pytest.raises(ValueError, match=r"its export record .* is unreadable \(AttributeError"):
+        exported_backbone(str(pth), "test")
 
 
 def test_both_exported_files_have_the_mode_of_a_new_file(tmp_path):

@@ -15,7 +15,7 @@ import torchvision
 import main_linear
 import main_pretrain
 from analysis.__main__ import main as analyse_checkpoint
-from backbones import BackboneSpec
+from backbones import BackboneSpec, MLPSpec
 from engine.files import ForeignObject, read_checkpoint
 from interop.official import convert, detect_format
 from methods import CrossEntropy, LinearProbe, PaCo, PaCoRIDE
@@ -523,6 +523,24 @@ def test_validate_reports_the_shot_metrics_of_a_released_paco_model(tmp_path, ca
     assert "val results: top1" in capsys.readouterr().out
     logged = json.loads((tmp_path / "run" / "results_validate.json").read_text())["metrics"]
     assert {"val/top1", "val/many_top1", "val/medium_top1", "val/few_top1"} <= set(logged)
+
+
+def test_the_analysis_of_an_official_dino_file_reads_its_teacher_in_every_encoder_of_the_model():
+    """DINO's evaluated trunk is its momentum copy (the teacher, `evaluated_trunk`), which the few-shot probes and the
+    kNN read: the release's teacher must be there, not the copy's random initialisation."""
+    from interop import load_official_encoder
+    from methods import DINO
+
+    checkpoint, teacher, _ = official_case("dino")
+    model = DINO(backbone=BackboneSpec("resnet18"), out_dim=20, knn_k=0,
+                 projector=MLPSpec(hidden_dim=32, output_dim=8, num_layers=3, batch_norm=False, activation="gelu")).eval()
+    assert load_official_encoder(model, checkpoint, "dino", "test") == "dino"
+    with torch.no_grad():
+        for trunk in (model.backbone, model.target_backbone, model.evaluated_trunk()):
+            assert torch.equal(trunk(IMAGES), teacher.eval()(IMAGES))
+    head = {key.removeprefix("module.head.mlp."): value for key, value in checkpoint["teacher"].items() if key.startswith("module.head.mlp.")}
+    for projector in (model.projector, model.target_projector):
+        assert all(torch.equal(value, head[key]) for key, value in projector.state_dict().items())
 
 
 @pytest.mark.slow

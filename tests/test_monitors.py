@@ -12,11 +12,12 @@ from matplotlib.image import imread
 from test_analysis import RecordingWandbLogger, assert_png
 
 from analysis import CollapseMonitor, EmbeddingMap, RepresentationAnalysis
-from analysis.embedding_map import class_names, embedding_map_figure, map_embeddings, tsne
+from analysis.embedding_map import class_names, class_subset, embedding_map_figure, map_embeddings, tsne
 from analysis.figures import save_figure
 from analysis.monitors import collapse_metrics, validation_samples
+from analysis.representation import evaluated_features
 from backbones import BackboneSpec
-from methods import MoCoV2, NPID
+from methods import DINO, MoCoV2, NPID
 from methods.momentum import MomentumSpec
 from helpers import TINY_PROJECTOR, digits
 
@@ -134,6 +135,18 @@ def test_the_embedding_map_shows_every_class_in_its_legend_and_is_written_as_a_p
     assert_png(path)
     pixels = imread(path)
     assert pixels.std() > 0.01 and len(np.unique(pixels.reshape(-1, pixels.shape[-1]), axis=0)) > 10  # drawn, in several colours
+
+
+@pytest.mark.slow
+def test_the_trunk_map_of_dino_is_of_its_teacher_the_trunk_its_linear_probe_and_knn_read():
+    model = DINO(backbone=SMALL_TRUNK, out_dim=20, knn_k=0, projector=TINY_PROJECTOR)
+    with torch.no_grad():
+        for parameter in model.target_backbone.parameters():  # a teacher that differs from the student
+            parameter.add_(0.1 * torch.randn_like(parameter))
+    datamodule = digits(MOCO_VIEWS, batch_size=32)
+    embeddings, labels = map_embeddings(model, datamodule, max_samples=40, max_classes=4)
+    features, same_labels = evaluated_features(model.eval(), datamodule, class_subset(datamodule, "val", 40, 4, 0))
+    assert torch.equal(labels, same_labels) and torch.equal(embeddings, torch.nn.functional.normalize(features, dim=1))
 
 
 def test_the_map_callback_writes_the_png_beside_the_run_and_sends_it_to_wandb_but_not_in_a_fast_dev_run(tmp_path):
