@@ -127,6 +127,10 @@ class MethodBase(EvaluationMixin, CheckpointRecord, L.LightningModule):
     def check_resume(cls, saved_hyperparameters: dict, init_args: dict, source: str) -> None:
         """Refuse (`CheckpointMismatch`) a checkpoint of this class that the configured run must not restore."""
 
+    def results_context(self) -> dict:
+        """What the run's results are of besides its own weights, written beside them in `results_*.json`."""
+        return {}
+
     def expected_warnings(self) -> tuple[str, ...]:
         """Messages of the warnings this model triggers by design; the CLI silences them for its runs."""
         # `on_after_batch_transfer` draws the views on the device from the DataModule's `augment_on_device`: Lightning's

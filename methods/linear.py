@@ -145,6 +145,11 @@ class LinearProbe(MethodBase):
         # a fine-tuned network's logits are its own prediction (`val/top1`), a probe's those of a probe (`val/probe_top1`)
         self.init_evaluation(knn_k, knn_temperature, prefix="" if self.trains_trunk else "probe_")
         self.pretraining = pretraining
+        self.pretrained_step = pretraining["step"] if pretraining is not None and isinstance(pretraining["step"], int) else None
+
+    def results_context(self) -> dict:
+        # the step of the weights probed: a pretraining resumed since trains on, and its last.ckpt is then others (scripts/compare.py)
+        return {"pretrained_ckpt": self.hparams.pretrained_ckpt, "pretrained_step": self.pretrained_step}
 
     def init_head(self, head: nn.Linear) -> None:
         nn.init.normal_(head.weight, std=0.01)  # MoCo main_lincls: N(0, 0.01), bias 0
@@ -204,7 +209,7 @@ class LinearProbe(MethodBase):
         super().check_data(datamodule, world_size)
         if self.pretraining is None:
             return
-        seen = self.pretraining
+        seen, self.pretraining = self.pretraining, None  # said once: the CLI checks before the run, `setup` again
         rank_zero_info(
             f"probing model.pretrained_ckpt {self.hparams.pretrained_ckpt!r}: {seen['method']}, trunk {seen['backbone']}, pretrained on "
             f"{seen['dataset']} ({seen['image_size']} px), epoch {seen['epoch']}, step {seen['step']}"

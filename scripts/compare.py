@@ -6,7 +6,7 @@ Each argument is a run, a W&B run, or a directory holding runs:
 - a run directory (a `trainer.default_root_dir`): the `config.yaml` and `results_val.json` the CLI writes there
   (without them, `lightning_logs/version_*/config.yaml` and the last logged values), the linear stage's
   `linear/results_val.json` (`scripts/sweep.py --linear`; one error line when its `config.yaml` probed another
-  checkpoint than the run's `last.ckpt`), and the curves of its Lightning CSV log
+  checkpoint than the run's `last.ckpt`, or its results record weights of an earlier step than the run's), and the curves of its Lightning CSV log
   (`lightning_logs/version_*/metrics.csv`) or else of its W&B runs (`wandb/*run-*`);
 - a W&B run directory (`<root>/wandb/offline-run-*` or `run-*`): config, summary and history from its `.wandb`
   log, parsed by W&B itself (`wandb leet inspect --json`); the directories of one resumed run (same id) are one
@@ -16,7 +16,8 @@ Each argument is a run, a W&B run, or a directory holding runs:
 
 Runs whose `model`, `data`, `trainer` and `non_finite` settings differ only in their random seed and in run control
 (`RUN_CONTROL`: run directory, logging, validation frequency; not the batch limits of a smoke run) form one row:
-method x dataset (and, where rows of one method and dataset differ, the settings that set them apart), with
+method x dataset (and, where rows of one method and dataset differ, the settings that set them apart; runs probed
+with other linear-stage settings, `linear.*`, are rows of their own), with
 the mean ± sample standard deviation over seeds of the linear, kNN and online-probe top-1, the training time
 and the training images per second (`engine.tracking.TrainingThroughput`). A metric that no run of a row
 recorded is "n/a"; one that only some recorded says over how many runs it is taken.
@@ -43,7 +44,7 @@ import matplotlib.pyplot as plt  # noqa: E402 (after choosing the backend)
 import yaml  # noqa: E402
 
 from engine.arguments import ScriptArgumentParser  # noqa: E402
-from engine.files import read_json_object, write_atomically  # noqa: E402
+from engine.files import check_folder, read_json_object, write_atomically  # noqa: E402
 
 COLUMNS = {  # metric key -> (column, scale)
     "linear/val/probe_top1": ("linear top-1 (%)", 100.0),
@@ -73,6 +74,7 @@ class Run:
     config: dict
     metrics: dict[str, float]
     curves: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # metric -> [(step, value)]
+    linear_config: dict = field(default_factory=dict)  # the linear stage's config.yaml, when its results are read
 
     @property
     def method(self) -> str:
@@ -91,6 +93,13 @@ class Run:
         (`DERIVED`)."""
         flat = flatten({section: self.config.get(section) for section in GROUPING_SECTIONS})
         return {key: value for key, value in flat.items() if not key.startswith(RUN_CONTROL) and key.replace(".init_args", "") not in DERIVED}
+
+    def linear_setting(self) -> dict[str, str]:
+        """The linear stage's settings as `setting()` reads them, keyed `linear.*`, without the checkpoint it probed
+        (each run's own); empty for a run whose linear results are not read."""
+        flat = flatten({section: self.linear_config[section] for section in GROUPING_SECTIONS if section in self.linear_config}, "linear.")
+        return {key: value for key, value in flat.items() if not key.removeprefix("linear.").startswith((*RUN_CONTROL, "model.init_args.pretrained_ckpt"))
+                and key.removeprefix("linear.").replace(".init_args", "") not in DERIVED}
 
 
 def flatten(tree, prefix: str = "") -> dict[str, str]:
@@ -178,17 +187,23 @@ def read_yaml(path: Path) -> dict | None:
         raise ValueError(f"{path}: not a readable config ({' '.join(str(error).split())})") from None
 
 
-def linear_metrics(root: Path) -> dict[str, float]:
-    """The linear stage's results in `<root>/linear`, when its config.yaml says it probed this run's last.ckpt (a probe
-    of another run's trunk, or of an earlier checkpoint, is refused: its numbers are not this run's)."""
+def linear_metrics(root: Path) -> tuple[dict[str, float], dict]:
+    """The linear stage's results in `<root>/linear` and its config, when its config.yaml says it probed this run's
+    last.ckpt (a probe of another run's trunk, or of an earlier checkpoint, is refused: its numbers are not this run's)."""
     results = root / "linear" / "results_val.json"
     if not results.is_file():
-        return {}
+        return {}, {}
     config = (read_yaml(root / "linear" / "config.yaml") if (root / "linear" / "config.yaml").is_file() else None) or {}
     probed = (config.get("model") or {}).get("init_args", {}).get("pretrained_ckpt")
     if probed is not None and not probed_the_run(probed, (config.get("trainer") or {}).get("default_root_dir"), root):
         raise ValueError(f"{root / 'linear'} probed {probed} (its config.yaml), not this run's checkpoints/last.ckpt: its numbers are not this run's")
-    return {f"linear/{key}": value for key, value in read_results(results).items()}
+    # the step of the weights it probed (written since results_context), against the run's final step
+    probed_step = read_json_object(results, "results file").get("pretrained_step")
+    final_step = read_json_object(root / "results_val.json", "results file").get("global_step") if (root / "results_val.json").is_file() else None
+    if None not in (probed_step, final_step) and probed_step != final_step:
+        raise ValueError(f"{root / 'linear'} probed the run's weights of step {probed_step}, and the run has trained on to step {final_step} "
+                         "since: its numbers are not of the run's final weights (probe them again)")
+    return {f"linear/{key}": value for key, value in read_results(results).items()}, config
 
 
 def probed_the_run(probed: str, linear_dir: str | None, root: Path) -> bool:
@@ -210,7 +225,7 @@ def read_run(root: Path) -> Run:
     metrics = read_results(results) if results.is_file() else {}
     rows = csv_rows(root)
     curves = curves_from_rows(rows, "step")
-    linear = linear_metrics(root)
+    linear, linear_config = linear_metrics(root)
     sources = [name for name, found in (("config.yaml", config_files), ("results_val.json", metrics), ("CSV log", rows)) if found]
     starts = by_start([log.parent for log in root.glob("wandb/*run-*/run-*.wandb")])
     if starts and (config is None or not metrics or not curves):
@@ -220,7 +235,7 @@ def read_run(root: Path) -> Run:
         sources.append(f"W&B log ({log.name})")
     if not metrics:  # no results file (e.g. an interrupted run): the last value of every logged metric
         metrics = {key: float(value) for row in rows for key, value in row.items() if value not in ("", None) and key not in ("epoch", "step")}
-    return Run(root, ", ".join(sources + ["linear/results_val.json"] * bool(linear)), config or {}, metrics | linear, curves)
+    return Run(root, ", ".join(sources + ["linear/results_val.json"] * bool(linear)), config or {}, metrics | linear, curves, linear_config)
 
 
 def by_start(run_dirs: list[Path]) -> list[Path]:
@@ -232,7 +247,8 @@ def by_start(run_dirs: list[Path]) -> list[Path]:
 def read_wandb_run(run_dirs: list[Path]) -> Run:
     log = read_wandb(run_dirs)
     root = run_dirs[0].parent.parent  # <root>/wandb/<run>
-    return Run(run_dirs[-1], f"W&B log ({log.name})", log.config, log.summary | linear_metrics(root), curves_from_rows(log.history, "trainer/global_step"))
+    linear, linear_config = linear_metrics(root)
+    return Run(run_dirs[-1], f"W&B log ({log.name})", log.config, log.summary | linear, curves_from_rows(log.history, "trainer/global_step"), linear_config)
 
 
 def find_runs(path: Path) -> list[Run]:
@@ -260,14 +276,23 @@ def find_runs(path: Path) -> list[Run]:
 # ----------------------------------------------------------------- the table
 def group(runs: list[Run]) -> list[tuple[str, list[Run]]]:
     """Rows of runs that differ only in their random seed, each labelled with the settings that set it apart from the
-    other rows of the same method and dataset."""
-    rows: dict[tuple, list[Run]] = {}
+    other rows of the same method and dataset. Runs of one setting probed with other linear settings are rows of their
+    own (a sweep's `--linear-override`); its runs without linear results yet join the row of its one linear setting."""
+    by_linear: dict[tuple, dict[tuple, list[Run]]] = {}
     for run in runs:
-        rows.setdefault((run.method, run.dataset, tuple(sorted(run.setting().items()))), []).append(run)
+        pretraining = (run.method, run.dataset, tuple(sorted(run.setting().items())))
+        by_linear.setdefault(pretraining, {}).setdefault(tuple(sorted(run.linear_setting().items())), []).append(run)
+    rows: dict[tuple, list[Run]] = {}
+    for (method, dataset, setting), members in by_linear.items():
+        probed = [linear for linear in members if linear]
+        if len(probed) == 1 and () in members:
+            members[probed[0]] += members.pop(())
+        rows |= {(method, dataset, setting + linear): runs_of for linear, runs_of in members.items()}
     labelled = []
     for (method, dataset, setting), members in rows.items():
         others = [dict(key[2]) for key in rows if key[:2] == (method, dataset)]
-        differing = [key for key, value in setting if any(other.get(key) != value for other in others)]
+        # a linear setting sets a row apart from rows probed otherwise, not from those without linear results
+        differing = [key for key, value in setting if any(other.get(key, value if key.startswith("linear.") else None) != value for other in others)]
         labelled.append((", ".join(f"{key.replace('.init_args', '')}={dict(setting)[key]}" for key in differing), members))
     return labelled
 
@@ -354,6 +379,7 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--metrics", nargs="*", default=[], help="more final metrics as columns, e.g. val/top1 val/few_top1")
     args = parser.parse_args(argv)
     try:
+        check_folder(args.out, "--out")
         found = [run for path in args.paths for run in find_runs(path)]
     except ValueError as error:
         parser.exit(2, f"error: {error}\n")

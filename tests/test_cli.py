@@ -241,6 +241,8 @@ def test_pretrain_then_linear_probe_pipeline_with_reruns_and_a_validate_in_the_s
     )
     assert linear.model.probe.out_features == 10
     assert "val results: probe_top1" in capsys.readouterr().out
+    probed = json.loads((tmp_path / "linear" / "results_val.json").read_text())
+    assert (probed["pretrained_ckpt"], probed["pretrained_step"]) == (str(checkpoint), 2)  # what its numbers are of (scripts/compare.py)
 
 
 def test_linear_stage_refuses_a_checkpoint_that_does_not_fit_in_one_line(tmp_path, capsys):

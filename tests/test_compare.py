@@ -4,6 +4,7 @@ mean ± sample std, n/a for what a run did not record, a CSV-only run, and a pat
 
 import csv
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,8 @@ def config(directory: Path, seed: int, temperature: float = 0.2) -> dict:
     }
 
 
-def write_run(directory: Path, seed: int, metrics: dict, temperature: float = 0.2, linear: float | None = None, trainer: dict | None = None) -> None:
+def write_run(directory: Path, seed: int, metrics: dict, temperature: float = 0.2, linear: float | None = None, trainer: dict | None = None,
+              linear_lr: float | None = None) -> None:
     """What the CLI leaves in a run directory (`config.yaml`, `results_val.json`) and the linear stage in `linear/`."""
     directory.mkdir(parents=True)
     settings = config(directory, seed, temperature)
@@ -33,6 +35,8 @@ def write_run(directory: Path, seed: int, metrics: dict, temperature: float = 0.
         (directory / "linear").mkdir()
         (directory / "linear" / "results_val.json").write_text(json.dumps({"epoch": 10, "global_step": 20, "metrics": {"val/probe_top1": linear}}))
         probed = {"model": {"init_args": {"pretrained_ckpt": str(directory / "checkpoints" / "last.ckpt")}}}
+        if linear_lr is not None:
+            probed["model"]["init_args"]["optimizer"] = {"lr": linear_lr}
         (directory / "linear" / "config.yaml").write_text(yaml.safe_dump(probed))
 
 
@@ -53,6 +57,19 @@ def test_seeds_of_one_setting_make_one_row_of_mean_and_sample_std_and_missing_me
     assert rows["model.temperature=0.2"]["train/images_per_s n"] == "1"
     assert rows["model.temperature=0.1"]["linear/val/probe_top1 mean"] == "n/a"
     assert (tmp_path / "out" / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_runs_probed_with_other_linear_settings_are_rows_of_their_own_and_runs_not_probed_yet_join_the_one_protocol(tmp_path):
+    """A sweep's `--linear-override` changes only the linear stage: its seeds must not be averaged as one setting."""
+    one, two = tmp_path / "one_protocol", tmp_path / "two_protocols"
+    write_run(one / "seed0", 0, {"val/knn_top1": 0.2}, linear=0.4, linear_lr=0.5)
+    write_run(one / "seed1", 1, {"val/knn_top1": 0.4})  # its linear stage has not run yet
+    assert "| MoCoV2 | Digits | – | 0, 1 | 40.00 (1 of 2 runs) | 30.00 ± 14.14 | n/a | n/a | n/a |" in compare.main([str(one), "--out", str(tmp_path / "a")]).splitlines()
+    write_run(two / "seed0", 0, {"val/knn_top1": 0.2}, linear=0.4, linear_lr=0.5)
+    write_run(two / "seed1", 1, {"val/knn_top1": 0.4}, linear=0.1, linear_lr=0.0)
+    lines = compare.main([str(two), "--out", str(tmp_path / "b")]).splitlines()
+    assert "| MoCoV2 | Digits | linear.model.optimizer.lr=0.5 | 0 | 40.00 | 20.00 | n/a | n/a | n/a |" in lines
+    assert "| MoCoV2 | Digits | linear.model.optimizer.lr=0 | 1 | 10.00 | 40.00 | n/a | n/a | n/a |" in lines
 
 
 def test_run_control_settings_set_no_rows_apart_and_runs_of_one_label_get_distinct_legend_entries(tmp_path):
@@ -106,6 +123,13 @@ def test_a_path_that_is_not_a_run_is_one_error_naming_it_and_nothing_is_written(
     assert not (tmp_path / "out").exists()
 
 
+def test_an_out_that_is_a_file_is_one_error_line_before_anything_is_read(tmp_path, capsys):
+    (tmp_path / "out").write_text("")
+    with pytest.raises(SystemExit) as exit_info:
+        compare.main([str(tmp_path / "missing"), "--out", str(tmp_path / "out")])
+    assert exit_info.value.code == 2 and capsys.readouterr().err == f"error: --out {tmp_path / 'out'} cannot be a folder: {tmp_path / 'out'} is a file\n"
+
+
 def test_a_linear_stage_that_probed_another_checkpoint_is_one_error_naming_it(tmp_path, capsys):
     write_run(tmp_path / "a", 0, {"val/knn_top1": 0.2}, linear=0.4)
     write_run(tmp_path / "b", 1, {"val/knn_top1": 0.3}, linear=0.5)
@@ -117,6 +141,21 @@ def test_a_linear_stage_that_probed_another_checkpoint_is_one_error_naming_it(tm
     assert capsys.readouterr().err.strip() == (f"error: {tmp_path / 'a' / 'linear'} probed {other} (its config.yaml), not this run's "
                                                 "checkpoints/last.ckpt: its numbers are not this run's")
     assert not (tmp_path / "out2").exists()
+
+
+def test_a_linear_stage_of_weights_the_run_has_trained_on_since_is_one_error_naming_both_steps(tmp_path, capsys):
+    """The pretraining resumed after its probe (same last.ckpt path, later weights): the probe's numbers are of step 10."""
+    run = tmp_path / "run"
+    write_run(run, 0, {"val/knn_top1": 0.2}, linear=0.4)
+    probe = json.loads((run / "linear" / "results_val.json").read_text())
+    (run / "linear" / "results_val.json").write_text(json.dumps(probe | {"pretrained_step": 10}))  # the run's final step
+    assert "| MoCoV2 | Digits | – | 0 | 40.00 |" in compare.main([str(run), "--out", str(tmp_path / "a")])
+    (run / "results_val.json").write_text(json.dumps({"epoch": 9, "global_step": 20, "metrics": {"val/knn_top1": 0.3}}))
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        compare.main([str(run), "--out", str(tmp_path / "b")])
+    assert capsys.readouterr().err.startswith(f"error: {run / 'linear'} probed the run's weights of step 10, and the run has trained on to step 20 since")
+    assert not (tmp_path / "b").exists()
 
 
 @pytest.mark.parametrize(

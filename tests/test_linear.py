@@ -129,6 +129,11 @@ def test_the_probe_says_what_it_loaded_and_warns_when_the_pretraining_dataset_or
     assert (f"probing model.pretrained_ckpt '{path}': methods.moco.MoCoV2, trunk resnet18, pretrained on {dataset} ({size} px), "
             f"epoch {checkpoint['epoch']}, step 1") in caplog.text
     assert [str(warning.message) for warning in caught] == ([f"model.pretrained_ckpt '{path}' {warning}"] if warning else [])
+    caplog.clear()
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.INFO):  # `setup` checks again: said once only
+        warnings.simplefilter("always")
+        probe.check_data(digits(LINEAR_VIEWS), world_size=1)
+    assert "probing" not in caplog.text and caught == []
 
 
 @pytest.mark.slow

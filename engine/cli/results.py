@@ -104,7 +104,7 @@ def report_results(trainer, stage: str, results: str, position: dict | None = No
         return  # a smoke run's numbers are no run's results
     if position is None:  # a fit: its epoch and step, and the step of the validation its val/* numbers come from
         position = {"epoch": trainer.current_epoch, "global_step": trainer.global_step, "val_global_step": final.validated_step if final else None}
-    write_results(Path(trainer.default_root_dir) / results, position, metrics)
+    write_results(Path(trainer.default_root_dir) / results, position | trainer.lightning_module.results_context(), metrics)
 
 
 def evaluated_position(trainer) -> dict:
