@@ -476,6 +476,10 @@ def main(argv: list[str]) -> int:
         raise SystemExit(f"error: --rows {' '.join(unknown)}: {shown(table.path)} has no such row (its rows: {', '.join(ids)})")
     if args.seeds is not None and not 1 <= args.seeds <= MAX_SEEDS:
         raise SystemExit(f"error: --seeds {args.seeds} is not a number of seeds from 1 to {MAX_SEEDS}")
+    for arguments, where in ((args.extra, "after --"), (args.evaluation_override, "in --evaluation-override")):
+        if (seed := sweep.given_seed(arguments)) is not None:
+            raise SystemExit(f"error: {seed} {where}: each run's seed is its own (--seeds, or the row's seeds; one for all would "
+                             "train the same run under every seed)")
     out = (args.out or Path("runs/tables") / table.path.stem).resolve()
     if out.exists() and not out.is_dir():
         raise SystemExit(f"error: --out {shown(out)} is a file, not a folder")

@@ -101,6 +101,12 @@ def expand(grid: list[tuple[str, list[str]]], seeds: list[int], out: Path) -> li
     return [Run(point, seed, out / f"{point_label(point)}_seed{seed}") for point in grid_points(grid) for seed in seeds]
 
 
+def given_seed(arguments: list[str]) -> str | None:
+    """A `--seed_everything` among arguments given for every run (after `--`, or an override of every linear stage):
+    it would follow each run's own `--seed_everything` and win, training the same run under every seed label."""
+    return next((argument for argument in arguments if argument.split("=", 1)[0] == "--seed_everything"), None)
+
+
 def pretrain_command(run: Run, config: str, extra: list[str]) -> list[str]:
     return [sys.executable, str(ROOT / "main_pretrain.py"), "fit", "--config", config, f"--seed_everything={run.seed}",
             f"--trainer.default_root_dir={run.directory}", "--ckpt_path=last", *point_overrides(run.point), *extra]
@@ -391,14 +397,19 @@ def parse_args(argv: list[str]):
     job.add_resource_arguments(parser)
     args = parser.parse_args(own)
     args.extra = extra
+    # the runs start in the project: a path given from another working directory is the file meant there
+    args.config, args.linear = (job.from_root(Path(path)) if path is not None else None for path in (args.config, args.linear))
     return args
 
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     for path, flag in ((args.config, "--config"), (args.linear, "--linear")):
-        if path is not None and not Path(path).is_file():
+        if path is not None and not (ROOT / path).is_file():
             raise SystemExit(f"error: {flag} {path!r} is not an existing file")
+    for arguments, where in ((args.extra, "after --"), (args.linear_override, "in --linear-override")):
+        if (seed := given_seed(arguments)) is not None:
+            raise SystemExit(f"error: {seed} {where}: each run's seed comes from --seeds (one for all would train the same run under every seed)")
     if repeated := sorted({seed for seed in args.seeds if args.seeds.count(seed) > 1 or seed < 0}):
         raise SystemExit(f"error: --seeds {' '.join(map(str, args.seeds))}: seed {repeated[0]} is repeated or negative (each seed is one run)")
     if args.out.exists() and not args.out.is_dir():

@@ -164,6 +164,11 @@ def test_unknown_rows_and_bad_seeds_are_refused(tmp_path):
         reproduce.main([str(path), "--rows", "zz", "--dry-run"])
     with pytest.raises(SystemExit, match="error: --seeds 0 is not a number of seeds from 1 to 100"):
         reproduce.main([str(path), "--seeds", "0", "--dry-run"])
+    # one seed for every run would train each row's seeds as the same run
+    with pytest.raises(SystemExit, match="error: --seed_everything=3 after --: each run's seed is its own"):
+        reproduce.main([str(path), "--dry-run", "--", "--seed_everything=3"])
+    with pytest.raises(SystemExit, match="error: --seed_everything=3 in --evaluation-override: each run's seed is its own"):
+        reproduce.main([str(path), "--dry-run", "--evaluation-override=--seed_everything=3"])
 
 
 def test_dry_run_prints_each_stage_resolved_in_order_and_writes_nothing(tmp_path, capsys):

@@ -177,6 +177,15 @@ def test_bad_input_is_one_error_naming_the_value_before_anything_is_written(argu
     assert not (tmp_path / "run").exists()
 
 
+def test_a_relative_config_is_the_file_meant_from_the_working_directory_though_the_job_starts_in_the_project(tmp_path, monkeypatch):
+    own = tmp_path / "configs" / "sce_imagenet100.yaml"
+    own.parent.mkdir()
+    own.write_text((job.ROOT / SCE_IMAGENET100).read_text())
+    monkeypatch.chdir(tmp_path)
+    args = submit.parse_args(["--config", "configs/sce_imagenet100.yaml"])
+    assert args.config == str(own) and f"--config {own}" in submit.render_jobs(args)[0][1]
+
+
 @pytest.mark.parametrize("text, expected", [("trainer: [1,\n", "is not valid YAML"), ("- 1\n", "is not a config (a YAML mapping")])
 def test_a_config_that_is_no_yaml_mapping_is_one_error_naming_it(text, expected, tmp_path):
     config = tmp_path / "broken.yaml"

@@ -175,12 +175,32 @@ def test_results_made_before_the_configs_values_were_edited_are_stale_and_a_comm
         (["--grid", "model.init_args.temperature=0.1,0.1"], "error: --grid 'model.init_args.temperature=0.1,0.1' repeats 0.1: each run would count as two"),
         (["--grid", "model.init_args.temperature=0.1", "--grid", "model.init_args.temperature=0.2"],  # one run at 0.2, labelled with both
          "error: --grid 'model.init_args.temperature=0.2': model.init_args.temperature has a --grid already; give all its values in one"),
+        # it follows each run's own --seed_everything and wins: seeds 0 and 1 would be one run twice, with a std of 0
+        (["--seeds", "0", "1", "--", "--seed_everything=7"], "error: --seed_everything=7 after --: each run's seed comes from --seeds"),
+        (["--seeds", "0", "1", "--linear", LINEAR_DIGITS, "--linear-override=--seed_everything", "--linear-override=7"],
+         "error: --seed_everything in --linear-override: each run's seed comes from --seeds"),
     ],
 )
 def test_a_seed_or_grid_value_given_twice_is_refused_before_anything_is_written(arguments, message, tmp_path, capsys):
     with pytest.raises(SystemExit, match=re.escape(message)):
         sweep.main(["--config", PRETRAIN_DIGITS, "--out", str(tmp_path / "sweep"), *arguments])
     assert not (tmp_path / "sweep").exists()
+
+
+def test_a_relative_config_is_the_file_meant_from_the_working_directory_though_the_runs_start_in_the_project(tmp_path, monkeypatch):
+    """From another folder, `--config configs/moco_digits.yaml` is that folder's file, not the project's of that name."""
+    own = tmp_path / "configs" / "moco_digits.yaml"
+    own.parent.mkdir()
+    own.write_text(Path(PRETRAIN_DIGITS).read_text().replace("temperature: 0.2", "temperature: 0.7"))
+    monkeypatch.chdir(sweep.ROOT)
+    from_project = sweep.parse_args(["--config", "configs/moco_digits.yaml", "--out", "sweep", "--linear", LINEAR_DIGITS])
+    assert (from_project.config, from_project.linear) == ("configs/moco_digits.yaml", "configs/linear_digits.yaml")
+    monkeypatch.chdir(tmp_path)
+    elsewhere = sweep.parse_args(["--config", "configs/moco_digits.yaml", "--out", "sweep"])
+    assert elsewhere.config == str(own) and elsewhere.linear is None
+    assert sweep.stage_record(sweep.pretrain_command(sweep.Run((), 0, tmp_path / "run"), elsewhere.config, []))["arguments"][3] == str(own)
+    with pytest.raises(SystemExit, match=re.escape(f"error: --config '{tmp_path / 'configs' / 'absent.yaml'}' is not an existing file")):
+        sweep.main(["--config", "configs/absent.yaml", "--out", "sweep"])
 
 
 def test_an_out_that_is_a_file_is_one_error_line(tmp_path):

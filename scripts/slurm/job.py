@@ -42,10 +42,11 @@ def add_resource_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def read_config(path: str) -> dict:
-    if not Path(path).is_file():
+    """The config a job reads: `path` relative to the project (its working directory), or absolute."""
+    if not (ROOT / path).is_file():
         raise ValueError(f"--config {path!r} is not an existing file")
     try:
-        config = yaml.safe_load(Path(path).read_text())
+        config = yaml.safe_load((ROOT / path).read_text())
     except yaml.YAMLError as error:
         raise ValueError(f"--config {path!r} is not valid YAML: {error}") from None
     if not isinstance(config, dict):

@@ -111,6 +111,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     job.add_resource_arguments(parser)
     args = parser.parse_args(own)
     args.overrides = overrides
+    args.config = job.from_root(Path(args.config))  # the job starts in the project: the file meant from here
     return args
 
 
