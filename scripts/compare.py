@@ -20,7 +20,8 @@ method x dataset (and, where rows of one method and dataset differ, the settings
 with other linear-stage settings, `linear.*`, are rows of their own), with
 the mean ± sample standard deviation over seeds of the linear, kNN and online-probe top-1, the training time
 and the training images per second (`engine.tracking.TrainingThroughput`). A metric that no run of a row
-recorded is "n/a"; one that only some recorded says over how many runs it is taken.
+recorded is "n/a"; one that only some recorded says over how many runs it is taken. A run without its results file
+(interrupted: its numbers are the last values it logged) is not averaged with finished ones: its row says "unfinished".
 
 Writes `OUT/comparison.md`, `OUT/comparison.csv` (the same rows, metrics in their logged units) and
 `OUT/curves.png` (training loss and the validation top-1 of every run against the step).
@@ -56,6 +57,7 @@ COLUMNS = {  # metric key -> (column, scale)
 LOSS_CURVE = "train/loss"
 VAL_CURVES = ("val/knn_top1", "val/probe_top1", "val/top1")  # the first that a run logged is plotted
 GROUPING_SECTIONS = ("model", "data", "trainer", "non_finite")
+UNFINISHED = "unfinished: its last logged values"  # the label of runs without a results file
 DERIVED = ("model.num_classes",)  # linked from the data when the model is built: in the W&B config, not in config.yaml
 # Run control: where a run writes, what it logs and shows, and how often it validates (the last epoch is validated
 # in any case: engine.cli.results.FinalValidation). These differ between the repeats of one setting and never set rows
@@ -75,6 +77,7 @@ class Run:
     metrics: dict[str, float]
     curves: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # metric -> [(step, value)]
     linear_config: dict = field(default_factory=dict)  # the linear stage's config.yaml, when its results are read
+    finished: bool = True  # False: no results file, its numbers are the last values it logged (an interrupted run)
 
     @property
     def method(self) -> str:
@@ -104,12 +107,17 @@ class Run:
 
 def flatten(tree, prefix: str = "") -> dict[str, str]:
     """Dotted keys and their values as JSON; a whole float as the integer it equals, since W&B's config stores
-    `0.0` as `0` (a run read from W&B and one read from its config.yaml have one setting)."""
+    `0.0` as `0` and `[0.5, 1.0]` as `[0.5, 1]` (a run read from W&B and one read from its config.yaml have one setting)."""
     if isinstance(tree, dict):
         return {key: value for name, sub in tree.items() for key, value in flatten(sub, f"{prefix}{name}.").items()}
-    if isinstance(tree, float) and tree.is_integer():
-        tree = int(tree)
-    return {prefix.rstrip("."): json.dumps(tree, default=str)}
+    return {prefix.rstrip("."): json.dumps(whole_as_int(tree), default=str)}
+
+
+def whole_as_int(value):
+    """`value` with every whole float in it (in lists too: a crop scale [0.5, 1.0]) as the integer it equals."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return [whole_as_int(item) for item in value] if isinstance(value, (list, tuple)) else value
 
 
 # ----------------------------------------------------------------- reading runs
@@ -235,7 +243,8 @@ def read_run(root: Path) -> Run:
         sources.append(f"W&B log ({log.name})")
     if not metrics:  # no results file (e.g. an interrupted run): the last value of every logged metric
         metrics = {key: float(value) for row in rows for key, value in row.items() if value not in ("", None) and key not in ("epoch", "step")}
-    return Run(root, ", ".join(sources + ["linear/results_val.json"] * bool(linear)), config or {}, metrics | linear, curves, linear_config)
+    return Run(root, ", ".join(sources + ["linear/results_val.json"] * bool(linear)), config or {}, metrics | linear, curves, linear_config,
+               finished=results.is_file())
 
 
 def by_start(run_dirs: list[Path]) -> list[Path]:
@@ -248,7 +257,8 @@ def read_wandb_run(run_dirs: list[Path]) -> Run:
     log = read_wandb(run_dirs)
     root = run_dirs[0].parent.parent  # <root>/wandb/<run>
     linear, linear_config = linear_metrics(root)
-    return Run(run_dirs[-1], f"W&B log ({log.name})", log.config, log.summary | linear, curves_from_rows(log.history, "trainer/global_step"), linear_config)
+    return Run(run_dirs[-1], f"W&B log ({log.name})", log.config, log.summary | linear, curves_from_rows(log.history, "trainer/global_step"), linear_config,
+               finished=(root / "results_val.json").is_file() or not is_run(root))  # a W&B run without its run directory: taken as finished
 
 
 def find_runs(path: Path) -> list[Run]:
@@ -293,7 +303,10 @@ def group(runs: list[Run]) -> list[tuple[str, list[Run]]]:
         others = [dict(key[2]) for key in rows if key[:2] == (method, dataset)]
         # a linear setting sets a row apart from rows probed otherwise, not from those without linear results
         differing = [key for key, value in setting if any(other.get(key, value if key.startswith("linear.") else None) != value for other in others)]
-        labelled.append((", ".join(f"{key.replace('.init_args', '')}={dict(setting)[key]}" for key in differing), members))
+        label = ", ".join(f"{key.replace('.init_args', '')}={dict(setting)[key]}" for key in differing)
+        # an interrupted run's last logged values are not averaged with finished runs' results: a row of its own
+        finished, unfinished = [run for run in members if run.finished], [run for run in members if not run.finished]
+        labelled += [(label, finished)] * bool(finished) + [(", ".join(filter(None, [label, UNFINISHED])), unfinished)] * bool(unfinished)
     return labelled
 
 

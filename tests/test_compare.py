@@ -110,7 +110,19 @@ def test_a_run_with_only_a_csv_log_gives_its_last_logged_values_and_curves(tmp_p
     assert found.source == "config.yaml, CSV log"
     assert found.curves == {"train/loss": [(0, 4.0), (1, 3.0), (2, 2.0), (3, 1.0)], "val/knn_top1": [(3, 0.35)]}
     markdown = compare.main([str(run), "--out", str(tmp_path / "out")])
-    assert "| MoCoV2 | Digits | – | 0 | n/a | 35.00 | n/a | n/a | n/a |" in markdown.splitlines()
+    assert "| MoCoV2 | Digits | unfinished: its last logged values | 0 | n/a | 35.00 | n/a | n/a | n/a |" in markdown.splitlines()
+
+
+def test_an_interrupted_run_is_not_averaged_with_the_finished_seeds_of_its_setting(tmp_path):
+    write_run(tmp_path / "seed0", 0, {"val/knn_top1": 0.2})
+    write_run(tmp_path / "seed1", 1, {"val/knn_top1": 0.4})
+    (tmp_path / "seed1" / "results_val.json").unlink()  # stopped before its end: the CSV log's last values
+    logger = CSVLogger(tmp_path / "seed1")
+    logger.log_metrics({"val/knn_top1": 0.1}, step=2)
+    logger.save()
+    lines = compare.main([str(tmp_path / "seed0"), str(tmp_path / "seed1"), "--out", str(tmp_path / "out")]).splitlines()
+    assert "| MoCoV2 | Digits | – | 0 | n/a | 20.00 | n/a | n/a | n/a |" in lines
+    assert "| MoCoV2 | Digits | unfinished: its last logged values | 1 | n/a | 10.00 | n/a | n/a | n/a |" in lines
 
 
 @pytest.mark.parametrize("name, reason", [("missing", "does not exist"), ("empty", "is not a run (no config.yaml, results_*.json, lightning_logs/ or W&B run) and holds none")])
@@ -182,6 +194,7 @@ def test_a_linear_stage_without_its_directory_recorded_is_recognised_by_the_end_
     monkeypatch.chdir(tmp_path / "runs")  # compared from elsewhere
     assert "linear/results_val.json" in compare.main([str(tmp_path / "runs" / "a"), "--out", str(tmp_path / "out")])
 
+
 @pytest.mark.parametrize(
     "damage, message",
     [(("results_val.json", '{"metrics": {"val/knn'), "results_val.json: the results file is not readable JSON (Unterminated string"),
@@ -214,6 +227,7 @@ def test_a_whole_float_and_the_integer_w_and_b_stores_for_it_are_one_setting(tmp
     (tmp_path / "b" / "config.yaml").write_text(yaml.safe_dump(settings))
     rows = [line for line in compare.main([str(tmp_path), "--out", str(tmp_path / "out")]).splitlines() if line.startswith("| MoCoV2")]
     assert len(rows) == 1 and rows[0].startswith("| MoCoV2 | Digits | – | 0, 1 |")
+    assert compare.flatten({"scale": [0.5, 1.0], "jitter": [[0.4, 0.0]]}) == compare.flatten({"scale": [0.5, 1], "jitter": [[0.4, 0]]})  # W&B's, in lists
 
 
 def test_the_starts_of_a_run_are_read_in_time_order_whether_online_or_offline():
