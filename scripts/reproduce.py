@@ -103,9 +103,9 @@ class Status:
 
 
 # ----------------------------------------------------------------- the runs of a table
-def longtail_test_command(run: sweep.Run, config: str, overrides: list[str]) -> list[str]:
+def longtail_test_command(run: sweep.Run, config: str, overrides: list[str], tracking: list[str] = ()) -> list[str]:
     """`main_pretrain.py test` of a pretraining run's last.ckpt, in its `test/` directory."""
-    return [sys.executable, str(ROOT / "main_pretrain.py"), "test", "--config", config, f"--seed_everything={run.seed}", *overrides,
+    return [sys.executable, str(ROOT / "main_pretrain.py"), "test", "--config", config, f"--seed_everything={run.seed}", *tracking, *overrides,
             f"--ckpt_path={run.directory / 'checkpoints' / 'last.ckpt'}", f"--trainer.default_root_dir={run.directory / 'test'}"]
 
 
@@ -116,16 +116,19 @@ def plan(rows: list[Row], seeds: int | None, out: Path, extra: list[str], evalua
         for seed in range(seeds or row.seeds):
             run = sweep.Run(point=(), seed=seed, directory=out / row.id / f"seed{seed}")
             pretraining = [*row.overrides, *extra]
+            group = f"{out.name}.{row.id}"  # W&B: a group per row (`sweep.tracked_as`), each stage's seeds in it
             stages = [Stage("pretrain", run.directory, run.directory / "results_val.json", row.config,
-                            sweep.pretrain_command(run, row.config, pretraining))]
+                            sweep.pretrain_command(run, row.config, pretraining, sweep.tracked_as(row.config, group, f"{group}-s{seed}")))]
             for evaluation in row.evaluations:
                 overrides = [*evaluation.overrides, *evaluation_extra]
+                stage_group = f"{group}.{evaluation.stage}"
+                tracking = sweep.tracked_as(evaluation.config or row.config, stage_group, f"{stage_group}-s{seed}") if evaluation.stage else []
                 if evaluation.stage == "linear":
                     stages.append(Stage("linear", run.directory / "linear", run.directory / "linear" / "results_val.json",
-                                        evaluation.config, sweep.linear_command(run, evaluation.config, overrides)))
+                                        evaluation.config, sweep.linear_command(run, evaluation.config, overrides, tracking)))
                 elif evaluation.stage == "test":
                     stages.append(Stage("test", run.directory / "test", run.directory / "test" / "results_test.json",
-                                        row.config, longtail_test_command(run, row.config, [*pretraining, *overrides])))
+                                        row.config, longtail_test_command(run, row.config, [*pretraining, *overrides], tracking)))
             runs.append(Run(row, seed, run.directory, tuple(stages)))
     return runs
 
@@ -370,7 +373,7 @@ def table_rows(table: Table, runs: list[Run]) -> list[dict]:
     return entries
 
 
-def markdown(table: Table, entries: list[dict]) -> str:
+def markdown(table: Table, entries: list[dict], given: list[str] = ()) -> str:
     lines = [f"**{table.title}** (`{shown(table.path)}`)", "", "| " + " | ".join(COLUMNS) + " |", "|---|---|---:|---:|---:|---|---|"]
     previous = None
     for entry in entries:
@@ -393,6 +396,7 @@ def markdown(table: Table, entries: list[dict]) -> str:
                        "no difference is computed.") if any(entry["paper"] is not None for entry in entries) else ""
         notes.append(f"Stand-in: {table.stand_in}{orientation}")
     notes.append("Sources: " + "; ".join(dict.fromkeys(entry["source"] for entry in entries)) + ".")
+    notes += given  # the arguments of every run: a smoke table (--trainer.max_steps=3) is not the rows' runs
     notes += [f"Note on {row.label}: {row.note}." for row in dict.fromkeys(entry["row"] for entry in entries) if row.note]
     notes += [f"Not covered: {label}: {reason}." for label, reason in table.not_covered]
     return "\n".join(lines + notes) + "\n"
@@ -427,10 +431,16 @@ def log_to_wandb(table: Table, runs: list[Run], entries: list[dict], out: Path) 
     return where
 
 
-def assemble(table: Table, runs: list[Run], out: Path) -> str:
+def given_to_every_run(args) -> list[str]:
+    """The table's notes on the arguments the command line gave every run and every evaluation stage."""
+    return ([f"Given to every run: `{shlex.join(args.extra)}`."] * bool(args.extra)
+            + [f"Given to every evaluation stage: `{shlex.join(args.evaluation_override)}`."] * bool(args.evaluation_override))
+
+
+def assemble(table: Table, runs: list[Run], out: Path, given: list[str] = ()) -> str:
     """Write OUT/table.md and OUT/table.csv (and the W&B table); return the markdown."""
     entries = table_rows(table, runs)
-    text = markdown(table, entries)
+    text = markdown(table, entries, given)
     out.mkdir(parents=True, exist_ok=True)
     write_atomically(out / "table.md", lambda partial: partial.write_text(text))
     write_atomically(out / "table.csv", lambda partial: partial.write_text(csv_text(entries)))
@@ -484,6 +494,9 @@ def main(argv: list[str]) -> int:
     if out.exists() and not out.is_dir():
         raise SystemExit(f"error: --out {shown(out)} is a file, not a folder")
     rows = [row for row in table.rows if args.rows is None or row.id in args.rows]
+    if args.evaluation_override and not any(evaluation.stage for row in rows for evaluation in row.evaluations):
+        raise SystemExit(f"error: --evaluation-override {args.evaluation_override[0]}: {'the selected rows' if args.rows else shown(table.path)} "
+                         "have no evaluation stage (linear or test) for it to apply to")
     runs = plan(rows, args.seeds, out, args.extra, args.evaluation_override)
     try:
         return launch(args, table, runs, out)
@@ -494,7 +507,7 @@ def main(argv: list[str]) -> int:
 def launch(args, table: Table, runs: list[Run], out: Path) -> int:
     """Run, submit, print or collect the planned runs, as the command line asks."""
     if args.collect:
-        print(assemble(table, runs, out))
+        print(assemble(table, runs, out, given_to_every_run(args)))
         return 0
     if problem := unresolved(runs):
         raise SystemExit(f"error: {shown(table.path)} {problem}")
@@ -516,7 +529,7 @@ def launch(args, table: Table, runs: list[Run], out: Path) -> int:
         run_locally(runs)
     except KeyboardInterrupt:
         print("interrupted: run the same command again to resume", flush=True)
-    print(assemble(table, runs, out))
+    print(assemble(table, runs, out, given_to_every_run(args)))
     return 0 if all(run_status(run)[1].state == "done" for run in runs) else 1
 
 

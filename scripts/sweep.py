@@ -107,15 +107,25 @@ def given_seed(arguments: list[str]) -> str | None:
     return next((argument for argument in arguments if argument.split("=", 1)[0] == "--seed_everything"), None)
 
 
-def pretrain_command(run: Run, config: str, extra: list[str]) -> list[str]:
+def tracked_as(config: str, group: str, name: str) -> list[str]:
+    """The W&B group and run name of a stage whose config logs to W&B (`engine.tracking.WandbRun`): a group per grid
+    point or table row, whose seeds it holds. By the config's own, every point or row of a config would share its group
+    (W&B would average them as one), and their names where they differ in keys the config's name_keys do not show."""
+    logger = (load_yaml((ROOT / config).read_text()).get("trainer") or {}).get("logger")
+    if not (isinstance(logger, dict) and logger.get("class_path") == "engine.tracking.WandbRun"):
+        return []
+    return [f"--trainer.logger.init_args.group={group}", f"--trainer.logger.init_args.name={name}"]
+
+
+def pretrain_command(run: Run, config: str, extra: list[str], tracking: list[str] = ()) -> list[str]:
     return [sys.executable, str(ROOT / "main_pretrain.py"), "fit", "--config", config, f"--seed_everything={run.seed}",
-            f"--trainer.default_root_dir={run.directory}", "--ckpt_path=last", *point_overrides(run.point), *extra]
+            f"--trainer.default_root_dir={run.directory}", "--ckpt_path=last", *tracking, *point_overrides(run.point), *extra]
 
 
-def linear_command(run: Run, config: str, extra: list[str]) -> list[str]:
+def linear_command(run: Run, config: str, extra: list[str], tracking: list[str] = ()) -> list[str]:
     return [sys.executable, str(ROOT / "main_linear.py"), "fit", "--config", config, f"--seed_everything={run.seed}",
             f"--model.pretrained_ckpt={run.directory / 'checkpoints' / 'last.ckpt'}",
-            f"--trainer.default_root_dir={run.directory / 'linear'}", "--ckpt_path=last", *extra]
+            f"--trainer.default_root_dir={run.directory / 'linear'}", "--ckpt_path=last", *tracking, *extra]
 
 
 def execute(command: list[str], log: Path) -> bool:
@@ -127,8 +137,10 @@ def execute(command: list[str], log: Path) -> bool:
 
 
 RECORD = "sweep.json"  # in each stage directory: the arguments its results are of
-# where a run is and on what it runs: paths that move with --out, and the processes a Slurm job adds (--slurm)
-RUN_PLACEMENT = ("--trainer.default_root_dir=", "--model.pretrained_ckpt=", "--ckpt_path=", "--trainer.num_nodes=", "--trainer.devices=")
+# where a run is, on what it runs and how W&B shows it: paths that move with --out, the processes a Slurm job adds
+# (--slurm), and the W&B group and name (`tracked_as`)
+RUN_PLACEMENT = ("--trainer.default_root_dir=", "--model.pretrained_ckpt=", "--ckpt_path=", "--trainer.num_nodes=", "--trainer.devices=",
+                 "--trainer.logger.init_args.group=", "--trainer.logger.init_args.name=")
 
 
 def stage_arguments(command: list[str]) -> list[str]:
@@ -222,9 +234,11 @@ def unresolved(runs: list[Run], args) -> str | None:
 
 def stages(run: Run, args) -> list[tuple[Path, list[str]]]:
     """The (directory, command) of each stage of a sweep entry: the pretraining, then the linear stage."""
-    commands = [(run.directory, pretrain_command(run, args.config, args.extra))]
+    group = f"{args.out.name}.{point_label(run.point)}"  # the sweep's folder and the point's
+    commands = [(run.directory, pretrain_command(run, args.config, args.extra, tracked_as(args.config, group, f"{group}-s{run.seed}")))]
     if args.linear:
-        commands.append((run.directory / "linear", linear_command(run, args.linear, args.linear_override)))
+        tracking = tracked_as(args.linear, f"{group}.linear", f"{group}.linear-s{run.seed}")
+        commands.append((run.directory / "linear", linear_command(run, args.linear, args.linear_override, tracking)))
     return commands
 
 

@@ -182,12 +182,16 @@ def test_dry_run_prints_each_stage_resolved_in_order_and_writes_nothing(tmp_path
     assert [command[1:3] for command in commands] == [[str(ROOT / "main_pretrain.py"), "fit"], [str(ROOT / "main_pretrain.py"), "test"],
                                                     [str(ROOT / "main_pretrain.py"), "fit"], [str(ROOT / "main_linear.py"), "fit"]]
     pretrain, test, _, linear = commands
+    # W&B: a group per row and stage, whose runs are its seeds (the configs' own group is the config's: every row of it)
     assert pretrain[3:] == ["--config", "configs/paco_digits_lt.yaml", "--seed_everything=0",
-                            f"--trainer.default_root_dir={out / 'lt' / 'seed0'}", "--ckpt_path=last", "--trainer.max_epochs=1"]
-    assert test[5:] == ["--seed_everything=0", "--trainer.max_epochs=1", "--model.init_args.temperature=0.1", "--trainer.max_epochs=2",
+                            f"--trainer.default_root_dir={out / 'lt' / 'seed0'}", "--ckpt_path=last",
+                            "--trainer.logger.init_args.group=out.lt", "--trainer.logger.init_args.name=out.lt-s0", "--trainer.max_epochs=1"]
+    assert test[5:] == ["--seed_everything=0", "--trainer.logger.init_args.group=out.lt.test", "--trainer.logger.init_args.name=out.lt.test-s0",
+                        "--trainer.max_epochs=1", "--model.init_args.temperature=0.1", "--trainer.max_epochs=2",
                         f"--ckpt_path={out / 'lt' / 'seed0' / 'checkpoints' / 'last.ckpt'}", f"--trainer.default_root_dir={out / 'lt' / 'seed0' / 'test'}"]
     assert f"--model.pretrained_ckpt={out / 'lin' / 'seed0' / 'checkpoints' / 'last.ckpt'}" in linear
     assert linear[-1] == "--trainer.max_epochs=2" and f"--trainer.default_root_dir={out / 'lin' / 'seed0' / 'linear'}" in linear
+    assert {"--trainer.logger.init_args.group=out.lin.linear", "--trainer.logger.init_args.name=out.lin.linear-s0"} <= set(linear)
     assert not out.exists()
 
 
@@ -195,8 +199,6 @@ def test_dry_run_prints_each_stage_resolved_in_order_and_writes_nothing(tmp_path
 def record(directory: Path, **fields) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     reproduce.write_state(directory, {"launcher": "local", "host": "here", "pid": 1, "log": str(directory / "log.txt"), **fields})
-
-
 
 
 def test_a_misspelt_override_in_a_table_is_one_error_line_naming_the_row_before_anything_is_written(tmp_path, monkeypatch, capsys):
@@ -269,6 +271,19 @@ def test_the_collect_command_printed_after_a_submission_names_the_arguments_the_
     command = shlex.split(reproduce.collect_command(args, table, tmp_path / "out"))
     assert command[-4:] == ["--evaluation-override=--trainer.max_epochs=2", "--collect", "--", "--trainer.max_epochs=1"]
     assert reproduce.parse_args(command[4:]).extra == args.extra
+
+def test_the_table_names_the_arguments_given_to_every_run_and_an_evaluation_override_without_an_evaluation_is_refused(tmp_path):
+    """A smoke table (`-- --trainer.max_steps=3`) reads as the rows' runs unless it says so; an evaluation override of a
+    table without linear or test stages would apply to nothing, and its runs would start at full length."""
+    path = write_table(tmp_path / "t.yaml", a_row("a", seeds=1))
+    out = tmp_path / "out"
+    ((stage, *_),) = (run.stages for run in reproduce.plan(list(load_table(path).rows), None, out, ["--trainer.max_steps=3"], []))
+    write_results(stage.directory, {"val/probe_top1": 0.5})
+    reproduce.main([str(path), "--out", str(out), "--collect", "--", "--trainer.max_steps=3"])
+    assert "Given to every run: `--trainer.max_steps=3`." in (out / "table.md").read_text().splitlines()
+    with pytest.raises(SystemExit, match=rf"^error: --evaluation-override --trainer.max_stepz=3: {re.escape(str(path))} have no evaluation stage"):
+        reproduce.main([str(path), "--out", str(out), "--dry-run", "--evaluation-override=--trainer.max_stepz=3"])
+
 
 def test_the_status_of_a_stage_comes_from_its_results_lock_and_record(tmp_path):
     path = write_table(tmp_path / "t.yaml", a_row("a", seeds=7))

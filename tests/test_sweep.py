@@ -203,6 +203,19 @@ def test_a_relative_config_is_the_file_meant_from_the_working_directory_though_t
         sweep.main(["--config", "configs/absent.yaml", "--out", "sweep"])
 
 
+def test_each_grid_point_is_a_w_and_b_group_of_its_seeds_and_its_names_are_no_part_of_what_the_results_are_of(tmp_path):
+    """The config's own group and name_keys would put every point in one W&B group, averaged there as one setting."""
+    args = sweep.parse_args(["--config", PRETRAIN_DIGITS, "--out", str(tmp_path / "sw"), "--grid", "model.init_args.momentum.base=0.9,0.99",
+                             "--seeds", "0", "1", "--linear", LINEAR_DIGITS])
+    runs = sweep.expand(sweep.parse_grid(args.grid), args.seeds, args.out.resolve())
+    pretrain, linear = (command for _, command in sweep.stages(runs[1], args))  # the first point's seed 1
+    assert {"--trainer.logger.init_args.group=sw.base0.9", "--trainer.logger.init_args.name=sw.base0.9-s1"} <= set(pretrain)
+    assert {"--trainer.logger.init_args.group=sw.base0.9.linear", "--trainer.logger.init_args.name=sw.base0.9.linear-s1"} <= set(linear)
+    assert not any("logger" in argument for command in (pretrain, linear) for argument in sweep.stage_arguments(command))
+    (tmp_path / "no_logger.yaml").write_text("trainer: {logger: false}\n")
+    assert sweep.tracked_as(str(tmp_path / "no_logger.yaml"), "g", "n") == []  # no W&B logger: nothing to name
+
+
 def test_an_out_that_is_a_file_is_one_error_line(tmp_path):
     (tmp_path / "sweep").write_text("")
     with pytest.raises(SystemExit, match=re.escape(f"error: --out {tmp_path / 'sweep'} is a file, not a folder")):
