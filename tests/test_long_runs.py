@@ -133,13 +133,33 @@ def test_a_finished_run_whose_results_file_was_removed_measures_its_final_weight
     the finished run, which trains nothing, and must still write its results, of the same final weights."""
     results = finished_run / "results_val.json"
     written = json.loads(results.read_text())
+    counted = ["--trainer.callbacks+=test_long_runs.TrainingBatches", "--trainer.callbacks+=test_long_runs.Validations"]
+    assert callback_of(pretrain(finished_run, "--ckpt_path=last", *counted), Validations).count == 0  # its results kept: nothing to do
     results.unlink()
-    cli = pretrain(finished_run, "--ckpt_path=last", "--trainer.callbacks+=test_long_runs.TrainingBatches")
+    cli = pretrain(finished_run, "--ckpt_path=last", *counted)
     again = json.loads(results.read_text())
-    batches = next(callback for callback in cli.trainer.callbacks if isinstance(callback, TrainingBatches))
-    assert batches.count == 0 and again["global_step"] == again["val_global_step"] == written["global_step"] == 2
+    assert callback_of(cli, TrainingBatches).count == 0 and callback_of(cli, Validations).count == 1
+    assert again["global_step"] == again["val_global_step"] == written["global_step"] == 2
     measured = {name: value for name, value in written["metrics"].items() if name.startswith("val/")}
     assert measured and {name: again["metrics"][name] for name in measured} == measured
+
+
+def callback_of(cli, kind: type) -> Callback:
+    return next(callback for callback in cli.trainer.callbacks if isinstance(callback, kind))
+
+
+class Validations(Callback):
+    """Counts the validations a run makes (not its sanity check)."""
+
+    def __init__(self):
+        self.count = 0
+
+    def on_validation_end(self, trainer, pl_module):
+        self.count += not trainer.sanity_checking
+
+
+def test_a_run_validates_its_final_weights_once(tmp_path):
+    assert callback_of(pretrain(tmp_path / "run", "--trainer.callbacks+=test_long_runs.Validations"), Validations).count == 1
 
 
 class TrainingBatches(Callback):

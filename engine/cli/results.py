@@ -69,7 +69,8 @@ def validate_the_end_if_missed(trainer, model, datamodule) -> None:
     if final is None or not trainer.enable_validation or trainer.fast_dev_run:
         return
     results_kept = trainer.strategy.broadcast((Path(trainer.default_root_dir) / FIT_RESULTS).is_file())  # rank 0 writes it
-    if final.validated_step == trainer.global_step and results_kept:
+    nothing_to_report = not trainer.callback_metrics and not results_kept  # a fit that trained here has its metrics to report
+    if final.validated_step == trainer.global_step and not nothing_to_report:
         return
     trained = dict(trainer.callback_metrics)
     loggers, trainer.loggers = trainer.loggers, []
