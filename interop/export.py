@@ -85,7 +85,8 @@ def export(
 
     folder = checkpoint_path.resolve().parent
     run = folder.parent if folder.name == "checkpoints" else folder  # as probe_run_directory finds the run of a checkpoint
-    out = out or run / "export" / f"{checkpoint_path.stem}_{format}{'' if encoder == method_class.evaluated_encoder else '_' + encoder}"
+    name = f"{checkpoint_path.stem}_{format}{'' if encoder == method_class.evaluated_encoder else '_' + encoder}"
+    out = out / name if out is not None and out.is_dir() else out or run / "export" / name  # an existing folder: the files go in it
     out = out.with_suffix("") if out.suffix in EXPORT_SUFFIXES else out
     classifier_prefix = _classifier_prefix(spec, format, source) if classifier else None
     suffixes = (".pkl",) if format == "detectron2" else (".pth", ".safetensors")
@@ -287,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--format", required=True, choices=EXPORT_FORMATS, help="what to write (see formats above)")
     parser.add_argument("--encoder", choices=tuple(ENCODER_PREFIXES), help="which trunk (default: the one the method's paper evaluates: online; DINO's teacher, momentum)")
     parser.add_argument("--tau-norm", type=float, help="tau of the classifier's normalisation (default: the model's tau_norm)")
-    parser.add_argument("--out", type=Path, help="path of the files without suffix (default: <run>/export/<checkpoint>_<format>, the run being the folder above checkpoints/, else the checkpoint's own)")
+    parser.add_argument("--out", type=Path, help="path of the files without suffix, or an existing folder to write them into (default: <run>/export/<checkpoint>_<format>, the run being the folder above checkpoints/, else the checkpoint's own)")
     parser.add_argument("--force", action="store_true", help="overwrite export files that exist")
     args = parser.parse_args(argv)
     try:

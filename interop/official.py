@@ -176,22 +176,32 @@ def _as_sequential(head: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {f"0.{key}": value for key, value in head.items()} if set(head) == {"weight", "bias"} else head
 
 
-def exported_backbone(path: str, source: str) -> BackboneSpec | None:
-    """The trunk that the record `interop.export` writes beside its files (`<out>.json`) says `path` holds; None for a
-    file no such record lists. Only the record knows a small-input stem's padding: SCE's 1 and solo-learn's 2 have
-    the same weights, so `infer_backbone` would read solo-learn's as SCE's and probe other features."""
+def export_record(path: str, source: str) -> dict | None:
+    """The record `interop.export` writes beside its files (`<out>.json`) when it lists `path`, else None."""
     file = Path(path).expanduser()
     record_path = file.with_suffix(".json")
     if file.suffix not in (".pth", ".safetensors") or not record_path.is_file():
         return None
     try:
         record = json.loads(record_path.read_text())
-        if not isinstance(record, dict) or file.name not in record.get("files", []):
-            return None  # a JSON file of another kind beside the weights
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{source}: its export record {str(record_path)!r} is unreadable ({type(error).__name__}: {error})") from None
+    return record if isinstance(record, dict) and file.name in record.get("files", []) else None  # else a JSON file of another kind
+
+
+def exported_backbone(path: str, source: str) -> BackboneSpec | None:
+    """The trunk that the record `interop.export` writes beside its files says `path` holds; None for a file no such
+    record lists. Only the record knows a small-input stem's padding: SCE's 1 and solo-learn's 2 have the same
+    weights, so `infer_backbone` would read solo-learn's as SCE's and probe other features."""
+    record = export_record(path, source)
+    if record is None:
+        return None
+    try:
         trunk = record["trunk"]
         stem = trunk.get("small_input_stem", "sce")  # the one stem before the key was recorded (7331032)
         return BackboneSpec(trunk["name"], small_input=trunk["small_input"], small_input_stem=stem, kwargs=trunk["kwargs"])
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+    except (KeyError, TypeError, AttributeError) as error:
+        record_path = Path(path).expanduser().with_suffix(".json")
         raise ValueError(f"{source}: its export record {str(record_path)!r} is unreadable ({type(error).__name__}: {error})") from None
 
 
@@ -230,19 +240,22 @@ def official_weights(checkpoint: Any, format: str | None, backbone_name: str | N
 
 
 def official_trunk(
-    checkpoint: Any, format: str | None, backbone: BackboneSpec | dict | None, source: str, encoder: str = "online"
+    checkpoint: Any, format: str | None, backbone: BackboneSpec | dict | None, source: str, encoder: str | None = None
 ) -> tuple[dict, BackboneSpec] | None:
     """The linear stage's trunk weights and spec (`backbone`, else inferred from the weights) from a loaded official
-    checkpoint; None when it is a contrastlab checkpoint, which the linear stage reads itself. `encoder: momentum` is
-    refused for a file without a momentum trunk (every format but DINO's, whose teacher is read either way, as
-    eval_linear.py reads it; an export holds the one trunk it was exported from): it would probe another trunk than
-    the one asked for."""
+    checkpoint; None when it is a contrastlab checkpoint, which the linear stage reads itself. An `encoder` other than
+    the one the format reads (None: that one) is refused, as it would probe another trunk than the one asked for:
+    `momentum` for a file without a momentum trunk (every format but DINO's; an export holds the one trunk it was
+    exported from), `online` for DINO's, whose teacher is read, as eval_linear.py reads it."""
     check_format(format, "model.pretrained_format")
     weights = official_weights(checkpoint, format, _name(backbone), source)
     if weights is None:
         return None
     if encoder == "momentum" and weights.format not in MOMENTUM_TRUNK_FORMATS:
         raise ValueError(f"{source} (format {weights.format}) holds no momentum trunk, only the one it is read as: give --model.pretrained_encoder online")
+    if encoder == "online" and weights.format in MOMENTUM_TRUNK_FORMATS:
+        raise ValueError(f"{source} (format {weights.format}) is read as its teacher, the momentum trunk, as eval_linear.py reads it: give "
+                         "--model.pretrained_encoder momentum, or leave it out")
     if backbone is not None:
         check_head_count(checkpoint, weights.format, as_spec(BackboneSpec, backbone), source)
     return weights.trunk, backbone if backbone is not None else infer_backbone(weights.trunk, source)

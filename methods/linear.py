@@ -28,7 +28,7 @@ from engine.checkpoint_record import RECORD_KEY, CheckpointMismatch
 from engine.config import as_spec
 from engine.files import read_checkpoint
 from engine.optim import OptimizerSpec, ScheduleSpec
-from interop.official import exported_backbone, official_trunk
+from interop.official import MOMENTUM_TRUNK_FORMATS, detect_format, export_record, exported_backbone, official_trunk
 from methods.base import MethodBase
 from methods.checkpoints import method_class, require_method
 from methods.pretrain import PretrainMethod
@@ -49,9 +49,9 @@ def probed_trunk(
     source = f"model.pretrained_ckpt {path!r}"
     checkpoint = read_checkpoint(path, source)
     exported = exported_backbone(path, source)  # an export's record names its trunk, stem included
-    official = official_trunk(checkpoint, format, trunk_as_trained(exported, backbone, source), source, encoder or "online")
-    if official is not None:
-        return *official, pretraining_summary(checkpoint)
+    official = official_trunk(checkpoint, format, trunk_as_trained(exported, backbone, source), source, encoder)
+    if official is not None:  # an export's record says what the checkpoint it came from said
+        return *official, pretraining_summary(checkpoint, export_record(path, source))
     needs = "the linear stage probes the trunk of a pretraining method (methods.PretrainMethod, e.g. methods.MoCoV2)"
     method = require_method(checkpoint, source, PretrainMethod, needs, class_required=False)
     encoder = encoder or (method.evaluated_encoder if method is not None else "online")
@@ -157,9 +157,9 @@ class LinearProbe(MethodBase):
 
     @classmethod
     def settle_arguments(cls, init_args) -> None:
-        """A null `pretrained_encoder` is recorded as the encoder it probes: the checkpoint's method's `evaluated_encoder`,
-        `online` for an official release or a checkpoint that names no class (a run recorded before the default was null
-        said `online`); a given `backbone` as the trunk probed (`trunk_as_trained`: the checkpoint's or export's
+        """A null `pretrained_encoder` is recorded as the encoder it probes: the checkpoint's method's `evaluated_encoder`;
+        for an official release the one its format reads (DINO's teacher: `momentum`), `online` for any other release,
+        export or checkpoint that names no class (a run recorded before the default was null said `online`); a given `backbone` as the trunk probed (`trunk_as_trained`: the checkpoint's or export's
         recorded trunk, with the features asked for), not as the parser's defaults filled it in. A file that cannot be
         read, or a trunk that disagrees with it, is left to `__init__`'s error."""
         path = init_args.get("pretrained_ckpt")
@@ -169,14 +169,14 @@ class LinearProbe(MethodBase):
         given = init_args.get("backbone")
         try:
             checkpoint = read_checkpoint(path, source)
-            contrastlab = isinstance(checkpoint, dict) and "state_dict" in checkpoint
-            method = method_class(checkpoint, source) if contrastlab else None
-            recorded = exported_backbone(path, source) or (checkpoint.get("hyper_parameters", {}).get("backbone") if contrastlab else None)
+            read_as = init_args.get("pretrained_format") or detect_format(checkpoint, None, source)
+            method = method_class(checkpoint, source) if read_as == "contrastlab" else None
+            recorded = exported_backbone(path, source) or (checkpoint.get("hyper_parameters", {}).get("backbone") if read_as == "contrastlab" else None)
             probed = trunk_as_trained(recorded, given.as_dict() if isinstance(given, Namespace) else given, source)
         except (ValueError, CheckpointMismatch):
             return
         if init_args.get("pretrained_encoder") is None:
-            init_args["pretrained_encoder"] = method[1].evaluated_encoder if method is not None else "online"
+            init_args["pretrained_encoder"] = method[1].evaluated_encoder if method is not None else "momentum" if read_as in MOMENTUM_TRUNK_FORMATS else "online"
         if given is not None and recorded is not None:  # the parser fills a given trunk's other fields with defaults
             probed = dataclasses.asdict(dataclasses.replace(as_spec(BackboneSpec, probed), weights=None))  # as `__init__` builds it
             init_args["backbone"] = Namespace(probed) if isinstance(given, Namespace) else probed
@@ -245,29 +245,29 @@ def same_file(path: str, other: str) -> bool:
         Path(path).exists() and Path(other).exists() and Path(path).samefile(other))
 
 
-def pretraining_summary(checkpoint) -> dict:
+def pretraining_summary(checkpoint, export: dict | None = None) -> dict:
     """What a checkpoint says about its pretraining: its method, trunk, dataset (the DataModule class) and image size,
-    epoch and step; `?` for what it does not record (an official release records some of it, or none)."""
+    epoch and step; `?` for what it does not record (an official release records some of it, or none). An export's
+    record (`interop.export`) says what the checkpoint it was exported from said."""
 
     def entry(mapping, key: str):
         return mapping.get(key) if isinstance(mapping, dict) else None
 
-    record = entry(checkpoint, RECORD_KEY)
-    data = entry(entry(record, "config"), "data")
-    dataset = entry(data, "class_path")
-    image_size = entry(entry(data, "init_args"), "image_size")
+    if export is not None:
+        method, backbone, dataset = entry(export, "method"), entry(entry(export, "trunk"), "name"), entry(export, "dataset")
+        image_size, epoch, step = entry(export, "image_size"), entry(export, "epoch"), entry(export, "step")
+    else:
+        record = entry(checkpoint, RECORD_KEY)
+        data = entry(entry(record, "config"), "data")
+        method, backbone = entry(record, "module"), entry(entry(entry(checkpoint, "hyper_parameters"), "backbone"), "name")
+        dataset, image_size = entry(data, "class_path"), entry(entry(data, "init_args"), "image_size")
+        epoch, step = entry(checkpoint, "epoch"), entry(checkpoint, "global_step")
     if dataset is not None and image_size is None:  # a class attribute (Digits-M, CIFAR: 32 px)
         module_name, _, class_name = dataset.rpartition(".")
         with contextlib.suppress(ImportError):
             image_size = getattr(getattr(importlib.import_module(module_name), class_name, None), "image_size", None)
-    found = {
-        "method": entry(record, "module"),
-        "backbone": entry(entry(entry(checkpoint, "hyper_parameters"), "backbone"), "name"),
-        "dataset": dataset.rsplit(".", 1)[-1] if dataset else None,
-        "image_size": image_size,
-        "epoch": entry(checkpoint, "epoch"),
-        "step": entry(checkpoint, "global_step"),
-    }
+    found = {"method": method, "backbone": backbone, "dataset": dataset.rsplit(".", 1)[-1] if dataset else None, "image_size": image_size,
+             "epoch": epoch, "step": step}
     return {key: "?" if value is None else value for key, value in found.items()}
 
 

@@ -401,6 +401,9 @@ def test_an_export_refuses_to_overwrite_files_without_force_and_drops_its_own_su
     assert (tmp_path / "model.pth").stat().st_mtime_ns == before
     assert export_command([str(checkpoint), "--format", "torchvision", "--out", str(tmp_path / "model"), "--force"]) == 0
     assert (tmp_path / "model.pth").stat().st_mtime_ns != before
+    (tmp_path / "exports").mkdir()  # an existing folder: the files go in it, under their default name, not beside it
+    assert export_command([str(checkpoint), "--format", "torchvision", "--out", f"{tmp_path / 'exports'}/"]) == 0
+    assert sorted(path.name for path in (tmp_path / "exports").iterdir()) == ["last_torchvision.json", "last_torchvision.pth", "last_torchvision.safetensors"]
 
 
 def test_an_out_below_a_file_and_an_export_record_of_the_wrong_shape_are_one_error_line(tmp_path):
@@ -413,6 +416,20 @@ def test_an_out_below_a_file_and_an_export_record_of_the_wrong_shape_are_one_err
     pth.with_suffix(".json").write_text(json.dumps(record | {"trunk": 5}))
     with pytest.raises(ValueError, match=r"its export record .* is unreadable \(AttributeError"):
         exported_backbone(str(pth), "test")
+
+
+def test_the_probe_of_an_export_says_of_its_pretraining_what_the_checkpoint_said(tmp_path):
+    """The record names the method, trunk, dataset, image size, epoch and step of the checkpoint: a probe of the export
+    says them (and warns of another dataset) as a probe of the checkpoint does, instead of '?'."""
+    checkpoint = saved(moco(BackboneSpec("resnet18", small_input=True)), tmp_path / "last.ckpt")
+    state = torch.load(checkpoint, weights_only=True)
+    state["contrastlab"]["config"] = {"data": {"class_path": "datamodules.CIFAR10DataModule", "init_args": {}}}  # what the CLI records
+    state["epoch"], state["global_step"] = 7, 70
+    torch.save(state, checkpoint)
+    pth = export(checkpoint, "torchvision", tmp_path / "trunk")[0]
+    from_export, from_checkpoint = LinearProbe(pretrained_ckpt=str(pth)).pretraining, LinearProbe(pretrained_ckpt=str(checkpoint)).pretraining
+    assert from_export == from_checkpoint == {"method": "methods.moco.MoCoV2", "backbone": "resnet18", "dataset": "CIFAR10DataModule",
+                                              "image_size": 32, "epoch": 7, "step": 70}
 
 
 def test_both_exported_files_have_the_mode_of_a_new_file(tmp_path):

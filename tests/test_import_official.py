@@ -322,6 +322,20 @@ def test_an_official_checkpoint_loads_strictly_and_gives_the_source_trunk_featur
         assert torch.equal(probe.backbone(IMAGES), source(IMAGES))
 
 
+def test_the_probe_of_an_official_dino_file_records_the_teacher_it_reads_and_refuses_the_student(tmp_path):
+    """DINO's release is read as its teacher (eval_linear.py): config.yaml said `online` for it, and an explicit
+    `online` probed the teacher all the same."""
+    for case, encoder in (("dino", "momentum"), ("moco", "online")):
+        checkpoint, _, _ = official_case(case)
+        torch.save(checkpoint, tmp_path / f"{case}.pth")
+        init_args = {"pretrained_ckpt": str(tmp_path / f"{case}.pth"), "pretrained_encoder": None}
+        LinearProbe.settle_arguments(init_args)
+        assert init_args["pretrained_encoder"] == encoder, case
+    with pytest.raises(ValueError, match=r"\(format dino\) is read as its teacher, the momentum trunk, .* give --model.pretrained_encoder momentum"):
+        LinearProbe(pretrained_ckpt=str(tmp_path / "dino.pth"), pretrained_encoder="online")
+    assert LinearProbe(pretrained_ckpt=str(tmp_path / "dino.pth"), pretrained_encoder="momentum").feature_dim == 512
+
+
 def test_a_vit_of_another_head_count_than_the_official_architecture_s_is_one_error(tmp_path):
     """moco-v3's vit_small has 12 heads, DINO's 6: the same tensor shapes, so only the checkpoint's arch tells."""
     checkpoint, _, _ = official_case("mocov3_vit")
