@@ -39,7 +39,7 @@ __all__ = ["load_method", "main"]
 def embedding_map_command(argv: list[str]) -> int:
     own, overrides = split_overrides(argv)
     parser = ScriptArgumentParser(prog="python -m analysis embedding-map", description=embedding_map.__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_checkpoint_arguments(parser)
     parser.add_argument("--space", choices=("trunk", "embedding"), default="trunk", help="which embeddings to map")
     parser.add_argument("--max-samples", type=positive_int, default=2048, help="images mapped (a fixed random subset)")

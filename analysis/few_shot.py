@@ -105,7 +105,7 @@ def few_shot(model, datamodule: ContrastiveDataModule, shots: Sequence[int] = (1
 def main(argv: list[str]) -> int:
     own, overrides = split_overrides(argv)
     parser = ScriptArgumentParser(prog="python -m analysis few-shot", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_checkpoint_arguments(parser)
     parser.add_argument("--shots", type=int, nargs="+", default=[1, 5, 10], help="images per class (several: one probe each)")
     parser.add_argument("--draws", type=int, default=5, help="seeded draws per number of shots (>= 2)")

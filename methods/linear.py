@@ -159,9 +159,10 @@ class LinearProbe(MethodBase):
     def settle_arguments(cls, init_args) -> None:
         """A null `pretrained_encoder` is recorded as the encoder it probes: the checkpoint's method's `evaluated_encoder`;
         for an official release the one its format reads (DINO's teacher: `momentum`), `online` for any other release,
-        export or checkpoint that names no class (a run recorded before the default was null said `online`); a given `backbone` as the trunk probed (`trunk_as_trained`: the checkpoint's or export's
-        recorded trunk, with the features asked for), not as the parser's defaults filled it in. A file that cannot be
-        read, or a trunk that disagrees with it, is left to `__init__`'s error."""
+        export or checkpoint that names no class (a run recorded before the default was null said `online`). A given
+        `backbone` is recorded as the trunk probed (`trunk_as_trained`: the checkpoint's or export's recorded trunk,
+        with the features asked for), not as the parser's defaults filled it in. A file that cannot be read, or a
+        trunk that disagrees with it, is left to `__init__`'s error."""
         path = init_args.get("pretrained_ckpt")
         if path is None:
             return

@@ -6,8 +6,8 @@ Each argument is a run, a W&B run, or a directory holding runs:
 - a run directory (a `trainer.default_root_dir`): the `config.yaml` and `results_val.json` the CLI writes there
   (without them, `lightning_logs/version_*/config.yaml` and the last logged values), the linear stage's
   `linear/results_val.json` (`scripts/sweep.py --linear`; one error line when its `config.yaml` probed another
-  checkpoint than the run's `last.ckpt`, or its results record weights of an earlier step than the run's), and the curves of its Lightning CSV log
-  (`lightning_logs/version_*/metrics.csv`) or else of its W&B runs (`wandb/*run-*`);
+  checkpoint than the run's `last.ckpt`, or its results record weights of an earlier step than the run's), and the
+  curves of its Lightning CSV log (`lightning_logs/version_*/metrics.csv`) or else of its W&B runs (`wandb/*run-*`);
 - a W&B run directory (`<root>/wandb/offline-run-*` or `run-*`): config, summary and history from its `.wandb`
   log, parsed by W&B itself (`wandb leet inspect --json`); the directories of one resumed run (same id) are one
   run, read in the order of their starts; the linear stage, as above, from `<root>/linear`; named beside its run
@@ -17,8 +17,8 @@ Each argument is a run, a W&B run, or a directory holding runs:
 Runs whose `model`, `data`, `trainer` and `non_finite` settings differ only in their random seed and in run control
 (`RUN_CONTROL`: run directory, logging, validation frequency; not the batch limits of a smoke run) form one row:
 method x dataset (and, where rows of one method and dataset differ, the settings that set them apart; runs probed
-with other linear-stage settings, `linear.*`, are rows of their own), with
-the mean ± sample standard deviation over seeds of the linear, kNN and online-probe top-1, the training time
+with other linear-stage settings, `linear.*`, are rows of their own), with the mean ± sample standard deviation over
+seeds of the linear, kNN and online-probe top-1, the training time
 and the training images per second (`engine.tracking.TrainingThroughput`). A metric that no run of a row
 recorded is "n/a"; one that only some recorded says over how many runs it is taken. A run without its results file
 (interrupted: its numbers are the last values it logged) is not averaged with finished ones: its row says "unfinished".
