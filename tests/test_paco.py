@@ -1,5 +1,6 @@
 """PaCo and the long-tail baselines (methods/longtail/)."""
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -102,6 +103,19 @@ def test_tau_normalisation_divides_each_class_weight_by_its_norm_to_the_power_ta
         weight = model.classifier.weight
         expected = model.backbone(images) @ (weight / weight.norm(dim=1, keepdim=True).sqrt()).T
         torch.testing.assert_close(model.classify(images), expected)
+
+
+@pytest.mark.parametrize("method", [CrossEntropy, PaCo])
+def test_the_evaluation_logits_are_fp32_at_a_bf16_training_precision(method):
+    """PaCo's validate() runs without autocast: bf16 logits of this size tie, and a tie goes to the lowest class."""
+    model = tiny(method).eval()
+    images = batch_of(PACO_VIEWS)["views"]["query"]
+    with torch.no_grad():
+        expected = model.classify(images)
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # what Lightning's bf16-mixed wraps a validation step in
+            _, logits = model.evaluation_outputs(images)
+            assert model.classify(images).dtype == torch.bfloat16  # the training precision, had it applied
+    assert logits.dtype == torch.float32 and torch.equal(logits, expected)
 
 
 def test_class_balanced_weights_are_cui_et_al_s_normalised_inverse_effective_numbers():
@@ -239,6 +253,7 @@ def test_a_validate_of_a_checkpoint_takes_tau_and_the_shot_bounds_from_its_comma
     plain = main_pretrain.cli_main(evaluation)
     normed = main_pretrain.cli_main([*evaluation, "--model.init_args.tau_norm=1.0", "--model.init_args.many_shot_above=50"])
     assert (plain.model.tau_norm, normed.model.tau_norm, normed.model.hparams.many_shot_above) == (0.0, 1.0, 50)
+    assert json.loads((tmp_path / "results_validate.json").read_text())["tau_norm"] == 1.0  # what its numbers are of
     # one left at its default keeps the checkpoint's: a classifier trained with other shot bounds reports its own
     main_pretrain.cli_main(["fit", *common, "--trainer.max_epochs=1", "--trainer.limit_train_batches=2", "--trainer.limit_val_batches=0",
                             "--model.init_args.many_shot_above=50", f"--trainer.default_root_dir={tmp_path / 'bounds'}"])

@@ -93,7 +93,13 @@ class LongTailClassifier(MethodBase):
             self.check_data(self.trainer.datamodule, self.trainer.world_size)
 
     def evaluation_outputs(self, images: torch.Tensor) -> tuple[None, torch.Tensor]:
-        return None, self.classify(images)
+        # in fp32 at any training precision, as PaCo's validate() (LT/paco_lt.py, paco_cifar.py; paco_fp16_places.py
+        # autocasts its training only): bf16 logits tie, and the argmax gives a tie to the lowest class, a head class
+        with torch.autocast(images.device.type, enabled=False):
+            return None, self.classify(images.float())
+
+    def results_context(self) -> dict:
+        return {"pretrained_ckpt": self.hparams.pretrained_ckpt} if self.hparams.pretrained_ckpt is not None else {}  # a release evaluated
 
 
 class SupervisedMoCoMixin(MomentumMixin):
