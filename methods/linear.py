@@ -125,7 +125,8 @@ class LinearProbe(MethodBase):
             **kwargs: the MethodBase arguments (num_classes, channels_last, compile).
         """
         if random_init == (pretrained_ckpt is not None):
-            raise ValueError("give exactly one of model.pretrained_ckpt (a pretraining checkpoint) or model.random_init: true")
+            raise ValueError("give exactly one of model.pretrained_ckpt (a pretraining checkpoint) or model.random_init: true (a probe "
+                             "resumed or evaluated with --ckpt_path last needs its --model.pretrained_ckpt again)")
         state, spec, pretraining = probed_trunk(pretrained_ckpt, pretrained_format, backbone, pretrained_encoder) if pretrained_ckpt else (None, backbone, None)
         if spec is None:
             raise ValueError("model.backbone is required when the checkpoint does not record its backbone")
@@ -150,6 +151,19 @@ class LinearProbe(MethodBase):
     def results_context(self) -> dict:
         # the step of the weights probed: a pretraining resumed since trains on, and its last.ckpt is then others (scripts/compare.py)
         return {"pretrained_ckpt": self.hparams.pretrained_ckpt, "pretrained_step": self.pretrained_step}
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        super().on_save_checkpoint(checkpoint)
+        checkpoint["pretrained_step"] = self.pretrained_step  # the step of the trunk this checkpoint holds
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        """A resumed or evaluated probe restores its own trunk, whatever model.pretrained_ckpt holds now."""
+        super().on_load_checkpoint(checkpoint)
+        restored = checkpoint.get("pretrained_step", self.pretrained_step)
+        if restored != self.pretrained_step:
+            rank_zero_warn(f"this probe's trunk is of step {restored} of model.pretrained_ckpt {self.hparams.pretrained_ckpt!r}, which holds "
+                           f"step {self.pretrained_step} now (its pretraining trained on): the probe's numbers are of step {restored}")
+        self.pretrained_step = restored
 
     def init_head(self, head: nn.Linear) -> None:
         nn.init.normal_(head.weight, std=0.01)  # MoCo main_lincls: N(0, 0.01), bias 0
@@ -191,6 +205,8 @@ class LinearProbe(MethodBase):
         """A probe's checkpoint is resumed or evaluated only with the pretraining checkpoint it probed (restoring it
         would bring back that trunk, whatever model.pretrained_ckpt now says), which must still exist."""
         probed, given = saved_hyperparameters.get("pretrained_ckpt"), init_args.get("pretrained_ckpt")
+        if given is None and not init_args.get("random_init"):  # the probe's own, as Lightning reads it from a checkpoint file
+            init_args["pretrained_ckpt"] = given = probed
         if probed is not None and not Path(probed).expanduser().is_file():
             # the probe's trunk is built from it (for a --ckpt_path file, Lightning reads it from the checkpoint,
             # over the command line)

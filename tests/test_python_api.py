@@ -22,3 +22,4 @@ def test_the_documented_python_example_trains_and_gives_trunk_features(tmp_path,
     assert trainer.global_step == 2
     assert features.shape == (1, model.feature_dim) and torch.isfinite(features).all()
     assert model.queue.pointer.item() == 2 * 64  # two batches of keys enqueued
+    assert [path.relative_to(tmp_path).parts[:2] for path in tmp_path.rglob("*.ckpt")] == [("runs", "python_api")]  # not ./checkpoints

@@ -906,6 +906,27 @@ def test_a_probe_runs_under_its_pretraining_run_and_resuming_it_with_another_pre
     by_file = main_linear.cli_main([*probe, f"--model.pretrained_ckpt={pretrained}", f"--trainer.default_root_dir={probe_dir}",
                                     f"--ckpt_path={probe_dir / 'checkpoints' / 'last.ckpt'}"])
     assert by_file.model.hparams.pretrained_encoder == "online"
+    # the file without --model.pretrained_ckpt: the probe's own, as a validate reads it (refused before as 'pretrained_ckpt None')
+    own = main_linear.cli_main([*probe, f"--trainer.default_root_dir={probe_dir}", f"--ckpt_path={probe_dir / 'checkpoints' / 'last.ckpt'}"])
+    assert own.model.hparams.pretrained_ckpt == str(pretrained)
+
+
+@pytest.mark.slow
+def test_a_probe_evaluated_after_its_pretraining_trained_on_records_the_step_of_the_trunk_it_restores(cli_checkpoint, tmp_path):
+    """Its checkpoint brings back the trunk it probed: its numbers are of that step, not of what the file holds now."""
+    pretrained = tmp_path / "moco" / "checkpoints" / "last.ckpt"
+    pretrained.parent.mkdir(parents=True)
+    shutil.copy(cli_checkpoint, pretrained)
+    main_linear.cli_main(["fit", "--config", LINEAR_DIGITS, *TINY_PROBE, "--trainer.logger=false", f"--model.pretrained_ckpt={pretrained}"])
+    probe_dir = tmp_path / "moco" / "linear"
+    step = json.loads((probe_dir / "results_val.json").read_text())["pretrained_step"]
+    trained_on = torch.load(pretrained, weights_only=True)
+    trained_on["global_step"] = step + 5  # the pretraining resumed since
+    torch.save(trained_on, pretrained)
+    with pytest.warns(UserWarning, match=rf"this probe's trunk is of step {step} of model.pretrained_ckpt .*, which holds step {step + 5} now"):
+        main_linear.cli_main(["validate", "--config", LINEAR_DIGITS, *TINY_PROBE, "--trainer.logger=false", f"--trainer.default_root_dir={probe_dir}",
+                              f"--ckpt_path={probe_dir / 'checkpoints' / 'last.ckpt'}"])
+    assert json.loads((probe_dir / "results_validate.json").read_text())["pretrained_step"] == step
 
 
 # ----------------------------------------------------------------- bad inputs
