@@ -228,7 +228,7 @@ class LinearProbe(MethodBase):
             return
         seen, self.pretraining = self.pretraining, None  # said once: the CLI checks before the run, `setup` again
         rank_zero_info(
-            f"probing model.pretrained_ckpt {self.hparams.pretrained_ckpt!r}: {seen['method']}, trunk {seen['backbone']}, pretrained on "
+            f"{'fine-tuning' if self.trains_trunk else 'probing'} model.pretrained_ckpt {self.hparams.pretrained_ckpt!r}: {seen['method']}, trunk {seen['backbone']}, pretrained on "
             f"{seen['dataset']} ({seen['image_size']} px), epoch {seen['epoch']}, step {seen['step']}"
         )
         probe = (type(datamodule).__name__, datamodule.image_size)

@@ -110,7 +110,9 @@ def run_failing(entry, args, capsys) -> str:
 @pytest.mark.parametrize(
     "override, expected",
     [
-        ("--model.init_args.temprature=0.1", "temprature"),
+        # named by the whole key: jsonargparse says 'Parser key "model": Option 'temprature' ...' and '... --optimizer.lrr=0.1'
+        ("--model.init_args.temprature=0.1", "error: Option 'model.init_args.temprature' is not accepted"),
+        ("--model.init_args.optimizer.lrr=0.1", "error: unrecognized arguments: --model.init_args.optimizer.lrr=0.1"),
         ("--model.init_args.backbone.name=resnet19", "unknown backbone name 'resnet19'"),
         ("--model.init_args.temperature=-0.2", "model.init_args.temperature must be > 0, got -0.2 (given on the command line)"),
         ("--model.init_args.optimizer.lr=-1", "model.init_args.optimizer.lr must be >= 0, got -1 (given on the command line)"),

@@ -2,6 +2,7 @@
 and a linear head trained on a label fraction (`data.label_subset`), from a pretraining checkpoint or an exported
 trunk, and its checkpoint exported like a pretraining one."""
 
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -133,6 +134,14 @@ def test_fine_tuning_starts_from_the_checkpoint_trunk_with_a_zero_head_and_train
     assert all(parameter.requires_grad for parameter in model.backbone.parameters())
     assert model.train().backbone.training  # BatchNorm in training mode, unlike the linear probe's frozen trunk
     assert not LinearProbe(pretrained_ckpt=str(path)).train().backbone.training
+
+
+def test_a_fine_tuning_says_it_fine_tunes_and_a_probe_that_it_probes(pretrained, caplog):
+    for model, verb in ((FineTune(pretrained_ckpt=str(pretrained[0])), "fine-tuning"), (LinearProbe(pretrained_ckpt=str(pretrained[0])), "probing")):
+        with caplog.at_level(logging.INFO):
+            model.check_data(digits({"image": {"preset": "crop_flip"}}), world_size=1)
+        assert f"{verb} model.pretrained_ckpt '{pretrained[0]}': methods.moco.MoCoV2" in caplog.text
+        caplog.clear()
 
 
 def test_fine_tuning_a_mocov3_vit_trains_the_patch_projection_and_positions_its_pretraining_held_fixed(tmp_path):

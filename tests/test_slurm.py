@@ -166,7 +166,7 @@ def test_without_sbatch_on_path_submission_is_one_error_naming_it_and_writes_not
         (["--config", SCE_IMAGENET100, "--sbatch-option="], "--sbatch-option '' is not an sbatch option"),
         (["--config", SCE_IMAGENET100, "--", "--data.init_args.num_workers=many"], "data.init_args.num_workers 'many' is not a number of workers"),
         # resolved by the CLI as sweep.py and reproduce.py do: a job was submitted, to fail once it started
-        (["--config", SCE_IMAGENET100, "--", "--model.init_args.temprature=0.1"], "base, main_pretrain.py: Parser key \"model\": Option 'temprature' is not accepted"),
+        (["--config", SCE_IMAGENET100, "--", "--model.init_args.temprature=0.1"], "base, main_pretrain.py: Option 'model.init_args.temprature' is not accepted"),
         (["--config", SCE_IMAGENET100, "--grid=model.init_args.temprature=0.1"], "temprature0.1, main_pretrain.py: "),
     ],
 )

@@ -42,8 +42,19 @@ def condense_parser_error(message: str) -> str:
     reasons = [line.lstrip("- ") for line in lines[1:] if not line.startswith(NOISE) and not line.startswith("Parser key")]
     head = f'Parser key "{".init_args.".join(keys)}"' if keys else None if lines[0].startswith(NOISE) else lines[0].rstrip(":")
     if not reasons:
-        return head or message
-    return f"{head}: {reasons[-1]}" if head else reasons[-1]
+        return full_keys(head or message)
+    return full_keys(f"{head}: {reasons[-1]}" if head else reasons[-1])
+
+
+def full_keys(message: str) -> str:
+    """A misspelt key of a class's arguments named by its whole key: jsonargparse names it relative to the class
+    (`Parser key "model": Option 'temprature' is not accepted`, `... unrecognized arguments: --optimizer.lrr=0.1`)."""
+    found = re.fullmatch(r'Parser key "(model|data)": (.*)', message, re.S)
+    if found is None:
+        return message
+    section, reason = found.groups()
+    reason = re.sub(r"Option '([^']+)' is not accepted", rf"Option '{section}.init_args.\1' is not accepted", reason)
+    return re.sub(r"unrecognized arguments: --(\S+)", rf"unrecognized arguments: --{section}.init_args.\1", reason)
 
 
 def literal_choices(lines: list[str]) -> str | None:
