@@ -277,7 +277,8 @@ def find_runs(path: Path) -> list[Run]:
             found.append(read_run(directory))
             subdirectories.clear()
         subdirectories.sort()
-    found += [read_wandb_run(by_start(directories)) for directories in wandb_dirs.values()]
+    # a W&B run with no model in its config trained nothing: reproduce.py's table summary run (`log_to_wandb`)
+    found += [run for run in map(read_wandb_run, map(by_start, wandb_dirs.values())) if "model" in run.config]
     if not found:
         raise ValueError(f"{path} is not a run (no config.yaml, results_*.json, lightning_logs/ or W&B run) and holds none")
     return found

@@ -19,7 +19,7 @@ import pytest
 import yaml
 from lightning.pytorch.callbacks import Callback
 
-from scripts import reproduce, sweep
+from scripts import compare, reproduce, sweep
 from scripts.tables import load_table
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -437,6 +437,10 @@ def test_with_wandb_in_use_the_table_is_logged_as_a_wandb_table_in_a_summary_run
     assert logged["columns"] == reproduce.CSV_COLUMNS
     assert [entry[:3] for entry in logged["data"]] == [["a", "row a", "probe"], ["a", "row a", "knn"]] and logged["data"][0][4] == 25.0
     assert (out / "wandb_run_id").is_file()  # a later --collect logs into the same summary run
+    trained = {"model": {"class_path": "methods.MoCoV2"}, "data": {"class_path": "datamodules.DigitsDataModule"}, "seed_everything": 0}
+    (out / "a" / "seed0" / "config.yaml").write_text(yaml.safe_dump(trained))
+    rows = [line for line in compare.main([str(out), "--out", str(tmp_path / "comparison")]).splitlines() if line.startswith("| ") and "---" not in line]
+    assert [row.split(" | ")[0] for row in rows[1:]][:1] == ["| MoCoV2"] and not any(row.startswith("| n/a") for row in rows)  # not the summary run
 
 
 # ----------------------------------------------------------------- end to end
