@@ -56,7 +56,7 @@ class NonFiniteLossGuard(Callback):
             return
         terms = ", ".join(f"{name} {float(value):.4g}" for name, value in trainer.callback_metrics.items() if name.startswith("train/"))
         where = f"global step {trainer.global_step} (epoch {trainer.current_epoch}, batch {batch_in_epoch(trainer)})"
-        message = f"non-finite training loss at {where}: loss {float(loss):.4g}; latest logged values: {terms}"
+        message = f"non-finite training loss at {where}: loss {float(loss.detach()):.4g}; latest logged values: {terms}"
         self.consecutive_skips += 1
         if not self.skip_batch or self.consecutive_skips > self.max_consecutive_skips:
             raise NonFiniteLossError(f"{message}. Stopped before this step's update; the checkpoints hold earlier steps only")
