@@ -26,8 +26,9 @@ launcher vanished; also a checkpoint without a record); not started.
 go on; an interrupted one stops the command (rerun it to resume). `--launcher slurm` submits each stage not done,
 queued or running through scripts/slurm/submit.py (its resource options: --nodes, --gpus-per-node, --time, ...),
 each evaluation job `afterok` on its run's pretraining job, and prints the job ids and the `--collect` command.
-Before anything runs, every row's stages are resolved as the CLI would (`--print_config`): a misspelt override
-ends the command with one error line naming the row. `--dry-run` prints every command and runs nothing (with
+Before anything runs, every row's stages are resolved as the CLI would (`--print_config`), and a local launch builds
+each pretraining's model and DataModule too: a misspelt override, a value out of range or a missing data folder ends
+the command with one error line naming the row. `--dry-run` prints every command and runs nothing (with
 Slurm it writes the job files, the evaluation's dependency on a placeholder id). `--collect` only assembles the
 table.
 
@@ -215,13 +216,15 @@ def run_status(run: Run) -> tuple[str, Status]:
     return "", Status("done")
 
 
-def unresolved(runs: list[Run]) -> str | None:
+def unresolved(runs: list[Run], build: bool = False) -> str | None:
     """The first stage whose config and arguments the CLI does not resolve (a misspelt override key, a value of the
     wrong type), with the CLI's error, as "row R, STAGE: error", found with `--print_config` in this process before
     any stage runs (an error found inside a run would leave its files and, on Slurm, a queued job behind). The
     stages of one entry point and subcommand resolve together, in one `--print_config` of `--config C ARGS` after
     `--config C ARGS` (the CLI checks each argument against the classes of the config it follows); only when that
-    fails is each resolved alone, to name it. A row's seeds differ only in --seed_everything: seed 0 stands for them."""
+    fails is each resolved alone, to name it. With `build`, each pretraining is then built too (`sweep.resolution_problem`:
+    a view's keys, a value out of range, a missing data folder). A row's seeds differ only in --seed_everything: seed 0
+    stands for them."""
     resolve = sweep.resolution_problem
     groups: dict[tuple[str, str], list[tuple[Run, Stage, list[str]]]] = {}
     for run in (run for run in runs if run.seed == 0):
@@ -234,6 +237,11 @@ def unresolved(runs: list[Run]) -> str | None:
         for run, stage, arguments in members:
             if (problem := resolve(entry, [subcommand, *arguments])) is not None:
                 return f"row {run.row.id}, {stage.name}: {problem}"
+    built = set()
+    for run, stage, arguments in groups.get(("main_pretrain.py", "fit"), []) if build else ():
+        if tuple(arguments) not in built and (problem := resolve("main_pretrain.py", ["fit", *arguments], build=True)) is not None:
+            return f"row {run.row.id}, {stage.name}: {problem}"
+        built.add(tuple(arguments))
     return None
 
 
@@ -509,7 +517,8 @@ def launch(args, table: Table, runs: list[Run], out: Path) -> int:
     if args.collect:
         print(assemble(table, runs, out, given_to_every_run(args)))
         return 0
-    if problem := unresolved(runs):
+    # the pretrainings run here are built first too; a Slurm job's data may be on its nodes only, where its run checks it
+    if problem := unresolved(runs, build=args.launcher == "local" and not args.dry_run):
         raise SystemExit(f"error: {shown(table.path)} {problem}")
     if args.launcher == "slurm":
         try:

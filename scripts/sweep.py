@@ -8,7 +8,7 @@
 Every (grid point, seed) is one `main_pretrain.py fit` run in `OUT/<point>_seed<S>/` (its log in
 `log.txt`), followed, with `--linear`, by `main_linear.py fit` on its `last.ckpt` in `.../linear/`.
 Arguments after `--` are passed to every pretraining run; every grid point's stages are resolved by the CLI
-(`--print_config`) before anything is written. A run whose results file already exists is
+(`--print_config`), and its pretraining built unless `--slurm`, before anything is written. A run whose results file already exists is
 skipped and an interrupted one resumes from its `last.ckpt` (`--ckpt_path last`), so re-running the
 command resumes an interrupted sweep; a failed run is reported and the others go on; a run that another process
 trains (a second sweep of the same `--out`) is left to it. Each stage directory
@@ -33,6 +33,7 @@ import hashlib
 import io
 import itertools
 import json
+import logging
 import math
 import os
 import re
@@ -204,30 +205,40 @@ def other_arguments(made_with: list[str] | None, planned: list[str]) -> str | No
     return how or "with these arguments in another order"
 
 
-def resolution_problem(entry: str, arguments: list[str]) -> str | None:
-    """None if the CLI of `entry` (main_pretrain.py or main_linear.py) resolves `arguments` with --print_config in this
-    process, where the stages run; else its error line."""
+def resolution_problem(entry: str, arguments: list[str], build: bool = False) -> str | None:
+    """None if the CLI of `entry` (main_pretrain.py or main_linear.py) resolves `arguments` ([subcommand, ...]) with
+    --print_config in this process, where the stages run, and, with `build`, builds a pretraining's model, DataModule
+    and trainer from them, as its run would before writing anything: what --print_config leaves unchecked (a view's
+    keys, a value out of range, a missing data folder); else the CLI's error line."""
     import main_linear  # the CLI: imported only when stages are about to run
     import main_pretrain
 
-    errors = io.StringIO()
-    with contextlib.chdir(ROOT), contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(errors):
-        try:
-            (main_linear if entry == "main_linear.py" else main_pretrain).cli_main([*arguments, "--print_config"])
-        except SystemExit as exit:
-            if exit.code not in (0, None):
-                reasons = [line.removeprefix("error: ") for line in errors.getvalue().splitlines() if line.startswith("error: ")]
-                return reasons[-1] if reasons else f"exit {exit.code}"
+    checks = [lambda: (main_linear if entry == "main_linear.py" else main_pretrain).cli_main([*arguments, "--print_config"])]
+    if build and entry == "main_pretrain.py":  # a probe's model reads a checkpoint its pretraining is still to write
+        checks.append(lambda: main_pretrain.ContrastlabCLI(main_pretrain.MethodBase, args=[*arguments[1:], "--trainer.logger=false"], run=False))
+    for check in checks:
+        errors = io.StringIO()
+        with contextlib.chdir(ROOT), contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(errors):
+            logging.disable(logging.INFO)  # Lightning's notes of a build ("Seed set to 0"), whose handlers hold the real streams
+            try:
+                check()
+            except SystemExit as exit:  # --print_config exits with 0 once it printed
+                if exit.code not in (0, None):
+                    reasons = [line.removeprefix("error: ") for line in errors.getvalue().splitlines() if line.startswith("error: ")]
+                    return reasons[-1] if reasons else f"exit {exit.code}"
+            finally:
+                logging.disable(logging.NOTSET)
     return None
 
 
-def unresolved(runs: list[Run], args) -> str | None:
-    """The first grid point whose stages the CLI does not resolve (a misspelt key, a value of the wrong type), with the
-    CLI's error, before any run writes anything. A point's seeds differ only in --seed_everything: its first stands."""
+def unresolved(runs: list[Run], args, build: bool = False) -> str | None:
+    """The first grid point whose stages the CLI does not resolve (a misspelt key, a value of the wrong type) or, with
+    `build`, whose pretraining it does not build (`resolution_problem`), with the CLI's error, before any run writes
+    anything. A point's seeds differ only in --seed_everything: its first stands."""
     for run in (run for run in runs if run.seed == runs[0].seed):
         for _, command in stages(run, args):  # [python, script, subcommand, --config, CONFIG, arguments...]
             entry = Path(command[1]).name
-            if (problem := resolution_problem(entry, [argument for argument in command[2:] if not argument.startswith("--ckpt_path=")])) is not None:
+            if (problem := resolution_problem(entry, [argument for argument in command[2:] if not argument.startswith("--ckpt_path=")], build)) is not None:
                 return f"{run.point_name}, {entry}: {problem}"
     return None
 
@@ -434,8 +445,10 @@ def main(argv: list[str]) -> int:
         raise SystemExit(f"error: {error}") from None
     if args.only is not None and not 0 <= args.only < len(runs):
         raise SystemExit(f"error: --only {args.only} is outside the {len(runs)} runs of this sweep (0..{len(runs) - 1})")
-    # an array task resolves its own run only: the submitting command resolved every point (--slurm)
-    if not args.collect and (problem := unresolved([runs[args.only]] if args.only is not None else runs, args)) is not None:
+    # an array task resolves its own run only: the submitting command resolved every point (--slurm). Runs here are
+    # built first too; a job's data may be on its nodes only, where its run checks it
+    local = not args.slurm and args.only is None
+    if not args.collect and (problem := unresolved([runs[args.only]] if args.only is not None else runs, args, build=local)) is not None:
         raise SystemExit(f"error: {problem}")
     if args.slurm:
         try:

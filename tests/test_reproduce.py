@@ -213,6 +213,20 @@ def test_a_misspelt_override_in_a_table_is_one_error_line_naming_the_row_before_
         assert message.startswith("error: t.yaml row typo, pretrain: ") and "temprature" in message and "\n" not in message  # the table shown from the working directory
     assert not out.exists()
 
+def test_a_row_whose_model_or_views_do_not_build_is_one_error_line_before_a_local_run_writes_anything(tmp_path, monkeypatch):
+    """--print_config resolves a view's keys and a value out of range; building the pretraining refuses them, before
+    the first stage's folder is made (each stage would fail in its log, one after another)."""
+    monkeypatch.chdir(tmp_path)
+    bad_view = "data.init_args.views: {query: {preset: mocov2, scal: [0.2, 1.0]}, key: {preset: mocov2}}"
+    for row, message in ((a_row("tau", overrides="model.init_args.temperature: 0.0"), "row tau, pretrain: model.init_args.temperature must be > 0"),
+                         (a_row("view", overrides=bad_view), "row view, pretrain: view 'query': preset 'mocov2' does not accept ['scal']")):
+        path, out = write_table(tmp_path / "t.yaml", row), tmp_path / "out"
+        with pytest.raises(SystemExit) as stopped:
+            reproduce.main([str(path), "--out", str(out), "--seeds", "1"])
+        assert str(stopped.value).startswith(f"error: t.yaml {message}") and "\n" not in str(stopped.value)
+        assert not out.exists()
+
+
 def test_results_made_with_other_arguments_are_stale_neither_run_again_nor_counted(tmp_path, capsys):
     """A finished smoke run (`-- --trainer.max_epochs=1`) is not the row's result once the command no longer asks
     for it, nor is a run of the table's override before it was edited: both are named, and the row shows no number."""
@@ -444,11 +458,11 @@ def test_with_wandb_in_use_the_table_is_logged_as_a_wandb_table_in_a_summary_run
 
 
 # ----------------------------------------------------------------- end to end
-@pytest.mark.slow  # five short training processes on Digits-M (one refused at start)
+@pytest.mark.slow  # five short training processes on Digits-M (one stopped at its second step)
 def test_a_digits_table_runs_is_interrupted_resumes_and_collects_the_results_files_numbers(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))  # the runs import InterruptOnce from this file
     path = write_table(tmp_path / "digits.yaml", a_row("a") + a_row("b", overrides="model.init_args.temperature: 0.5", seeds=1)
-                       + a_row("f", overrides="model.init_args.temperature: -1", seeds=1),  # refused at start: a failing row
+                       + a_row("f", overrides="model.init_args.optimizer.lr: 1.0e+30", seeds=1),  # a failing row: a non-finite loss at its second step
                        head='title: "a Digits-M test table"\nstand_in: nothing.\n')
     out = tmp_path / "out"
     interrupt = f"--trainer.callbacks+={{class_path: test_reproduce.InterruptOnce, init_args: {{run_dir: {out / 'a' / 'seed1'}, marker: {tmp_path / 'interrupted'}}}}}"

@@ -304,9 +304,13 @@ def test_the_other_ranks_of_a_slurm_array_task_start_their_training_beside_rank_
     "arguments, message",
     [(["--grid", "model.init_args.temprature=0.1"], "error: temprature=0.1, main_pretrain.py: "),
      (["--grid", "model.init_args.temperature=0.1,warm"], "error: temperature=warm, main_pretrain.py: "),
-     (["--linear", LINEAR_DIGITS, "--linear-override=--model.init_args.probe_lrr=1"], "error: base, main_linear.py: ")],
+     (["--linear", LINEAR_DIGITS, "--linear-override=--model.init_args.probe_lrr=1"], "error: base, main_linear.py: "),
+     # resolved by --print_config, refused when the model or the DataModule is built: the sweep builds each point first
+     (["--grid", "model.init_args.temperature=0.0"], "error: temperature=0.0, main_pretrain.py: model.init_args.temperature must be > 0"),
+     (["--", "--data.init_args.views={query: {preset: mocov2, scal: [0.2, 1.0]}, key: {preset: mocov2}}"],
+      "error: base, main_pretrain.py: view 'query': preset 'mocov2' does not accept ['scal']")],
 )
-def test_a_grid_point_or_override_the_cli_does_not_resolve_is_one_error_line_before_anything_is_written(arguments, message, tmp_path):
+def test_a_grid_point_or_override_the_cli_does_not_resolve_or_build_is_one_error_line_before_anything_is_written(arguments, message, tmp_path):
     with pytest.raises(SystemExit) as exit_info:
         sweep.main(["--config", PRETRAIN_DIGITS, "--out", str(tmp_path / "sweep"), *arguments])
     assert str(exit_info.value).startswith(message) and "\n" not in str(exit_info.value)
