@@ -1,7 +1,8 @@
 """Issue 10: one optimizer step of Lightning DDP on 2 CPU processes (gloo) with B images each equals one
 step of 1 process with the 2B images: the same parameters, momentum encoder and queue (keys, labels,
-pointer), for MoCo v2, SCE, SupCon, TCL, PaCo and the multi-task baseline (with `in_batch: global`; the
-official per-GPU contrast, `local`, shares the queue but not the gradient), BYOL, SimSiam, MoCo v3 and NNCLR.
+pointer) or memory bank, for every trainable method: MoCo v2, SCE, ReSSL, JCL, NPID, SimCLR, SupCon, TCL, PaCo, PaCo on
+RIDE and the multi-task baseline (with `in_batch: global`; the official per-GPU contrast, `local`, shares the queue but
+not the gradient), cross-entropy, BYOL, SimSiam, MoCo v3, NNCLR, Barlow Twins, VICReg, SwAV and DINO.
 
 What makes it hold: keys are gathered in rank order before they are enqueued (`MethodBase.gather`),
 in-batch negatives are gathered with their gradients (`gather_with_grad`: SupCon / TCL, NNCLR's predictions),
@@ -34,7 +35,9 @@ from backbones import BackboneSpec, MLPSpec
 from datamodules import DigitsDataModule
 from engine.optim import OptimizerSpec
 from engine.preemption import LastCheckpointOnSigterm, PreemptionSignals
-from methods import BYOL, DINO, NNCLR, SCE, BarlowTwins, MoCoV2, MoCoV3, MultiTaskContrast, PaCo, SimCLR, SimSiam, SupCon, SwAV, VICReg
+import methods
+from methods import BYOL, DINO, JCL, NNCLR, NPID, SCE, BarlowTwins, CrossEntropy, MoCoV2, MoCoV3, MultiTaskContrast, PaCo, PaCoRIDE, ReSSL, SimCLR, SimSiam, SupCon, SwAV, VICReg
+from methods.checkpoints import trainable_classes
 from methods.momentum import MomentumSpec
 
 pytestmark = pytest.mark.slow  # two processes each: left out of the inner loop (`pytest -m "not slow"`)
@@ -51,6 +54,12 @@ TWO_VIEWS = ("first", "second")
 METHODS = {  # name: (model, the views it reads)
     "moco": (lambda: MoCoV2(queue_size=32, momentum=NO_SHUFFLE, **PRETRAIN), ("query", "key")),
     "sce": (lambda: SCE(queue_size=32, momentum=NO_SHUFFLE, **PRETRAIN), ("weak", "strong")),
+    "ressl": (lambda: ReSSL(queue_size=32, momentum=NO_SHUFFLE, **PRETRAIN), ("weak", "strong")),
+    "jcl": (lambda: JCL(queue_size=32, momentum=NO_SHUFFLE, **PRETRAIN), ("query", "keys")),
+    "npid": (lambda: NPID(**PRETRAIN), ("image",)),  # a bank of the 2B images, updated with the gathered batch
+    "simclr": (lambda: SimCLR(temperature=0.2, **PRETRAIN), TWO_VIEWS),
+    "cross_entropy": (lambda: CrossEntropy(loss="balanced_softmax", num_classes=NUM_CLASSES, backbone=TRUNK), ("image",)),
+    "paco_ride": (lambda: PaCoRIDE(queue_size=32, momentum=NO_SHUFFLE, in_batch="global", num_classes=NUM_CLASSES, **COMMON), ("query", "key")),
     "supcon": (lambda: SupCon(loss="supcon", temperature=0.1, **PRETRAIN), ("crops",)),
     "tcl": (lambda: SupCon(loss="tcl", temperature=0.1, k1=2.0, k2=1.5, **PRETRAIN), ("crops",)),
     "paco": (lambda: PaCo(queue_size=32, momentum=NO_SHUFFLE, in_batch="global", num_classes=NUM_CLASSES, **COMMON), ("query", "key")),
@@ -72,7 +81,7 @@ METHODS = {  # name: (model, the views it reads)
     "supcon_local": (lambda: SupCon(loss="supcon", temperature=0.1, local_crops=["local"], **PRETRAIN), ("crops", "local")),
     "mocov3_local": (lambda: MoCoV3(temperature=0.2, predictor=PREDICTOR, momentum=NO_SHUFFLE, local_crops=["local"], **PRETRAIN), (*TWO_VIEWS, "local")),
 }
-CROPS = {"crops": (2, 3, 16, 16), "local": (2, 3, 8, 8)}  # the views of several crops: SupCon's 2 crops, 2 local crops
+CROPS = {"crops": (2, 3, 16, 16), "local": (2, 3, 8, 8), "keys": (2, 3, 16, 16)}  # views of several crops: SupCon's 2, 2 local, JCL's 2 keys
 GRADIENTS_KEPT = ("barlow_twins", "vicreg", "swav", "dino")  # their gradients are compared too (`grad:` entries)
 EQUIVALENT = sorted(set(METHODS) - {"paco_local"})
 
@@ -95,6 +104,7 @@ class FixedBatch(L.LightningDataModule):
         self.views = {name: SimpleNamespace(count=CROPS[name][0] if name in CROPS else 1) for name in views}  # as data.views
         self.batch_size = GLOBAL_BATCH // world_size  # per process, as data.batch_size
         self.num_classes = NUM_CLASSES
+        self.splits = {"train": self.samples}  # NPID's bank: one entry per image of the global batch
 
     def train_class_counts(self) -> list[int]:
         return torch.bincount(torch.stack([s["label"] for s in self.samples]), minlength=NUM_CLASSES).tolist()
@@ -139,6 +149,9 @@ def trainer_options(directory) -> dict:
 def _ddp_worker(rank: int, port: int, directory: str, results) -> None:
     # the processes exist already: Lightning's default environment joins them from these variables
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0")
+    # Lightning's DDP setup re-seeds from PL_GLOBAL_SEED (lightning.fabric.utilities.seed.reset_seed) when an earlier
+    # seed_everything of the test process left it set: NPID, which draws its bank at setup, would draw another one
+    os.environ.pop("PL_GLOBAL_SEED", None)
     torch.use_deterministic_algorithms(True)
     for method in METHODS:
         trainer = cpu_trainer(directory, devices=WORLD, strategy=DDPStrategy(process_group_backend="gloo"), **trainer_options(directory))
@@ -164,7 +177,7 @@ def test_one_ddp_step_on_two_processes_equals_one_step_on_the_concatenated_batch
     before = initial_model(method).state_dict()
     assert not torch.equal(before["backbone.conv1.0.weight"], expected["backbone.conv1.0.weight"])  # the step trained
     queues = [name for name in expected if name.startswith("queue.")]
-    assert bool(queues) == (method in ("moco", "sce", "paco", "multitask"))
+    assert bool(queues) == (method in ("moco", "sce", "ressl", "jcl", "paco", "multitask", "paco_ride"))
     assert any(name.startswith("grad:") for name in expected) == (method in GRADIENTS_KEPT)
     for rank in range(WORLD):
         state = two_process_states[method, rank]
@@ -294,3 +307,11 @@ def test_two_processes_score_each_validation_and_bank_image_once_and_report_the_
     assert 0 < expected["val/probe_top1"] < 1 and 0 < expected["val/knn_top1"] < 1  # a count of 65 that one image more would change
     for rank in range(WORLD):
         assert results[rank] == pytest.approx(expected, abs=1e-12), rank
+
+
+def test_every_trainable_method_class_has_a_two_process_case():
+    """A method added without a case above could contrast each process's batch alone (a missing `gather_with_grad`)
+    and pass every other test."""
+    covered = {type(initial_model(name)) for name in METHODS}
+    trainable = {getattr(methods, name) for base in (methods.PretrainMethod, methods.LongTailClassifier) for name in trainable_classes(base)}
+    assert sorted(cls.__name__ for cls in trainable - covered) == []

@@ -20,10 +20,14 @@ To record them anew, when a change is meant to alter the numbers (say why in its
 recording's maker records them as its held process computes them, the AVX2 kernels'):
 
     CONTRASTLAB_REPIN=1 uv run --locked pytest tests/test_pinned_steps.py
+
+`-k <case>` records some cases only; on a machine of another kind than the recording's that is refused (the file holds
+one kind's numbers, and recording there starts it anew). Parallel workers add their cases under a lock on the file.
 """
 
 import fcntl
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -154,26 +158,80 @@ def held_results(tmp_path_factory) -> dict | None:
         return json.loads(results.read_text()) if results.is_file() else run_cases(results, environment)
 
 
+def record(case: str, found: dict, recording: dict) -> None:
+    """Write one case's numbers as `recording`'s machine computes them into PINNED, read and written under a lock (the
+    parallel workers each add their cases). A file of another machine kind starts anew."""
+    with os.fdopen(os.open(PINNED, os.O_RDWR | os.O_CREAT), "r+") as stream:
+        fcntl.flock(stream, fcntl.LOCK_EX)
+        text = stream.read()
+        pinned = json.loads(text) if text else {"machine": recording, "cases": {}}
+        pinned = pinned if pinned["machine"] == recording else {"machine": recording, "cases": {}}
+        pinned["cases"][case] = found
+        stream.seek(0)
+        stream.truncate()
+        stream.write(json.dumps(pinned, indent=1, sort_keys=True) + "\n")
+
+
+def partial_repin(recording: dict, here: dict, selected: set[str]) -> str | None:
+    """Why recording only the `selected` cases on `here` is refused: the file holds one machine kind's numbers, and a
+    recording on another kind replaces them all."""
+    missing = set(CASES) - selected
+    if recording == here or not missing:
+        return None
+    return (f"CONTRASTLAB_REPIN=1 of some cases on {here}: {PINNED.name} holds every case as {recording} computes them, which "
+            f"recording here would discard ({len(missing)} cases not selected, e.g. {min(missing)}): record them on a machine "
+            "of that kind, or every case here (no -k)")
+
+
+def selected_cases(session) -> set[str]:
+    return {item.callspec.params["case"] for item in session.items if getattr(item, "originalname", None) == "test_three_training_steps_give_the_pinned_loss_and_state"}
+
+
 @pytest.mark.parametrize("case", CASES)
-def test_three_training_steps_give_the_pinned_loss_and_state(case, tmp_path, recorded_threads, held_results):
+def test_three_training_steps_give_the_pinned_loss_and_state(case, tmp_path, recorded_threads, held_results, request):
     pinned = recorded()
+    repin = os.environ.get("CONTRASTLAB_REPIN") == "1"
     if held_results is not None:  # computed as the recording machine computes: bit for bit, or recorded as it
-        if os.environ.get("CONTRASTLAB_REPIN") == "1":
-            pinned["cases"][case] = held_results[case]
-            PINNED.write_text(json.dumps(pinned, indent=1, sort_keys=True) + "\n")
+        if repin:
+            record(case, held_results[case], pinned["machine"])
             return
         assert case in pinned["cases"], f"{case} is not pinned: record it with CONTRASTLAB_REPIN=1"
         assert mismatches(held_results[case], pinned["cases"][case], same_machine=True) == []
         return
+    if repin and (refused := partial_repin(pinned["machine"], machine(), selected_cases(request.session))):
+        pytest.fail(refused, pytrace=False)
     config, overrides = CASES[case]
     found = three_steps(config, overrides, tmp_path / "run")
-    if os.environ.get("CONTRASTLAB_REPIN") == "1":
-        pinned = pinned if pinned["machine"] == machine() else {"machine": machine(), "cases": {}}
-        pinned["cases"][case] = found
-        PINNED.write_text(json.dumps(pinned, indent=1, sort_keys=True) + "\n")
+    if repin:
+        record(case, found, machine())
         return
     assert case in pinned["cases"], f"{case} is not pinned: record it with CONTRASTLAB_REPIN=1"
     assert mismatches(found, pinned["cases"][case], pinned["machine"] == machine()) == []
+
+
+def test_recording_some_cases_on_another_machine_kind_is_refused_and_every_case_or_on_its_own_kind_is_not():
+    recording, here = {"torch": "2.15.0+cu132", "cpu_capability": "AVX2", "cpu_vendor": "AuthenticAMD"}, machine()
+    other = here | {"cpu_vendor": "GenuineIntel" if here["cpu_vendor"] != "GenuineIntel" else "AuthenticAMD"}
+    refused = partial_repin(recording, other, {"moco_digits"})
+    assert refused.startswith("CONTRASTLAB_REPIN=1 of some cases on ") and f"{len(CASES) - 1} cases not selected" in refused
+    assert partial_repin(recording, other, set(CASES)) is None  # the whole file recorded anew on this kind
+    assert partial_repin(recording, recording, {"moco_digits"}) is None  # one case replaced among its own kind's
+
+
+def test_recordings_of_parallel_workers_each_add_their_cases_to_the_file(tmp_path, monkeypatch):
+    recording = machine()
+    monkeypatch.setattr(sys.modules[__name__], "PINNED", tmp_path / "pinned.json")
+    record("kept", {"loss": 1.0}, recording)
+    context = multiprocessing.get_context("fork")  # the workers see the patched file
+    workers = [context.Process(target=lambda w=w: [record(f"w{w}_{i}", {"loss": float(i)}, recording) for i in range(40)]) for w in range(2)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    pinned = json.loads((tmp_path / "pinned.json").read_text())
+    assert pinned["machine"] == recording and set(pinned["cases"]) == {"kept", *(f"w{w}_{i}" for w in range(2) for i in range(40))}
+    record("other", {"loss": 2.0}, recording | {"cpu_capability": "other"})  # another kind starts the file anew
+    assert set(json.loads((tmp_path / "pinned.json").read_text())["cases"]) == {"other"}
 
 
 @pytest.mark.parametrize("case, other", [("ce_digits_lt", "balanced_softmax_digits_lt"), ("linear_digits", "linear_tcl_digits"), ("sce_digits", "ressl_digits")])
