@@ -66,6 +66,13 @@ def count_training_batches(trainer: Trainer) -> None:
     trainer.fit_loop.setup_data()
 
 
+def epochs_trained(trainer: Trainer) -> int:
+    """The whole epochs a fit has trained. Lightning counts an epoch that max_steps stops inside as completed once the
+    fit ends (`current_epoch` 1 after 3 steps of a 37-batch epoch, where a checkpoint saved in it says 0)."""
+    batches = trainer.fit_loop.epoch_loop.batch_progress.current.completed
+    return trainer.current_epoch - 1 if 0 < batches < trainer.num_training_batches else trainer.current_epoch
+
+
 def data_position(trainer: Trainer) -> tuple[int, int]:
     """(epoch, training batches processed in it): the epoch is the one the loop started last, the one its batch
     count is about (`trainer.current_epoch` moves on before a SIGTERM checkpoint at the end of an epoch is written)."""

@@ -143,6 +143,7 @@ def test_the_results_of_a_fit_are_the_validation_of_the_weights_it_ends_with(sto
                                   "--trainer.callbacks+=test_cli.LoggedAtTheFirstValidationOnly"])
     results = json.loads((tmp_path / "results_val.json").read_text())
     assert results["global_step"] == results["val_global_step"] == cli.trainer.global_step == {"3": 6, "5": 3}[stop[0][-1]]
+    assert results["epoch"] == {"3": 3, "5": 1}[stop[0][-1]]  # whole epochs: max_steps stopped the second one after its first batch
     assert "val/knn_top1" in results["metrics"]
     assert "val/first_validation_only" in cli.trainer.callback_metrics and "val/first_validation_only" not in results["metrics"]  # not of these weights
 

@@ -283,7 +283,7 @@ def test_a_run_stopped_during_its_last_validation_resumes_to_the_results_of_its_
     assert stopped.value.code == 143 and not (run_dir / "results_val.json").exists()
     cli = main_pretrain.cli_main([*command, "--ckpt_path=last"])
     results = json.loads((run_dir / "results_val.json").read_text())
-    assert results["global_step"] == results["val_global_step"] == cli.trainer.global_step == 4
+    assert results["global_step"] == results["val_global_step"] == cli.trainer.global_step == 4 and results["epoch"] == 2
     assert {"val/knn_top1", "val/probe_top1", "train/time_s"} <= results["metrics"].keys()
 
 @pytest.mark.parametrize("signal_step", [2, 3], ids=["mid-epoch", "last-step-of-an-epoch"])

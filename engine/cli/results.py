@@ -6,6 +6,7 @@ from pathlib import Path
 
 from lightning.pytorch.callbacks import Callback
 
+from engine.compat import epochs_trained
 from engine.files import read_checkpoint, write_atomically
 
 FIT_RESULTS = "results_val.json"  # a fit's results file
@@ -104,7 +105,7 @@ def report_results(trainer, stage: str, results: str, position: dict | None = No
     if trainer.fast_dev_run:
         return  # a smoke run's numbers are no run's results
     if position is None:  # a fit: its epoch and step, and the step of the validation its val/* numbers come from
-        position = {"epoch": trainer.current_epoch, "global_step": trainer.global_step, "val_global_step": final.validated_step if final else None}
+        position = {"epoch": epochs_trained(trainer), "global_step": trainer.global_step, "val_global_step": final.validated_step if final else None}
     write_results(Path(trainer.default_root_dir) / results, position | trainer.lightning_module.results_context(), metrics)
 
 
