@@ -178,6 +178,11 @@ class WandbRun(WandbLogger):
             run.finish(exit_code=0 if status == "success" else 1)
 
 
+def tracked_run(trainer) -> WandbRun | None:
+    """The trainer's `WandbRun`, wherever it stands in a list of loggers, or None."""
+    return next((logger for logger in trainer.loggers if isinstance(logger, WandbRun)), None)
+
+
 class TrainingThroughput(Callback):
     """Logs at the end of every training epoch `train/time_s`, the wall time since `fit` started (validation
     included), and `train/images_per_s`, the training images (dataset samples, all processes; not views) per

@@ -22,6 +22,7 @@ seeds of the linear, kNN and online-probe top-1, the training time
 and the training images per second (`engine.tracking.TrainingThroughput`). A metric that no run of a row
 recorded is "n/a"; one that only some recorded says over how many runs it is taken. A run without its results file
 (interrupted: its numbers are the last values it logged) is not averaged with finished ones: its row says "unfinished".
+A run that recorded no config (a directory of results alone) is a row of its own.
 
 Writes `OUT/comparison.md`, `OUT/comparison.csv` (the same rows, metrics in their logged units) and
 `OUT/curves.png` (training loss and the validation top-1 of every run against the step).
@@ -93,7 +94,9 @@ class Run:
 
     def setting(self) -> dict[str, str]:
         """The flattened settings of `GROUPING_SECTIONS`, without run control (`RUN_CONTROL`) and what the data sets
-        (`DERIVED`)."""
+        (`DERIVED`). A run that recorded no config cannot be told from another: it is a setting of its own."""
+        if not self.config:
+            return {"run": str(self.path)}
         flat = flatten({section: self.config.get(section) for section in GROUPING_SECTIONS})
         return {key: value for key, value in flat.items() if not key.startswith(RUN_CONTROL) and key.replace(".init_args", "") not in DERIVED}
 

@@ -233,3 +233,13 @@ def test_a_whole_float_and_the_integer_w_and_b_stores_for_it_are_one_setting(tmp
 def test_the_starts_of_a_run_are_read_in_time_order_whether_online_or_offline():
     starts = [Path("wandb/offline-run-20261127_155525-x"), Path("wandb/run-20261127_155500-x"), Path("wandb/offline-run-20261127_150000-x")]
     assert [start.name for start in compare.by_start(starts)] == ["offline-run-20261127_150000-x", "run-20261127_155500-x", "offline-run-20261127_155525-x"]
+
+
+def test_runs_that_recorded_no_config_are_rows_of_their_own(tmp_path):
+    """Nothing tells their settings apart (a logger that kept the config elsewhere): averaged as one row, a temperature
+    of 0.2 and one of 0.5 read as two seeds."""
+    for name, knn in (("a", 0.2), ("b", 0.4)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results_val.json").write_text(json.dumps({"epoch": 1, "global_step": 2, "metrics": {"val/knn_top1": knn}}))
+    lines = compare.main([str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "out")]).splitlines()
+    assert [line.split(" | ")[5] for line in lines if line.startswith("| n/a | n/a")] == ["20.00", "40.00"]

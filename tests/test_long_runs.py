@@ -211,6 +211,23 @@ def test_a_checkpoint_of_another_run_is_refused_into_a_directory_that_holds_a_ru
     assert pretrain(tmp_path / "empty", "--seed_everything=1", f"--ckpt_path={other_checkpoint}").trainer.global_step == 2
 
 
+@pytest.mark.parametrize("kept", ["removed", "elsewhere"])
+def test_a_finished_run_whose_checkpoints_are_not_in_its_directory_still_holds_it(kept, tmp_path, capsys):
+    """Its results and config were overwritten by a new run, without a word, when only checkpoints counted."""
+    run_dir = tmp_path / "run"
+    pretrain(run_dir, *([f"--checkpoint.dirpath={tmp_path / 'kept'}"] if kept == "elsewhere" else []))
+    if kept == "removed":
+        shutil.rmtree(run_dir / "checkpoints")
+    before = files_in(run_dir)
+    for resume in ([], ["--ckpt_path=last"]):  # `last` with no checkpoint starts a new run
+        line = run_failing(main_pretrain, ["fit", "--config", PRETRAIN_DIGITS, *TINY_RUN, *QUIET, f"--trainer.default_root_dir={run_dir}",
+                                           "--seed_everything=5", *resume], capsys)
+        assert line == (f"error: {run_dir / 'results_val.json'} holds the results of a finished run whose checkpoints are not in "
+                        f"{run_dir / 'checkpoints'}: a new run there would overwrite them; give another trainer.default_root_dir, or remove "
+                        "that file to reuse the directory")
+        assert files_in(run_dir) == before
+
+
 def test_a_run_that_keeps_no_last_ckpt_still_holds_its_directory(tmp_path, capsys):
     run_dir = tmp_path / "run"
     pretrain(run_dir, "--checkpoint.save_last=false")

@@ -209,3 +209,16 @@ def test_the_credentials_that_count_are_those_of_the_server_wandb_login_host_cho
     assert wandb_mode() is None  # online, with the credentials of the server it logs in to
     monkeypatch.setenv("WANDB_BASE_URL", "https://api.wandb.ai")  # the variable comes first, as for W&B
     assert wandb_mode() == "offline"
+
+
+@pytest.mark.slow  # starts W&B, offline
+def test_the_config_is_saved_in_the_run_directory_whatever_the_loggers_and_w_and_b_starts_from_any_place_in_a_list(tmp_path, monkeypatch):
+    """Lightning's log_dir is the first logger's (a CSVLogger's own folder; the working directory of a plain
+    WandbLogger, where each run overwrote the last one's config), and a WandbRun after another logger was never started."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.chdir(tmp_path)
+    run, csv = tmp_path / "run", tmp_path / "csv"
+    loggers = f"[{{class_path: lightning.pytorch.loggers.CSVLogger, init_args: {{save_dir: {csv}}}}}, {{class_path: engine.tracking.WandbRun}}]"
+    main_pretrain.cli_main(["fit", "--config", PRETRAIN_DIGITS, *TINY_RUN, f"--trainer.default_root_dir={run}", f"--trainer.logger={loggers}"])
+    assert (run / "config.yaml").is_file() and not list(csv.rglob("config.yaml")) and not (tmp_path / "config.yaml").exists()
+    assert list(csv.rglob("metrics.csv")) and list((run / "wandb").glob("offline-run-*"))

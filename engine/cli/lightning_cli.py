@@ -70,7 +70,7 @@ from engine.files import SameDirectoryCheckpointIO, UnreadableCheckpoint, WriteF
 from engine.non_finite import NonFiniteLossError, NonFiniteLossGuard
 from engine.preemption import LastCheckpointAtEveryEpoch, LastCheckpointOnSigterm, PreemptionSignals, ProcessTimeLimit, ResumeInStoppedEpoch
 from engine.random_state import RandomStateCheckpoint
-from engine.tracking import TrainingThroughput, WandbRun, WandbUnavailable, wandb_mode
+from engine.tracking import TrainingThroughput, WandbUnavailable, tracked_run, wandb_mode
 from methods.base import MethodBase
 from methods.checkpoints import class_at, trainable_classes
 
@@ -116,8 +116,8 @@ class ContrastlabCLI(KeepsEvaluationSettings):
     def subcommands(self) -> dict[str, set[str]]:
         """The subcommand the command line starts with, alone: each subcommand's parser adds every Trainer, model and
         data argument, and building the other three took 0.19 s of a 0.51 s `--print_config` here. A command line
-        that starts with anything else (`--help`, a misspelt subcommand) gets all four, to list them."""
-        every = LightningCLI.subcommands()
+        that starts with anything else (`--help`, a misspelt subcommand) gets all three, to list them."""
+        every = {name: keys for name, keys in LightningCLI.subcommands().items() if name != "predict"}  # no method has a predict_step
         return {self.requested_subcommand: every[self.requested_subcommand]} if self.requested_subcommand in every else every
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
@@ -252,18 +252,18 @@ class ContrastlabCLI(KeepsEvaluationSettings):
     def _tracking_mode(self) -> str | None:
         """The W&B mode (`engine.tracking.wandb_mode`) and the run's name, decided before anything is written: an online
         run that cannot log, or a name key that the config lacks, is one error line."""
-        if not isinstance(self.trainer.logger, WandbRun):
+        if (run := tracked_run(self.trainer)) is None:
             return None
         with one_error_line(WandbUnavailable, ValueError):
-            self.trainer.logger.check_name(self.config[self.subcommand].as_dict())
+            run.check_name(self.config[self.subcommand].as_dict())
             return wandb_mode()
 
     def _start_tracking(self, mode: str | None, resumed: bool = False) -> None:
         """Bind a W&B logger to the run directory and the resolved config before the trainer creates its run."""
-        if not isinstance(self.trainer.logger, WandbRun):
+        if (run := tracked_run(self.trainer)) is None:
             return
         with one_error_line(ValueError):
-            self.trainer.logger.start(self.trainer.default_root_dir, self.config[self.subcommand].as_dict(), mode, self.subcommand, resumed)
+            run.start(self.trainer.default_root_dir, self.config[self.subcommand].as_dict(), mode, self.subcommand, resumed)
 
     def _say_precision(self) -> None:
         if self.precision_note is not None:

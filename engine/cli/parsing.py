@@ -67,7 +67,8 @@ def integer_batch_counts(trainer) -> dict[str, int]:
 def check_run_values(config, subcommand: str | None) -> None:
     """Values Lightning accepts but a run of this project cannot use, refused before anything is written: a seed that
     is not an explicit integer, an accumulation of no batch (a ZeroDivisionError once training started), a fit of no
-    epoch or step (it wrote its files and trained nothing) and the checkpoint `best` of a fit in another process."""
+    epoch or step (it wrote its files and trained nothing), the checkpoint `best` of a fit in another process and a run
+    without checkpoints."""
     seed = config.get("seed_everything")
     if not isinstance(seed, int) or isinstance(seed, bool):  # true means seed 0 every time (Lightning >= 2.2 seeds None as 0: Lightning-AI/pytorch-lightning #18846)
         fail(f"seed_everything must be an explicit integer (a config's seed_everything or --seed_everything), got {seed!r}")
@@ -80,6 +81,9 @@ def check_run_values(config, subcommand: str | None) -> None:
         fail(f"trainer.{stop} 0 trains nothing: give the run's length (or evaluate a checkpoint with validate or test)")
     if config.get("ckpt_path") == "best":  # Lightning's name for the best checkpoint of this process's fit: a new process has none
         fail("ckpt_path 'best' names the best checkpoint of a fit in this process, which a new process has not written: give last or a checkpoint file")
+    if trainer.get("enable_checkpointing") is False:  # Lightning refuses it beside the `checkpoint` callback every run has
+        fail("trainer.enable_checkpointing false: every run keeps checkpoints/last.ckpt, which a resume, the linear stage and "
+             "the sweeps read; --checkpoint.save_top_k 0 keeps no other checkpoint")
 
 
 def fail_on_syntax_error(path, text: str) -> None:
@@ -143,17 +147,19 @@ class SaveConfigToRun(SaveConfigCallback):
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         if not self.already_saved:
-            log_dir = trainer.log_dir  # on every process: it broadcasts the directory of process zero
+            # the run directory, beside its checkpoints and results, whatever the loggers write where (Lightning's
+            # log_dir is the first logger's: the working directory of a plain WandbLogger, where every run overwrote it)
             # a `validate` or `test` in the training run's directory keeps the config the run was trained with
             stage = getattr(stage, "value", stage)  # Lightning passes its TrainerFn, a str enum
             name = self.config_filename if stage == "fit" else f"{Path(self.config_filename).stem}_{stage}.yaml"
             if trainer.is_global_zero:
-                write_run_file(os.path.join(log_dir, name), self.resolved_text)
+                write_run_file(os.path.join(trainer.default_root_dir, name), self.resolved_text)
         super().setup(trainer, pl_module, stage)
 
     def save_config(self, trainer, pl_module, stage: str) -> None:
-        if isinstance(trainer.logger, WandbLogger):
-            trainer.logger.experiment.config.update(self.config.as_dict(), allow_val_change=True)
+        for logger in trainer.loggers:
+            if isinstance(logger, WandbLogger):
+                logger.experiment.config.update(self.config.as_dict(), allow_val_change=True)
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
         """Every checkpoint carries the resolved config (plain YAML types, so `weights_only` loads read it) and the

@@ -16,6 +16,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from engine.checkpoint_record import RECORD_KEY, CheckpointMismatch
 from engine.cli.errors import fail
+from engine.cli.results import FIT_RESULTS
 from engine.config import flattened
 from engine.files import UnreadableCheckpoint, last_checkpoint_path, read_checkpoint
 from methods.checkpoints import class_at, method_class
@@ -224,6 +225,10 @@ def refuse_to_overwrite_a_run(trainer, ckpt_path: str | None) -> str | None:
     an empty directory only. Returns the ckpt_path to use: `last` for a Slurm job requeued before it wrote an hpc
     checkpoint, else the given one."""
     existing = [path for path in run_checkpoints(trainer) if path.is_file()]
+    results = Path(trainer.default_root_dir) / FIT_RESULTS
+    if not existing and results.is_file():  # checkpoints removed, or kept elsewhere (checkpoint.dirpath)
+        fail(f"{results} holds the results of a finished run whose checkpoints are not in {Path(trainer.default_root_dir) / 'checkpoints'}: "
+             "a new run there would overwrite them; give another trainer.default_root_dir, or remove that file to reuse the directory")
     if not existing or ckpt_path in LIGHTNING_CHECKPOINT_NAMES:
         return ckpt_path
     if SLURMEnvironment.detect() and int(os.environ.get("SLURM_RESTART_COUNT", 0)) > 0:
