@@ -201,6 +201,7 @@ class ContrastiveDataModule(L.LightningDataModule):
     expected_layout: str = ""  # what must be under data.root, for the errors ("" when no root is needed)
     how_to_get = ""  # where the files come from, for the missing-root error
     uniform_image_size = True  # False where images vary in size: `pipeline: gpu` then decodes files on the device
+    training_labels = True  # False where no training image has a label: an online probe learns nothing from them
 
     def __init__(
         self,

@@ -162,12 +162,14 @@ class ImageFolderDataModule(FolderDataModule):
 
 
 class UnlabeledFolderDataModule(FolderDataModule):
-    """Pretraining on every image under `root` (any sub-folder structure; label -1). The kNN monitor and
-    the online probe need labels: give `eval_root`, a labelled folder with `train/<class>/` (the kNN
-    bank and the probe's training images) and `val/<class>/`; without it there is nothing to
-    validate (no validation batches) and `num_classes` is 2, the smallest the probe accepts."""
+    """Pretraining on every image under `root` (any sub-folder structure; label -1). The kNN monitor needs
+    labels: give `eval_root`, a labelled folder with `train/<class>/` (the kNN bank) and `val/<class>/`; without it
+    there is nothing to validate (no validation batches) and `num_classes` is 2, the smallest the probe accepts. The
+    online probe learns from the training batches' labels, so it reports nothing here (`training_labels`): probe these
+    runs with the linear stage on a labelled dataset."""
 
     expected_layout = "image files (any sub-folders)"
+    training_labels = False
 
     def __init__(
         self,

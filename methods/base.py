@@ -128,8 +128,9 @@ class MethodBase(EvaluationMixin, CheckpointRecord, L.LightningModule):
         """Refuse (`CheckpointMismatch`) a checkpoint of this class that the configured run must not restore."""
 
     def results_context(self) -> dict:
-        """What the run's results are of besides its own weights, written beside them in `results_*.json`."""
-        return {}
+        """What the run's results are of besides its own weights, written beside them in `results_*.json`: the evaluation
+        settings (a kNN's k, tau-norm's tau), which a `validate` may set otherwise than the training did."""
+        return {name: self.hparams[name] for name in self.evaluation_settings if name in self.hparams}
 
     def expected_warnings(self) -> tuple[str, ...]:
         """Messages of the warnings this model triggers by design; the CLI silences them for its runs."""

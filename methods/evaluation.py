@@ -89,6 +89,7 @@ class EvaluationMixin:
             raise ValueError(f"model.init_args.few_shot_below {shot_bounds[1]} and many_shot_above {shot_bounds[0]}: need 0 < few_shot_below <= many_shot_above")
         self.knn_k, self.knn_temperature = knn_k, knn_temperature
         self.metric_prefix, self.shot_bounds = prefix, shot_bounds
+        self.logits_trained = True  # False: the logits' classifier had no labelled image to learn from (not reported)
         self.top_ks = (1, 5) if self.num_classes > 5 else (1,)
         classes = {"num_classes": self.num_classes, "ignore_index": -1}
         self.accuracies = nn.ModuleDict({f"top{k}": MulticlassAccuracy(top_k=k, average="micro", **classes) for k in self.top_ks})
@@ -142,7 +143,7 @@ class EvaluationMixin:
         # images scored on any process (each is a true positive or a false negative): none when every label is -1
         scored = bool(self.trainer.strategy.reduce(top1.tp + top1.fn, reduce_op="sum") > 0)
         for k, accuracy in zip(self.top_ks, self.accuracies.values()):
-            if scored:
+            if scored and self.logits_trained:
                 self.log(f"{stage}/{self.metric_prefix}top{k}", accuracy.compute())
             accuracy.reset()
         if self.class_stats is not None:

@@ -150,7 +150,7 @@ class LinearProbe(MethodBase):
 
     def results_context(self) -> dict:
         # the step of the weights probed: a pretraining resumed since trains on, and its last.ckpt is then others (scripts/compare.py)
-        return {"pretrained_ckpt": self.hparams.pretrained_ckpt, "pretrained_step": self.pretrained_step}
+        return super().results_context() | {"pretrained_ckpt": self.hparams.pretrained_ckpt, "pretrained_step": self.pretrained_step}
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         super().on_save_checkpoint(checkpoint)

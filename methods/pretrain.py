@@ -13,6 +13,7 @@ from typing import Literal, Sequence
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from backbones import MLPSpec
 from engine.config import as_spec
@@ -134,6 +135,15 @@ class PretrainMethod(MethodBase):
         first `global_crops` crops, concatenated, for the online probe."""
         head = lambda features: F.normalize(self.predictor(self.projector(features)), dim=1)  # noqa: E731
         return self.encode_crops(self.crops(views, names), self.backbone, head, global_crops)
+
+    def check_data(self, datamodule, world_size: int) -> None:
+        super().check_data(datamodule, world_size)
+        # the probe learns from the training batches' labels: of unlabelled images nothing, and its chance-level
+        # accuracy would read as the run's result
+        self.logits_trained = getattr(datamodule, "training_labels", True)
+        if not self.logits_trained:
+            rank_zero_warn(f"the online probe learns from labelled training images and {type(datamodule).__name__}'s have no labels: "
+                           "val/probe_* are not reported (probe the trunk with main_linear.py on a labelled dataset)")
 
     # ----------------------------------------------------------------- training
     def probe_loss(self, features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -692,3 +692,23 @@ def test_every_imagenet100_config_runs_a_step_on_a_fake_tree(config, imagenet_tr
     )
     assert cli.trainer.global_step == 1 and cli.datamodule.num_classes == 100
     assert all(torch.isfinite(value) for name, value in cli.trainer.callback_metrics.items() if name.startswith("train/"))
+
+
+def test_a_pretraining_on_unlabelled_images_reports_the_knn_monitor_and_no_online_probe(tmp_path):
+    """The online probe learns from the training batches' labels: on unlabelled images it never trained, and its
+    chance-level accuracy read as the run's result."""
+    from helpers import cpu_trainer
+    from test_moco import MOCO_VIEWS, tiny_moco
+
+    for split in ("train", "val"):
+        for name in ("cat", "dog", "owl"):
+            for index in range(2):
+                save_image(tmp_path / "labelled" / split / name / f"{index}.png")
+    for index in range(8):
+        save_image(tmp_path / "raw" / f"{index}.jpg")
+    datamodule = UnlabeledFolderDataModule(root=str(tmp_path / "raw"), eval_root=str(tmp_path / "labelled"), batch_size=4, num_workers=0,
+                                           views=MOCO_VIEWS, image_size=24)
+    trainer = cpu_trainer(tmp_path, max_steps=2)
+    with pytest.warns(UserWarning, match="val/probe_\\* are not reported"):
+        trainer.fit(tiny_moco(num_classes=datamodule.num_classes, knn_k=3), datamodule)
+    assert "val/knn_top1" in trainer.callback_metrics and not [name for name in trainer.callback_metrics if name.startswith("val/probe_")]

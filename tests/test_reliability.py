@@ -829,6 +829,8 @@ def test_an_evaluation_takes_the_knn_settings_from_its_command_line_and_refuses_
                   f"--trainer.default_root_dir={run_dir}", f"--ckpt_path={cli_checkpoint}"]
     assert main_pretrain.cli_main([*evaluation, "--model.init_args.knn_k=5", "--model.knn_temperature=0.1"]).model.knn_k == 5
     assert yaml.safe_load((run_dir / "config_validate.yaml").read_text())["model"]["init_args"]["knn_temperature"] == 0.1
+    results = json.loads((run_dir / "results_validate.json").read_text())
+    assert (results["knn_k"], results["knn_temperature"]) == (5, 0.1)  # what its numbers are of
     shutil.rmtree(run_dir)
     for override, value, trained in (("--model.init_args.temperature=0.5", "0.5", "0.2"), ("--model.backbone.name=resnet18", "'resnet18'", "'timm:test_resnet'")):
         line = run_failing(main_pretrain, [*evaluation, override], capsys)
@@ -949,6 +951,8 @@ def test_a_probe_evaluated_after_its_pretraining_trained_on_records_the_step_of_
         # a ZeroDivisionError once training started, after config.yaml and run.lock were written
         ("moco_digits", "--trainer.accumulate_grad_batches=0", "error: trainer.accumulate_grad_batches must be an integer >= 1, got 0"),
         ("moco_digits", "--trainer.max_epochs=0", "error: trainer.max_epochs 0 trains nothing"),  # it wrote its files and exited 0
+        # Lightning's "found ModelCheckpoint in callbacks list" did not say how to keep fewer checkpoints
+        ("moco_digits", "--trainer.enable_checkpointing=false", "error: trainer.enable_checkpointing false: every run keeps checkpoints/last.ckpt"),
     ],
 )
 def test_an_out_of_range_or_mistyped_value_ends_with_one_error_line_naming_it(config, override, expected, tmp_path, capsys):

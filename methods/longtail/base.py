@@ -99,7 +99,8 @@ class LongTailClassifier(MethodBase):
             return None, self.classify(images.float())
 
     def results_context(self) -> dict:
-        return {"pretrained_ckpt": self.hparams.pretrained_ckpt} if self.hparams.pretrained_ckpt is not None else {}  # a release evaluated
+        release = {"pretrained_ckpt": self.hparams.pretrained_ckpt} if self.hparams.pretrained_ckpt is not None else {}  # a release evaluated
+        return super().results_context() | release
 
 
 class SupervisedMoCoMixin(MomentumMixin):

@@ -53,9 +53,6 @@ class CrossEntropy(LongTailClassifier):
             logits = logits + self.log_prior
         return F.cross_entropy(logits, batch["label"]), None
 
-    def results_context(self) -> dict:
-        return super().results_context() | {"tau_norm": self.tau_norm}  # the evaluation's tau, chosen after training
-
     def classify(self, images):
         if not self.tau_norm:
             return super().classify(images)
