@@ -10,7 +10,7 @@ The method (class and hyperparameters, hence its temperature) comes from the che
 the CLI overrides given after `--`. A published checkpoint (`--format`, `interop.official`) gives the
 trunk and projection head of the config's method, which must be built as the official code builds them
 (overrides after `--`). Writes OUT/metrics.json, OUT/local_separation.png and OUT/negative_entropy.png,
-OUT being `<run>/analysis` unless `--out` says otherwise.
+OUT being `<run>/analysis/<checkpoint>-<split>` (e.g. `last-val`) unless `--out` says otherwise.
 
 Two more commands take the same checkpoint, --format, --config, --split, --out and overrides:
 

@@ -12,7 +12,7 @@ between islands mean little.
 
     uv run python -m analysis embedding-map runs/moco_digits/checkpoints/last.ckpt --config configs/moco_digits.yaml
 
-writes OUT/embedding_map.png (OUT: `<run>/analysis` unless `--out` says otherwise); the command is in
+writes OUT/embedding_map.png (OUT: `<run>/analysis/<checkpoint>-<split>` unless `--out` says otherwise); the command is in
 `analysis.__main__`, so that the callbacks import no command-line code. At the end of a pretraining run the
 `analysis.EmbeddingMap` callback draws the same map (`analysis.monitors`).
 """

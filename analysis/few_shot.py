@@ -13,7 +13,7 @@ deviation (Student's t: the draws are few and their spread is estimated).
     uv run python -m analysis few-shot runs/moco_digits/checkpoints/last.ckpt --config configs/moco_digits.yaml \\
         --shots 1 5 10 --draws 5
 
-writes OUT/few_shot.json (OUT: `<run>/analysis` unless `--out` says otherwise) and prints one line per k.
+writes OUT/few_shot.json (OUT: `<run>/analysis/<checkpoint>-<split>` unless `--out` says otherwise) and prints one line per k.
 """
 
 from __future__ import annotations

@@ -73,7 +73,7 @@ def add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--format", choices=FORMATS, help="the checkpoint's layout (default: read from its keys)")
     parser.add_argument("--config", required=True, help="the pretraining config (for the data)")
     parser.add_argument("--split", default="val", help="the DataModule split to analyse")
-    parser.add_argument("--out", type=Path, help="output folder (default: <run>/analysis)")
+    parser.add_argument("--out", type=Path, help="output folder (default: <run>/analysis/<checkpoint>-<split>)")
     parser.add_argument("--device", type=usable_device, default="cuda" if torch.cuda.is_available() else "cpu")
 
 
@@ -100,9 +100,11 @@ def measured_on(args: argparse.Namespace, overrides: list[str], checkpoint_forma
 
 
 def default_out(args: argparse.Namespace) -> Path:
-    """`--out`, else the `analysis` folder of the checkpoint's run (`<run>/checkpoints/x.ckpt` -> `<run>/analysis`), or of
-    the checkpoint's own folder for one outside a run (a published file), as the linear stage places its run."""
+    """`--out`, else a folder of the checkpoint and split in the `analysis` folder of the checkpoint's run
+    (`<run>/checkpoints/x.ckpt`, split val -> `<run>/analysis/x-val`), or of the checkpoint's own folder for one outside a
+    run (a published file), as the linear stage places its run: the analyses of other checkpoints or splits, and the
+    embedding map the training drew in `<run>/analysis`, stay as they are."""
     folder = args.checkpoint.resolve().parent
-    out = args.out or (folder.parent if folder.name == "checkpoints" else folder) / "analysis"
+    out = args.out or (folder.parent if folder.name == "checkpoints" else folder) / "analysis" / f"{args.checkpoint.stem}-{args.split}"
     check_folder(out, "the output folder")  # before the analysis runs, not when its first file is written
     return out

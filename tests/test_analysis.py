@@ -191,6 +191,8 @@ def test_an_output_folder_below_a_file_and_a_negative_seed_are_one_error_line_be
 def test_without_out_the_analysis_goes_to_the_checkpoint_s_run_or_beside_a_checkpoint_outside_one(tmp_path):
     from analysis.loading import default_out
 
-    assert default_out(argparse.Namespace(out=None, checkpoint=tmp_path / "run" / "checkpoints" / "last.ckpt")) == tmp_path / "run" / "analysis"
-    assert default_out(argparse.Namespace(out=None, checkpoint=tmp_path / "downloads" / "moco.ckpt")) == tmp_path / "downloads" / "analysis"
-    assert default_out(argparse.Namespace(out=tmp_path / "chosen", checkpoint=tmp_path / "downloads" / "moco.ckpt")) == tmp_path / "chosen"
+    # a folder per checkpoint and split: another's analysis, and the training's embedding map in <run>/analysis, stay
+    assert default_out(argparse.Namespace(out=None, split="val", checkpoint=tmp_path / "run" / "checkpoints" / "last.ckpt")) == tmp_path / "run" / "analysis" / "last-val"
+    assert default_out(argparse.Namespace(out=None, split="test", checkpoint=tmp_path / "run" / "checkpoints" / "epoch=9.ckpt")) == tmp_path / "run" / "analysis" / "epoch=9-test"
+    assert default_out(argparse.Namespace(out=None, split="val", checkpoint=tmp_path / "downloads" / "moco.ckpt")) == tmp_path / "downloads" / "analysis" / "moco-val"
+    assert default_out(argparse.Namespace(out=tmp_path / "chosen", split="val", checkpoint=tmp_path / "downloads" / "moco.ckpt")) == tmp_path / "chosen"
