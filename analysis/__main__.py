@@ -12,12 +12,13 @@ trunk and projection head of the config's method, which must be built as the off
 (overrides after `--`). Writes OUT/metrics.json, OUT/local_separation.png and OUT/negative_entropy.png,
 OUT being `<run>/analysis/<checkpoint>-<split>` (e.g. `last-val`) unless `--out` says otherwise.
 
-Two more commands take the same checkpoint, --format, --config, --split, --out and overrides:
+Three more commands take the same checkpoint, --format, --config, --split, --out and overrides:
 
     uv run python -m analysis embedding-map CKPT --config CONFIG   # OUT/embedding_map.png, a t-SNE map by class
     uv run python -m analysis few-shot CKPT --config CONFIG        # OUT/few_shot.json, k-shot linear probes
+    uv run python -m analysis knn CKPT --config CONFIG             # OUT/knn.json, the kNN for several k and temperatures
 
-(`python -m analysis embedding-map --help`, `python -m analysis few-shot --help`.)
+(`python -m analysis embedding-map --help`, `python -m analysis few-shot --help`, `python -m analysis knn --help`.)
 """
 
 import argparse
@@ -25,7 +26,7 @@ import json
 import sys
 from pathlib import Path
 
-from analysis import embedding_map, few_shot
+from analysis import embedding_map, few_shot, knn
 from analysis.embedding_map import MAX_LEGEND_CLASSES, write_embedding_map
 from analysis.loading import add_checkpoint_arguments, default_out, load_checkpoint_and_data, load_method, measured_on, non_negative_int, positive_float, positive_int
 from analysis.representation import analyse
@@ -58,7 +59,7 @@ def embedding_map_command(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"embedding-map": embedding_map_command, "few-shot": few_shot.main}
+COMMANDS = {"embedding-map": embedding_map_command, "few-shot": few_shot.main, "knn": knn.main}
 
 
 def main(argv: list[str]) -> int:

@@ -160,10 +160,31 @@ def test_pretraining_logs_the_analysis_and_the_command_analyses_its_checkpoint(t
         analyse_checkpoint([*command, "--", *data, "--model.init_args.temperature=0.5"])  # it would change nothing: said, not ignored
 
 
+@pytest.mark.slow
+def test_the_knn_command_gives_the_monitors_numbers_for_its_k_and_temperature_and_the_others_of_the_grid(tmp_path, capsys):
+    """One extraction of the features for every (k, temperature): at the config's own (200, 0.07), the numbers the
+    kNN monitor reported at the end of the run (fp32 both; the whole bank and validation split)."""
+    run_dir, config = tmp_path / "run", str(ROOT / "configs/moco_digits.yaml")
+    data = ["--data.init_args.train_variants=1", "--data.init_args.eval_variants=1"]
+    main_pretrain.cli_main(["fit", "--config", config, "--trainer.max_steps=3", "--trainer.precision=32-true", "--trainer.logger=false",
+                            "--trainer.enable_progress_bar=false", f"--trainer.default_root_dir={run_dir}", *data])
+    monitored = json.loads((run_dir / "results_val.json").read_text())["metrics"]
+    capsys.readouterr()
+    analyse_checkpoint(["knn", str(run_dir / "checkpoints" / "last.ckpt"), "--config", config, "--k", "200", "7", "--temperature", "0.07", "0.5", "--", *data])
+    record = json.loads((run_dir / "analysis" / "last-val" / "knn.json").read_text())
+    assert [(setting["k"], setting["temperature"]) for setting in record["settings"]] == [(200, 0.07), (200, 0.5), (7, 0.07), (7, 0.5)]
+    assert record["settings"][0]["top1"] == pytest.approx(monitored["val/knn_top1"], abs=1e-6)
+    assert record["settings"][0]["top5"] == pytest.approx(monitored["val/knn_top5"], abs=1e-6)
+    assert (record["bank_split"], record["eval_images"], record["format"]) == ("train", 300, "contrastlab")
+    assert capsys.readouterr().out.splitlines()[0].startswith("k  200  temperature 0.07    top-1 ")
+
+
 @pytest.mark.parametrize(
     "arguments, message",
     [(["--max-samples", "-5"], "argument --max-samples: invalid positive_int value: '-5'"),
      (["embedding-map", "--max-samples", "0"], "argument --max-samples: invalid positive_int value: '0'"),
+     (["knn", "--k", "200", "0"], "argument --k: invalid positive_int value: '0'"),
+     (["knn", "--temperature", "-0.07"], "argument --temperature: invalid positive_float value: '-0.07'"),
      (["--temperature", "0"], "argument --temperature: invalid positive_float value: '0'"),  # named no option, after the checkpoint was read
      (["--device", "cuda"] if not torch.cuda.is_available() else ["--device", "nodevice"], "argument --device: invalid usable_device value:"),
      (["--device", f"cuda:{torch.cuda.device_count()}"], f"argument --device: invalid usable_device value: 'cuda:{torch.cuda.device_count()}'"),
@@ -171,18 +192,18 @@ def test_pretraining_logs_the_analysis_and_the_command_analyses_its_checkpoint(t
      (["--device", "mps"], "argument --device: invalid usable_device value: 'mps'")],
 )
 def test_a_count_below_one_a_temperature_of_0_or_a_device_this_machine_lacks_is_refused_before_any_checkpoint_is_read(arguments, message, tmp_path, capsys):
-    command = arguments[:1] if arguments[0] == "embedding-map" else []
+    command = arguments[:1] if arguments[0] in ("embedding-map", "knn") else []
     with pytest.raises(SystemExit) as exit_info:
         analyse_checkpoint([*command, str(tmp_path / "absent.ckpt"), "--config", "configs/moco_digits.yaml", *arguments[len(command):]])
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("command", [[], ["embedding-map"], ["few-shot"]], ids=["analysis", "embedding-map", "few-shot"])
+@pytest.mark.parametrize("command", [[], ["embedding-map"], ["few-shot"], ["knn"]], ids=["analysis", "embedding-map", "few-shot", "knn"])
 def test_an_output_folder_below_a_file_and_a_negative_seed_are_one_error_line_before_any_checkpoint_is_read(command, tmp_path, capsys):
     (tmp_path / "taken").write_text("")
     with pytest.raises(SystemExit, match=rf"^error: the output folder {tmp_path / 'taken' / 'out'} cannot be a folder: {tmp_path / 'taken'} is a file$"):
         analyse_checkpoint([*command, str(tmp_path / "absent.ckpt"), "--config", "configs/moco_digits.yaml", "--out", str(tmp_path / "taken" / "out")])
-    if command:  # the subcommands draw with a seed
+    if command and command != ["knn"]:  # the subcommands that draw with a seed
         with pytest.raises(SystemExit):
             analyse_checkpoint([*command, str(tmp_path / "absent.ckpt"), "--config", "configs/moco_digits.yaml", "--seed", "-1"])
         assert "argument --seed: invalid non_negative_int value: '-1'" in capsys.readouterr().err
