@@ -15,6 +15,7 @@ Every layout below is read from the repository's own model definition and its lo
 | `torchvision` | a plain state dict (`torch.save(model.state_dict())`, or `.safetensors`) | every key but `fc.*` | - | `fc.*` |
 | `timm` | a plain state dict of `timm.create_model(name)` | every key but the classifier's | - | the model's `pretrained_cfg["classifier"]` |
 | `mocov3` | facebookresearch/moco-v3 `main_moco.py`: `{"epoch", "arch", "state_dict", "optimizer", "scaler"}` | `module.base_encoder.*` without `fc.*` (ResNet) or `head.*` (ViT) (`main_lincls.py` keeps exactly these) | `module.base_encoder.fc.*` / `.head.*` (`moco/builder.py`: the projector replaces the classifier), `module.predictor.*` | - |
+| `solo_learn` | vturrisi/solo-learn: a Lightning checkpoint, `state_dict`, no `hyper_parameters` (`main_pretrain.py`) | `backbone.*`, the online trunk, as its `main_linear.py` reads it for every method (`momentum_backbone.*` is not read); its CIFAR stem pads by 2 (`small_input_stem: solo_learn`) | - (the projectors differ per method) | - (`classifier.*` is its online linear layer) |
 | `simsiam` | facebookresearch/simsiam `main_simsiam.py`: `{"epoch", "arch", "state_dict", "optimizer"}` | `module.encoder.*` without `fc.*` (`main_lincls.py` keeps exactly these) | `module.encoder.fc.*` (`simsiam/builder.py`: the projector ends with the ResNet's own fc), `module.predictor.*` | - |
 
 The architectures are torchvision's: SupContrast's and WangFeng18's CIFAR ResNets are torchvision's ResNet
@@ -31,10 +32,11 @@ import torch
 
 from backbones import BACKBONE_NAMES, BackboneSpec, attention_heads, load_state_strictly
 from backbones.vit import VIT_SIZES
+from engine.checkpoint_record import RECORD_KEY
 from engine.config import as_spec
 from engine.files import is_state_dict, read_checkpoint
 
-FORMATS = ("contrastlab", "moco", "sce", "paco", "supcon", "jcl", "npid", "torchvision", "timm", "mocov3", "simsiam", "swav", "dino")
+FORMATS = ("contrastlab", "moco", "sce", "paco", "supcon", "jcl", "npid", "torchvision", "timm", "mocov3", "simsiam", "swav", "dino", "solo_learn")
 LIGHTNING_KEY = "pytorch-lightning_version"
 
 
@@ -70,6 +72,9 @@ LAYOUTS = {
     # Barlow Twins' and VICReg's released resnet50.pth are torchvision state dicts without `fc` (`torchvision`)
     "swav": Layout(None, ("module.",), not_trunk=("projection_head.", "prototypes.")),
     "dino": Layout("teacher", ("module.backbone.", "backbone."), heads={"projector": ("module.head.mlp.", "head.mlp.")}),
+    # vturrisi/solo-learn: its main_linear.py reads the online `backbone.*` of every method (the momentum_backbone
+    # of BYOL's or DINO's too); the projectors differ per method and are not read
+    "solo_learn": Layout("state_dict", ("backbone.",)),
 }
 MOMENTUM_TRUNK_FORMATS = ("dino",)  # whose trunk read is the momentum copy (DINO's teacher, as eval_linear.py reads it)
 
@@ -98,8 +103,10 @@ def detect_format(checkpoint: Any, backbone_name: str | None, source: str) -> st
         return "timm" if (backbone_name or "").startswith("timm:") else "torchvision"
     entries = checkpoint if isinstance(checkpoint, dict) else {}
     keys = entries.get("state_dict") if isinstance(entries.get("state_dict"), dict) else {}
-    if any(key.startswith("backbone.") for key in keys):  # no official layout names its trunk `backbone`
-        return "contrastlab"
+    if any(key.startswith("backbone.") for key in keys):  # no official layout names its trunk `backbone` but solo-learn's
+        # solo-learn's LightningModules save no hyperparameters, and name their online linear layer `classifier`
+        solo_learn = "classifier.weight" in keys and "hyper_parameters" not in entries and RECORD_KEY not in entries
+        return "solo_learn" if solo_learn else "contrastlab"
     if any(key.startswith("module.encoder_q.") for key in keys):
         return "paco" if "module.linear.weight" in keys else "moco"
     if any(key.startswith("module.base_encoder.") for key in keys):
@@ -258,7 +265,11 @@ def official_trunk(
                          "--model.pretrained_encoder momentum, or leave it out")
     if backbone is not None:
         check_head_count(checkpoint, weights.format, as_spec(BackboneSpec, backbone), source)
-    return weights.trunk, backbone if backbone is not None else infer_backbone(weights.trunk, source)
+        return weights.trunk, backbone
+    spec = infer_backbone(weights.trunk, source)
+    if weights.format == "solo_learn" and spec.small_input:  # its CIFAR stem pads by 2 (solo/methods/base.py), which no shape shows
+        spec = replace(spec, small_input_stem="solo_learn")
+    return weights.trunk, spec
 
 
 # The head counts of the official ViTs a checkpoint names in its `arch` (moco-v3 main_moco.py) or `args.arch` (dino

@@ -200,6 +200,17 @@ def simsiam_file(trunk: nn.Module) -> dict:
 MOCOV3_SMALL_VIT = dict(img_size=16, patch_size=8, embed_dim=96, depth=1, num_heads=12)  # a vit_small of moco-v3's 12 heads, shrunk
 
 
+def solo_learn_file(trunk: nn.Module) -> dict:
+    """vturrisi/solo-learn main_pretrain.py: a Lightning checkpoint of a method without saved hyperparameters, the online
+    `backbone`, its `momentum_backbone` (BYOL, MoCo, DINO), a `projector` and the online linear `classifier`."""
+    momentum = randomised(BackboneSpec("resnet18", small_input=True, small_input_stem="solo_learn").build()[0])
+    return {
+        "epoch": 999, "global_step": 390000, "pytorch-lightning_version": "2.0.2", "optimizer_states": [], "lr_schedulers": [],
+        "state_dict": renamed(trunk.state_dict(), "backbone.") | renamed(momentum.state_dict(), "momentum_backbone.")
+        | renamed(head(512, 2048, 256), "projector.") | {"classifier.weight": torch.randn(10, 512), "classifier.bias": torch.zeros(10)},
+    }  # fmt: skip
+
+
 def timm_vit_trunk() -> nn.Module:
     """moco-v3 vits.py's VisionTransformerMoCo is timm's VisionTransformer under the same names; a small one at 16 px."""
     torch.manual_seed(5)
@@ -293,6 +304,9 @@ def official_case(format: str):
             heads = {key: value for key, value in swav_file(trunk).items() if not key.startswith("module.prototypes.")}
             return heads | {f"module.prototypes.prototypes{i}.weight": torch.randn(30, 16) for i in range(2)}, trunk, None
         return (swav_file(trunk) if format == "swav" else {"epoch": 400, "state_dict": swav_file(trunk), "optimizer": {}}), trunk, None
+    if format == "solo_learn":  # a CIFAR ResNet-18 of solo-learn's stem: padding 2, which only the format tells
+        trunk = randomised(BackboneSpec("resnet18", small_input=True, small_input_stem="solo_learn").build()[0]).eval()
+        return solo_learn_file(trunk), trunk, None
     if format == "dino":
         teacher = torchvision_trunk(small_input=False)
         return dino_file(teacher, vit=False), teacher, None
@@ -305,7 +319,7 @@ def official_case(format: str):
 
 
 CASES = ["moco", "sce", "paco", "supcon", "supcon_one_gpu", "npid", "npid_imagenet", "torchvision", "timm", "mocov3", "mocov3_vit", "simsiam",
-         "barlow_twins", "swav", "swav_training", "swav_multi_prototypes", "dino", "dino_vit"]
+         "barlow_twins", "swav", "swav_training", "swav_multi_prototypes", "dino", "dino_vit", "solo_learn"]
 DETECTED = {"supcon_one_gpu": "supcon", "npid_imagenet": "npid", "mocov3_vit": "mocov3", "barlow_twins": "torchvision", "dino_vit": "dino",
             "swav_training": "swav", "swav_multi_prototypes": "swav"}
 
