@@ -8,7 +8,8 @@ views through trunk and projector, RankMe, std, uniformity, alignment) runs `--r
 call, and the map once. Reported: the median epoch (the first one left out when there are several: it decodes and
 warms up), the median monitor call, the monitor's share of an epoch per call and amortised over its default
 interval (it runs once every `every_n_epochs` epochs), and the map's time. The load average of the machine is
-printed beside them: on shared cores the numbers vary.
+printed beside them: on shared cores the numbers vary. Overrides after `--` set the config's model and data; of its
+trainer only `--trainer.precision` is read (another trainer setting is refused).
 
     uv run python benchmarks/monitor_cost.py --config configs/moco_digits.yaml -- --trainer.precision 32-true
 """
@@ -97,6 +98,10 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(own)
     if args.epochs < 1 or args.repeats < 1:
         raise SystemExit(f"error: --epochs and --repeats must be >= 1, got {args.epochs} and {args.repeats}")
+    # its own Lightning trainer times whole epochs: of the config's trainer it takes the precision only
+    if unused := [argument for argument in overrides if argument.startswith("--trainer.") and argument.partition("=")[0] != "--trainer.precision"]:
+        raise SystemExit(f"error: {unused[0]}: this benchmark reads only --trainer.precision of the trainer's settings (it times "
+                         "whole epochs of its own trainer: give --epochs)")
     table = measure(args.config, args.epochs, args.repeats, overrides)
     print(table)
     if args.out:

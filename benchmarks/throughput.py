@@ -223,10 +223,13 @@ def main(argv: list[str]) -> int:
             overrides = [f"--data.init_args.root={args.data_root}", *overrides]
         if args.num_workers is not None:
             overrides = [f"--data.init_args.num_workers={args.num_workers}", *overrides]
-        if args.views_only:
-            table = views_table(view_rates(args.config, args.view_images, overrides))
-        else:
-            table = training_table([measure_training(args.config, pipeline, args.steps, args.warmup, overrides, args.profile) for pipeline in args.pipelines])
+        try:  # the data's files are opened here (`setup`): files that are not the dataset's are one error line, as in a run
+            if args.views_only:
+                table = views_table(view_rates(args.config, args.view_images, overrides))
+            else:
+                table = training_table([measure_training(args.config, pipeline, args.steps, args.warmup, overrides, args.profile) for pipeline in args.pipelines])
+        except ValueError as error:
+            raise SystemExit(f"error: {error}") from None
     table = f"{environment()}\n\n{table}"
     print(table)
     if args.out:

@@ -370,7 +370,7 @@ def collect(runs: list[Run], metrics: list[str], out: Path, stale_runs: frozense
         for metric in metrics:
             values = [value for value in (read_metric(run, metric) for run in members) if value is not None]
             cells.append(format_summary(summarise(values), metric, len(members)) if values else "missing")
-        lines.append(f"| {members[0].point_name} | {len(members)} | " + " | ".join(cells) + " |")
+        lines.append("| " + " | ".join([members[0].point_name, str(len(members)), *cells]) + " |")
     table = "\n".join(lines) + "\n\nAccuracies in %; mean ± std over seeds, (± half-width of the 95% CI); (n=k): only k of the seeds finished.\n"
     write_atomically(out / "results.md", lambda partial: partial.write_text(table))
     return table
@@ -471,8 +471,10 @@ def main(argv: list[str]) -> int:
             raise SystemExit(f"error: --metrics {unreported}")
         failed = [] if args.collect else [run for run in selected if not perform(run, args)]
         defaults = DEFAULT_METRICS[: 2 if not args.linear else 3]
-        # A default metric that no run reports (e.g. no kNN monitor on a classifier) is left out of the table.
-        metrics = [*(m for m in defaults if any(read_finished_metric(run, m) is not None for run in runs)), *args.metrics]
+        # A default metric that no run reports (e.g. no kNN monitor on a classifier) is left out of the table; before
+        # any run finished, every default is a column of `missing` cells
+        reported = [m for m in defaults if any(read_finished_metric(run, m) is not None for run in runs)]
+        metrics = [*(reported if reported or args.metrics else defaults), *args.metrics]
         if args.only is not None and not args.collect:  # the array's tasks end together: one writer of the table, `--collect`
             print(f"{selected[0].point_name} seed {selected[0].seed}: {'failed' if failed else 'done'}; the table: "
                   f"python scripts/sweep.py --collect {shlex.join(sweep_argv(args))}")

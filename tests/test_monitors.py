@@ -2,6 +2,9 @@
 images, what it logs) and the embedding map (the figure, its legend, the PNG, the W&B image)."""
 
 import random
+import re
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import lightning as L
@@ -161,3 +164,13 @@ def test_the_map_callback_writes_the_png_beside_the_run_and_sends_it_to_wandb_bu
     callback.on_train_end(trainer, model)
     assert_png(tmp_path / "analysis" / "embedding_map.png")
     assert wandb.images == [("val/embedding_map", [str(tmp_path / "analysis" / "embedding_map.png")], 50)]
+
+
+@pytest.mark.parametrize("override", [["--trainer.limit_train_batches", "2"], ["--trainer.max_epochs=1"]])
+def test_the_cost_benchmark_refuses_a_trainer_setting_it_would_not_use(override):
+    """It trains with a Lightning trainer of its own and printed the override in its header as if it had applied it."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    import monitor_cost
+
+    with pytest.raises(SystemExit, match=rf"^error: {re.escape(override[0])}: this benchmark reads only --trainer.precision"):
+        monitor_cost.main(["--config", "configs/moco_digits.yaml", "--", *override])

@@ -78,6 +78,14 @@ def test_an_array_task_leaves_the_table_to_collect(tmp_path, capsys):
     assert not (tmp_path / "results.md").exists() and not (tmp_path / "results.csv").exists()
 
 
+def test_a_collect_before_any_run_finished_tables_every_default_metric_as_missing(tmp_path, capsys):
+    """It printed a header of `setting | seeds` over rows of one cell more."""
+    sweep.main(["--config", PRETRAIN_DIGITS, "--out", str(tmp_path), "--seeds", "0", "1", "--grid", "model.init_args.temperature=0.1,0.2", "--collect"])
+    lines = (tmp_path / "results.md").read_text().splitlines()
+    assert lines[0] == "| setting | seeds | " + " | ".join(sweep.DEFAULT_METRICS[:2]) + " |"
+    assert lines[2:4] == ["| temperature=0.1 | 2 | missing | missing |", "| temperature=0.2 | 2 | missing | missing |"]
+
+
 def test_results_of_other_arguments_in_the_same_out_are_stale_not_skipped_as_done_nor_tabled(tmp_path, capsys):
     """A smoke sweep (`-- --trainer.max_epochs=1`) rerun without its `--` arguments in the same --out: its finished
     runs are named stale and left out of the table instead of standing for the real ones."""

@@ -64,3 +64,13 @@ def test_profile_writes_the_operator_table_of_the_timed_steps(tmp_path, capsys):
 def test_profile_needs_enough_timed_steps():
     with pytest.raises(SystemExit, match="--profile needs --steps >= 5, got 2"):
         throughput.main(["--config", str(ROOT / "configs/sce_cifar10.yaml"), "--steps", "2", "--profile", "/tmp/unused"])
+
+
+def test_a_data_root_of_other_files_than_the_dataset_s_is_one_error_line(tmp_path):
+    """A folder that exists but holds no official CIFAR-10 files ended in a traceback; a run says it in one line."""
+    (tmp_path / "cifar-10-batches-py").mkdir()
+    for name in (*(f"data_batch_{i}" for i in range(1, 6)), "test_batch", "batches.meta"):
+        (tmp_path / "cifar-10-batches-py" / name).write_bytes(b"not CIFAR-10")
+    with pytest.raises(SystemExit) as stopped:
+        throughput.main(["--config", str(ROOT / "configs/sce_cifar10.yaml"), "--data-root", str(tmp_path), "--views-only", "--view-images", "8"])
+    assert str(stopped.value).startswith("error: ") and "\n" not in str(stopped.value) and str(tmp_path) in str(stopped.value)
