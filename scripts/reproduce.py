@@ -239,6 +239,8 @@ def unresolved(runs: list[Run], build: bool = False) -> str | None:
                 return f"row {run.row.id}, {stage.name}: {problem}"
     built = set()
     for run, stage, arguments in groups.get(("main_pretrain.py", "fit"), []) if build else ():
+        if not any(stage_status(other.stages[0]).state != "done" for other in runs if other.row is run.row):
+            continue  # a row whose every pretraining finished trains nothing more: it is not built again
         if tuple(arguments) not in built and (problem := resolve("main_pretrain.py", ["fit", *arguments], build=True)) is not None:
             return f"row {run.row.id}, {stage.name}: {problem}"
         built.add(tuple(arguments))

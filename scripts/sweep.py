@@ -236,9 +236,11 @@ def unresolved(runs: list[Run], args, build: bool = False) -> str | None:
     `build`, whose pretraining it does not build (`resolution_problem`), with the CLI's error, before any run writes
     anything. A point's seeds differ only in --seed_everything: its first stands."""
     for run in (run for run in runs if run.seed == runs[0].seed):
+        # a point whose every pretraining finished trains nothing more: it is not built again
+        trains = build and not all((other.directory / "results_val.json").is_file() for other in runs if other.point == run.point)
         for _, command in stages(run, args):  # [python, script, subcommand, --config, CONFIG, arguments...]
             entry = Path(command[1]).name
-            if (problem := resolution_problem(entry, [argument for argument in command[2:] if not argument.startswith("--ckpt_path=")], build)) is not None:
+            if (problem := resolution_problem(entry, [argument for argument in command[2:] if not argument.startswith("--ckpt_path=")], trains)) is not None:
                 return f"{run.point_name}, {entry}: {problem}"
     return None
 
