@@ -12,13 +12,14 @@ trunk and projection head of the config's method, which must be built as the off
 (overrides after `--`). Writes OUT/metrics.json, OUT/local_separation.png and OUT/negative_entropy.png,
 OUT being `<run>/analysis/<checkpoint>-<split>` (e.g. `last-val`) unless `--out` says otherwise.
 
-Three more commands take the same checkpoint, --format, --config, --split, --out and overrides:
+Four more commands take the same checkpoint, --format, --config, --split, --out and overrides:
 
     uv run python -m analysis embedding-map CKPT --config CONFIG   # OUT/embedding_map.png, a t-SNE map by class
     uv run python -m analysis few-shot CKPT --config CONFIG        # OUT/few_shot.json, k-shot linear probes
     uv run python -m analysis knn CKPT --config CONFIG             # OUT/knn.json, the kNN for several k and temperatures
+    uv run python -m analysis features CKPT --config CONFIG        # OUT/features-trunk.pt, every image's features and label
 
-(`python -m analysis embedding-map --help`, `python -m analysis few-shot --help`, `python -m analysis knn --help`.)
+(`python -m analysis embedding-map --help`, and so on for each.)
 """
 
 import argparse
@@ -26,7 +27,7 @@ import json
 import sys
 from pathlib import Path
 
-from analysis import embedding_map, few_shot, knn
+from analysis import embedding_map, features, few_shot, knn
 from analysis.embedding_map import MAX_LEGEND_CLASSES, write_embedding_map
 from analysis.loading import add_checkpoint_arguments, default_out, load_checkpoint_and_data, load_method, measured_on, non_negative_int, positive_float, positive_int
 from analysis.representation import analyse
@@ -59,7 +60,7 @@ def embedding_map_command(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"embedding-map": embedding_map_command, "few-shot": few_shot.main, "knn": knn.main}
+COMMANDS = {"embedding-map": embedding_map_command, "features": features.main, "few-shot": few_shot.main, "knn": knn.main}
 
 
 def main(argv: list[str]) -> int:

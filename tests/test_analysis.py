@@ -18,7 +18,9 @@ from analysis import RepresentationAnalysis, analyse
 from analysis.__main__ import main as analyse_checkpoint
 from analysis.figures import plot_against_temperature, plot_local_separation, plot_negative_entropy
 from analysis.metrics import local_separation, negative_entropy
+from datamodules.digits import composite_digits
 from methods import NPID
+from methods.evaluation import knn_predict, knn_topk_accuracy
 from helpers import TINY_BACKBONE, TINY_PROJECTOR, digits
 
 ROOT = Path(__file__).parents[1]
@@ -178,6 +180,19 @@ def test_the_knn_command_gives_the_monitors_numbers_for_its_k_and_temperature_an
     assert (record["bank_split"], record["eval_images"], record["format"]) == ("train", 300, "contrastlab")
     assert capsys.readouterr().out.splitlines()[0].startswith("k  200  temperature 0.07    top-1 ")
 
+    # the exported features are the ones the kNN voted with: the same top-1 from them and the training split's
+    analyse_checkpoint(["features", str(run_dir / "checkpoints" / "last.ckpt"), "--config", config, "--", *data])
+    analyse_checkpoint(["features", str(run_dir / "checkpoints" / "last.ckpt"), "--config", config, "--split", "train", "--", *data])
+    analyse_checkpoint(["features", str(run_dir / "checkpoints" / "last.ckpt"), "--config", config, "--space", "embedding", "--", *data])
+    assert capsys.readouterr().out.splitlines()[0] == f"300 images x 96 features (trunk, val): {run_dir / 'analysis' / 'last-val' / 'features-trunk.pt'}"
+    val, train = (torch.load(run_dir / "analysis" / f"last-{split}" / "features-trunk.pt") for split in ("val", "train"))
+    assert val["index"].tolist() == list(range(300)) and val["labels"].tolist() == composite_digits("val", 1)[1].tolist()
+    assert (val["record"]["split"], val["record"]["space"], val["record"]["overrides"]) == ("val", "trunk", data)
+    scores = knn_predict(F.normalize(val["features"], dim=1), F.normalize(train["features"], dim=1), train["labels"], 10, 200, 0.07)
+    assert float(knn_topk_accuracy(scores, val["labels"], 1)) == pytest.approx(record["settings"][0]["top1"], abs=1e-6)
+    embedding = torch.load(run_dir / "analysis" / "last-val" / "features-embedding.pt")
+    assert embedding["features"].shape == (300, 128) and torch.allclose(embedding["features"].norm(dim=1), torch.ones(300))
+
 
 @pytest.mark.parametrize(
     "arguments, message",
@@ -198,12 +213,12 @@ def test_a_count_below_one_a_temperature_of_0_or_a_device_this_machine_lacks_is_
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("command", [[], ["embedding-map"], ["few-shot"], ["knn"]], ids=["analysis", "embedding-map", "few-shot", "knn"])
+@pytest.mark.parametrize("command", [[], ["embedding-map"], ["few-shot"], ["knn"], ["features"]], ids=["analysis", "embedding-map", "few-shot", "knn", "features"])
 def test_an_output_folder_below_a_file_and_a_negative_seed_are_one_error_line_before_any_checkpoint_is_read(command, tmp_path, capsys):
     (tmp_path / "taken").write_text("")
     with pytest.raises(SystemExit, match=rf"^error: the output folder {tmp_path / 'taken' / 'out'} cannot be a folder: {tmp_path / 'taken'} is a file$"):
         analyse_checkpoint([*command, str(tmp_path / "absent.ckpt"), "--config", "configs/moco_digits.yaml", "--out", str(tmp_path / "taken" / "out")])
-    if command and command != ["knn"]:  # the subcommands that draw with a seed
+    if command in (["embedding-map"], ["few-shot"]):  # the subcommands that draw with a seed
         with pytest.raises(SystemExit):
             analyse_checkpoint([*command, str(tmp_path / "absent.ckpt"), "--config", "configs/moco_digits.yaml", "--seed", "-1"])
         assert "argument --seed: invalid non_negative_int value: '-1'" in capsys.readouterr().err

@@ -39,7 +39,7 @@ LAYERS = (
     ("methods",),
     ("analysis",),
     ("engine.cli",),
-    ("interop.export", "analysis.__main__", "analysis.loading", "analysis.few_shot", "analysis.knn", "analysis.key_distribution"),
+    ("interop.export", "analysis.__main__", "analysis.loading", "analysis.features", "analysis.few_shot", "analysis.knn", "analysis.key_distribution"),
 )
 MODULE_STRING = re.compile(rf"({'|'.join(PACKAGES)})(\.\w+)+")
 
