@@ -89,6 +89,16 @@ def test_weight_decay_reaches_the_parameters_the_header_states(config):
         assert all(param.ndim > 1 for param in decayed) and all(param.ndim <= 1 for param in undecayed) and decayed and undecayed
 
 
+@pytest.mark.parametrize("config", CONFIGS, ids=[config.name for config in CONFIGS])
+def test_a_config_for_accelerators_fixes_its_number_of_processes(config):
+    """`data.batch_size` is per process: with Lightning's `devices: auto` a config would train at the global batch of
+    however many GPUs the machine has (a one-GPU recipe at 8x its batch on an 8-GPU node). The Digits-M configs run on
+    the CPU, where `auto` is one process."""
+    trainer = yaml.safe_load(config.read_text())["trainer"]
+    if trainer.get("accelerator") != "cpu":
+        assert isinstance(trainer.get("devices"), int) and trainer["devices"] >= 1, f"{config.name}: trainer.devices must be a number of processes"
+
+
 # The configs that follow a solo-learn pretraining recipe (vturrisi/solo-learn scripts/pretrain/, or its code for TCL's
 # self-supervised setting); the Digits-M stand-ins cite solo-learn for single settings only.
 SOLO_LEARN_RECIPES = [config for config in CONFIGS if "_digits" not in config.stem
