@@ -16,6 +16,7 @@ one image (`torch.utils.flop_counter`, 2 per multiply-add), the same on any hard
 import datetime
 import os
 import platform
+import shlex
 import statistics
 import sys
 import time
@@ -95,8 +96,8 @@ def main() -> None:
         [
             "# PaCo on RIDE trunks: inference time per batch of 64 and parameters (CPU)",
             "",
-            f"- Command: `uv run --locked python benchmarks/bench_ride.py --threads {args.threads} --repeats {args.repeats}"
-            + (f" --out {args.out}`" if args.out else "`"),
+            f"- Command: `{shlex.join(['python', 'benchmarks/bench_ride.py', *sys.argv[1:]])}` (the arguments as given; "
+            f"{args.threads} thread(s), {args.repeats} repeats).",
             f"- Date: {datetime.date.today().isoformat()}. Python {platform.python_version()}, torch {torch.__version__}, "
             f"float32, {args.threads} intra-op thread(s), {platform.machine()} CPU ({os.cpu_count()} logical cores), "
             f"load average at the end {load} (a shared machine: other jobs ran).",
