@@ -52,7 +52,7 @@ from engine.files import WriteFailed, check_folder, write_atomically
 from interop.official import layout_of
 from methods import FineTune, LongTailClassifier, PretrainMethod
 from methods.checkpoints import read_method_checkpoint
-from methods.linear import ENCODER_PREFIXES
+from methods.probed_trunk import ENCODER_PREFIXES
 from methods.longtail import tau_normalised
 
 EXPORT_FORMATS = ("torchvision", "timm", "detectron2")

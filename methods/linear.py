@@ -3,7 +3,8 @@
 The trunk is loaded **strictly** from the trunk weights of a pretraining checkpoint that its method's paper evaluates
 (`backbone.*`, the online trunk, as MoCo's `main_lincls.py` uses `encoder_q`; DINO's `target_backbone.*`, as its
 `eval_linear.py` takes the teacher; `pretrained_encoder` chooses), frozen and kept in eval mode (BatchNorm
-statistics frozen), and run without gradients; only the linear layer learns. The checkpoint must be a
+statistics frozen; `trunk_mode: train` runs it in train mode while the classifier trains, as TCL's train.py), and run
+without gradients; only the linear layer learns. The checkpoint must be a
 `PretrainMethod`'s, written by a compatible contrastlab version (`engine.checkpoint_record`): a long-tail
 classifier's or a linear probe's is refused. The default optimizer is the MoCo / SCE small-dataset
 protocol (SGD lr 30, momentum 0.9, no weight decay, x0.1 at epochs 60 and 80 of 100; MoCo's main_lincls.py, CEA-LIST/SCE's linear configs).
@@ -11,9 +12,7 @@ The pretraining checkpoint is a model argument, never `ckpt_path` (which would t
 module from it). `methods.finetune.FineTune` is the same model with the trunk trained too (`trains_trunk`).
 """
 
-import contextlib
 import dataclasses
-import importlib
 from pathlib import Path
 from typing import Literal
 
@@ -24,65 +23,14 @@ from jsonargparse import Namespace
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from backbones import BackboneSpec, load_state_strictly
-from engine.checkpoint_record import RECORD_KEY, CheckpointMismatch
+from engine.checkpoint_record import CheckpointMismatch
 from engine.config import as_spec
 from engine.files import read_checkpoint
 from engine.optim import OptimizerSpec, ScheduleSpec
-from interop.official import MOMENTUM_TRUNK_FORMATS, detect_format, export_record, exported_backbone, official_trunk
+from interop.official import MOMENTUM_TRUNK_FORMATS, detect_format, exported_backbone
 from methods.base import MethodBase
-from methods.checkpoints import method_class, require_method
-from methods.pretrain import PretrainMethod
-
-
-ENCODER_PREFIXES = {"online": "backbone.", "momentum": "target_backbone."}
-
-
-def probed_trunk(
-    path: str, format: str | None, backbone: BackboneSpec | dict | None, encoder: str | None = None
-) -> tuple[dict[str, torch.Tensor], BackboneSpec | dict | None, dict]:
-    """The trunk weights to probe, the backbone spec (`backbone`, else the one the checkpoint or its export record
-    names, or its weights show) and what the checkpoint says about its pretraining, from one read of the file: an official
-    release (`interop.official`) or a contrastlab pretraining checkpoint's online (`backbone.*`) or momentum
-    (`target_backbone.*`) trunk; `encoder` None: the one its method's paper evaluates (`MethodBase.evaluated_encoder`)."""
-    if encoder not in (None, *ENCODER_PREFIXES):
-        raise ValueError(f"model.pretrained_encoder {encoder!r} is none of {list(ENCODER_PREFIXES)}")
-    source = f"model.pretrained_ckpt {path!r}"
-    checkpoint = read_checkpoint(path, source)
-    exported = exported_backbone(path, source)  # an export's record names its trunk, stem included
-    official = official_trunk(checkpoint, format, trunk_as_trained(exported, backbone, source), source, encoder)
-    if official is not None:  # an export's record says what the checkpoint it came from said
-        return *official, pretraining_summary(checkpoint, export_record(path, source))
-    needs = "the linear stage probes the trunk of a pretraining method (methods.PretrainMethod, e.g. methods.MoCoV2)"
-    method = require_method(checkpoint, source, PretrainMethod, needs, class_required=False)
-    encoder = encoder or (method.evaluated_encoder if method is not None else "online")
-    prefix = ENCODER_PREFIXES[encoder]
-    state = {key.removeprefix(prefix): value for key, value in checkpoint["state_dict"].items() if key.startswith(prefix)}
-    if not state:
-        what = "not a contrastlab pretraining checkpoint" if encoder == "online" else "its method has no momentum encoder (model.pretrained_encoder)"
-        raise CheckpointMismatch(f"{source} holds no '{prefix}*' weights: {what}")
-    recorded = checkpoint.get("hyper_parameters", {}).get("backbone")
-    return state, trunk_as_trained(recorded, backbone, source), pretraining_summary(checkpoint)
-
-
-def trunk_as_trained(recorded: BackboneSpec | dict | None, given: BackboneSpec | dict | None, source: str) -> BackboneSpec | dict | None:
-    """The trunk a contrastlab checkpoint is probed with: the one it recorded, with the features the config's
-    `backbone` asks for (`kwargs.features`); anything else the config gives must agree with the recorded trunk, or
-    a ViT of another head count (the same tensor shapes) would load strictly and be probed as another network."""
-    if recorded is None or given is None:
-        return given if given is not None else recorded
-    trained, asked, default = as_spec(BackboneSpec, recorded), as_spec(BackboneSpec, given), BackboneSpec()
-    # a field at BackboneSpec's default may be one the config left out (the parser fills it in): only the others count
-    differing = [(name, getattr(asked, name), f"with {getattr(trained, name)!r}") for name in ("name", "small_input", "small_input_stem")
-                 if getattr(asked, name) != getattr(default, name) and getattr(asked, name) != getattr(trained, name)]
-    differing += [(f"kwargs.{key}", value, f"with {trained.kwargs[key]!r}" if key in trained.kwargs else "without it")
-                  for key, value in asked.kwargs.items() if key != "features" and trained.kwargs.get(key) != value]
-    if differing:
-        key, value, trained_with = differing[0]
-        raise CheckpointMismatch(
-            f"model.backbone.{key} {value!r}, but {source} was trained {trained_with}: the trunk is probed as it was "
-            "trained (drop model.backbone, or give only its kwargs.features)"
-        )
-    return dataclasses.replace(trained, kwargs=trained.kwargs | ({"features": asked.kwargs["features"]} if "features" in asked.kwargs else {}))
+from methods.checkpoints import method_class
+from methods.probed_trunk import probed_trunk, trunk_as_trained
 
 
 class LinearProbe(MethodBase):
@@ -100,6 +48,7 @@ class LinearProbe(MethodBase):
         pretrained_encoder: Literal["online", "momentum"] | None = None,
         backbone: BackboneSpec | None = None,
         random_init: bool = False,
+        trunk_mode: Literal["eval", "train"] = "eval",
         optimizer: OptimizerSpec = OptimizerSpec(name="sgd", lr=30.0, weight_decay=0.0, momentum=0.9),
         schedule: ScheduleSpec = ScheduleSpec(decay="step", milestones=[60, 80], gamma=0.1),
         knn_k: int = 200,
@@ -120,6 +69,10 @@ class LinearProbe(MethodBase):
                 is the one it recorded, of which `backbone` may choose the features probed (`kwargs.features`).
             random_init: probe a randomly initialised trunk instead (a baseline); needs `backbone`
                 and no checkpoint.
+            trunk_mode: `eval`, the frozen trunk in eval mode throughout (MoCo's main_lincls.py and most papers); `train`,
+                in train mode while the classifier trains, as chaitanyaanimesh/Tuned-Contrastive-Learning train.py
+                (`model.train()`, the trunk's requires_grad False): BatchNorm normalises with each batch's statistics and
+                updates its running ones, which the evaluation then uses. Its weights stay frozen either way.
             optimizer, schedule: the linear classifier's optimizer and learning-rate schedule.
             knn_k, knn_temperature: kNN evaluation of the frozen features (0 disables it).
             **kwargs: the MethodBase arguments (num_classes, channels_last, compile).
@@ -138,9 +91,13 @@ class LinearProbe(MethodBase):
             load_state_strictly(self.backbone, state, f"model.pretrained_ckpt {pretrained_ckpt!r}", target)
         # fine-tuning trains every trunk parameter, those its pretraining held fixed too (MoCo v3's patch projection and
         # sin-cos positions: facebookresearch/moco-v3 fine-tunes through DeiT, whose are parameters)
+        if trunk_mode not in ("eval", "train"):
+            raise ValueError(f"model.trunk_mode must be 'eval' or 'train', got {trunk_mode!r}")
+        if self.trains_trunk and trunk_mode == "train":
+            raise ValueError("model.trunk_mode 'train' is the mode of a frozen trunk; fine-tuning trains its trunk in train mode already")
         self.backbone.requires_grad_(self.trains_trunk)
-        if not self.trains_trunk:
-            self.backbone.eval()
+        if not self.trains_trunk:  # Lightning trains every module in the mode it is in when the fit starts
+            self.backbone.train(trunk_mode == "train")
         self.probe = nn.Linear(self.feature_dim, self.num_classes)
         self.init_head(self.probe)
         # a fine-tuned network's logits are its own prediction (`val/top1`), a probe's those of a probe (`val/probe_top1`)
@@ -243,10 +200,11 @@ class LinearProbe(MethodBase):
         return (*super().expected_warnings(), *frozen)
 
     def train(self, mode: bool = True):
-        """Keep a frozen trunk in eval mode whatever Lightning switches (BN statistics stay fixed)."""
+        """Keep a frozen trunk in eval mode whatever Lightning switches (BN statistics stay fixed), or with `trunk_mode:
+        train` in the classifier's mode (TCL's train.py)."""
         super().train(mode)
         if not self.trains_trunk:
-            self.backbone.eval()
+            self.backbone.train(mode and self.hparams.trunk_mode == "train")
         return self
 
     def step(self, batch: dict) -> tuple[torch.Tensor, None]:
@@ -260,32 +218,6 @@ class LinearProbe(MethodBase):
 def same_file(path: str, other: str) -> bool:
     return Path(path).expanduser().absolute() == Path(other).expanduser().absolute() or (
         Path(path).exists() and Path(other).exists() and Path(path).samefile(other))
-
-
-def pretraining_summary(checkpoint, export: dict | None = None) -> dict:
-    """What a checkpoint says about its pretraining: its method, trunk, dataset (the DataModule class) and image size,
-    epoch and step; `?` for what it does not record (an official release records some of it, or none). An export's
-    record (`interop.export`) says what the checkpoint it was exported from said."""
-
-    def entry(mapping, key: str):
-        return mapping.get(key) if isinstance(mapping, dict) else None
-
-    if export is not None:
-        method, backbone, dataset = entry(export, "method"), entry(entry(export, "trunk"), "name"), entry(export, "dataset")
-        image_size, epoch, step = entry(export, "image_size"), entry(export, "epoch"), entry(export, "step")
-    else:
-        record = entry(checkpoint, RECORD_KEY)
-        data = entry(entry(record, "config"), "data")
-        method, backbone = entry(record, "module"), entry(entry(entry(checkpoint, "hyper_parameters"), "backbone"), "name")
-        dataset, image_size = entry(data, "class_path"), entry(entry(data, "init_args"), "image_size")
-        epoch, step = entry(checkpoint, "epoch"), entry(checkpoint, "global_step")
-    if dataset is not None and image_size is None:  # a class attribute (Digits-M, CIFAR: 32 px)
-        module_name, _, class_name = dataset.rpartition(".")
-        with contextlib.suppress(ImportError):
-            image_size = getattr(getattr(importlib.import_module(module_name), class_name, None), "image_size", None)
-    found = {"method": method, "backbone": backbone, "dataset": dataset.rsplit(".", 1)[-1] if dataset else None, "image_size": image_size,
-             "epoch": epoch, "step": step}
-    return {key: "?" if value is None else value for key, value in found.items()}
 
 
 def probe_run_directory(pretrained_ckpt: str | None, dataset: str, seed: int, stage: str = "linear") -> str:

@@ -8,9 +8,9 @@ from helpers import TINY_BACKBONE, TINY_PROJECTOR, cpu_trainer, digits
 from backbones import BackboneSpec
 from engine.checkpoint_record import CheckpointMismatch
 from engine.optim import OptimizerSpec, ScheduleSpec
-from methods import LinearProbe, MoCoV2
-from methods.linear import trunk_as_trained
+from methods import FineTune, LinearProbe, MoCoV2
 from methods.momentum import MomentumSpec
+from methods.probed_trunk import trunk_as_trained
 
 LINEAR_VIEWS = {"image": {"preset": "crop_pad_flip"}}
 
@@ -104,6 +104,26 @@ def test_frozen_backbone_is_bit_identical_after_a_linear_probe_epoch(pretrained_
     assert not probe.backbone.training  # BN kept in eval mode through training and validation
     assert not torch.equal(probe.probe.weight, probe_before)
     assert "val/probe_top1" in trainer.callback_metrics
+
+
+def test_a_trunk_in_train_mode_keeps_its_weights_updates_its_batchnorm_statistics_and_evaluates_with_them(pretrained_checkpoint, tmp_path):
+    """`trunk_mode: train`, as TCL's train.py (`model.train()`, the trunk's requires_grad False): BatchNorm normalises
+    the probe's training batches with their own statistics and follows them in its running ones; validation runs the
+    trunk in eval mode, with those; no weight moves."""
+    path, weights = pretrained_checkpoint
+    probe = LinearProbe(pretrained_ckpt=str(path), trunk_mode="train", optimizer=OptimizerSpec(lr=1.0, weight_decay=0.0),
+                        schedule=ScheduleSpec(decay="constant"), knn_k=0)
+    modes = []  # (the trainer is training, the trunk is in train mode) at each of its forward passes
+    probe.backbone.register_forward_hook(lambda module, args, output: modes.append((probe.trainer.training, module.training)))
+    trainer = cpu_trainer(tmp_path, max_epochs=1, limit_train_batches=5, limit_val_batches=2, num_sanity_val_steps=0)
+    trainer.fit(probe, digits(LINEAR_VIEWS, batch_size=32))
+    assert set(modes) == {(True, True), (False, False)}
+    state, parameters = probe.backbone.state_dict(), dict(probe.backbone.named_parameters())
+    assert parameters and all(torch.equal(state[key], weights[key]) for key in parameters)
+    running = [key for key in weights if key.endswith(("running_mean", "running_var"))]
+    assert running and all(not torch.equal(state[key], weights[key]) for key in running)
+    with pytest.raises(ValueError, match="model.trunk_mode 'train' is the mode of a frozen trunk"):
+        FineTune(pretrained_ckpt=str(path), trunk_mode="train")
 
 
 @pytest.mark.parametrize(

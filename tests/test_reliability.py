@@ -25,7 +25,7 @@ from test_paco import TINY_BN_PROJECTOR
 
 import main_linear
 import main_pretrain
-import methods.linear
+import methods.probed_trunk
 import datamodules.base
 import methods.moco
 from backbones import BackboneSpec
@@ -848,7 +848,7 @@ def test_a_checkpoint_written_before_the_record_existed_loads_with_a_warning(cli
         model = MoCoV2.load_from_checkpoint(tmp_path / "old.ckpt")
     assert torch.equal(model.queue.keys, checkpoint["state_dict"]["queue.keys"])
     with pytest.warns(UserWarning, match="model.pretrained_ckpt .* holds no contrastlab record"):
-        state, _, _ = methods.linear.probed_trunk(str(tmp_path / "old.ckpt"), None, None)
+        state, _, _ = methods.probed_trunk.probed_trunk(str(tmp_path / "old.ckpt"), None, None)
     assert state.keys() == {name.removeprefix("backbone.") for name in checkpoint["state_dict"] if name.startswith("backbone.")}
 
 
