@@ -21,11 +21,14 @@ class FinalValidation(Callback):
     `validated_step`, the global step of the latest validation (kept in checkpoints), is written with the results,
     and `validated_metrics`, the names that validation logged: Lightning keeps every metric ever logged in
     `callback_metrics`, so a monitor that measures every n epochs would otherwise leave an earlier epoch's value
-    beside the final ones."""
+    beside the final ones. `best`, the highest value of each accuracy of `SUMMARY_KEYS` over the run's validations,
+    with its step and epoch (kept in checkpoints): several official codes print the best epoch's accuracy (PaCo's
+    paco_cifar.py `best_acc1`, SwAV's and DINO's eval_linear.py), which the results file records beside the last."""
 
     def __init__(self):
         self.validated_step: int | None = None
         self.validated_metrics: set[str] | None = None
+        self.best: dict[str, dict] = {}
         self._metrics_before: dict = {}
 
     def on_train_epoch_start(self, trainer, pl_module) -> None:
@@ -47,12 +50,17 @@ class FinalValidation(Callback):
             self.validated_step = trainer.global_step
             # a value logged by this validation is a new tensor (Lightning computes each epoch's anew)
             self.validated_metrics = {name for name, value in trainer.callback_metrics.items() if self._metrics_before.get(name) is not value}
+            for name in sorted(self.validated_metrics & {f"val/{key}" for key in SUMMARY_KEYS}):
+                value = float(trainer.callback_metrics[name])
+                if name not in self.best or value > self.best[name]["value"]:  # the first of equal values, as best_acc1
+                    self.best[name] = {"value": value, "global_step": trainer.global_step, "epoch": trainer.current_epoch}
 
     def state_dict(self) -> dict:
-        return {"validated_step": self.validated_step}
+        return {"validated_step": self.validated_step, "best": self.best}
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.validated_step = state_dict.get("validated_step")
+        self.best = state_dict.get("best", {})
 
 
 def final_validation(trainer) -> FinalValidation | None:
@@ -104,8 +112,9 @@ def report_results(trainer, stage: str, results: str, position: dict | None = No
         print(f"\n{stage} results: " + "  ".join(f"{key} {100 * value:.2f}%" for key, value in found.items()))
     if trainer.fast_dev_run:
         return  # a smoke run's numbers are no run's results
-    if position is None:  # a fit: its epoch and step, and the step of the validation its val/* numbers come from
-        position = {"epoch": epochs_trained(trainer), "global_step": trainer.global_step, "val_global_step": final.validated_step if final else None}
+    if position is None:  # a fit: its epoch and step, the step of the validation its val/* numbers come from, the best ones
+        position = {"epoch": epochs_trained(trainer), "global_step": trainer.global_step, "val_global_step": final.validated_step if final else None,
+                    "best": final.best if final else {}}
     write_results(Path(trainer.default_root_dir) / results, position | trainer.lightning_module.results_context(), metrics)
 
 
