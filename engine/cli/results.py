@@ -11,6 +11,9 @@ from engine.files import read_checkpoint, write_atomically
 
 FIT_RESULTS = "results_val.json"  # a fit's results file
 SUMMARY_KEYS = ("probe_top1", "probe_top5", "knn_top1", "knn_top5", "top1", "many_top1", "medium_top1", "few_top1")
+# Each top-1 selects its best validation, and the numbers reported with it are that validation's: PaCo's paco_lt.py
+# keeps the epoch of the best overall top-1 (`is_best = acc > best_acc`) and reports its shot groups, not each group's best.
+SELECTED_WITH = {"top1": ("many_top1", "medium_top1", "few_top1"), "probe_top1": ("probe_top5",), "knn_top1": ("knn_top5",)}
 
 
 class FinalValidation(Callback):
@@ -21,9 +24,9 @@ class FinalValidation(Callback):
     `validated_step`, the global step of the latest validation (kept in checkpoints), is written with the results,
     and `validated_metrics`, the names that validation logged: Lightning keeps every metric ever logged in
     `callback_metrics`, so a monitor that measures every n epochs would otherwise leave an earlier epoch's value
-    beside the final ones. `best`, the highest value of each accuracy of `SUMMARY_KEYS` over the run's validations,
-    with its step and epoch (kept in checkpoints): several official codes print the best epoch's accuracy (PaCo's
-    paco_cifar.py `best_acc1`, SwAV's and DINO's eval_linear.py), which the results file records beside the last."""
+    beside the final ones. `best`: for each top-1 (`SELECTED_WITH`), the validation where it was highest, its step and
+    epoch and its numbers (kept in checkpoints): several official codes print the best epoch's accuracy (PaCo's
+    `best_acc1`, SwAV's and DINO's eval_linear.py), which the results file records beside the last."""
 
     def __init__(self):
         self.validated_step: int | None = None
@@ -50,10 +53,13 @@ class FinalValidation(Callback):
             self.validated_step = trainer.global_step
             # a value logged by this validation is a new tensor (Lightning computes each epoch's anew)
             self.validated_metrics = {name for name, value in trainer.callback_metrics.items() if self._metrics_before.get(name) is not value}
-            for name in sorted(self.validated_metrics & {f"val/{key}" for key in SUMMARY_KEYS}):
-                value = float(trainer.callback_metrics[name])
-                if name not in self.best or value > self.best[name]["value"]:  # the first of equal values, as best_acc1
-                    self.best[name] = {"value": value, "global_step": trainer.global_step, "epoch": trainer.current_epoch}
+            for key, companions in SELECTED_WITH.items():
+                names = [name for name in (f"val/{key}", *(f"val/{other}" for other in companions)) if name in self.validated_metrics]
+                if not names or names[0] != f"val/{key}":
+                    continue
+                values = {name: float(trainer.callback_metrics[name]) for name in names}
+                if names[0] not in self.best or values[names[0]] > self.best[names[0]]["metrics"][names[0]]:  # the first of equal ones, as best_acc1
+                    self.best[names[0]] = {"global_step": trainer.global_step, "epoch": trainer.current_epoch, "metrics": values}
 
     def state_dict(self) -> dict:
         return {"validated_step": self.validated_step, "best": self.best}
