@@ -83,6 +83,9 @@ class DINO(MomentumMixin, PretrainMethod):
         self.register_buffer("center", torch.zeros(1, out_dim))
         self.step_means: list[torch.Tensor] = []  # the teacher outputs' global-batch means of this optimizer step's batches
         self.init_momentum(momentum)
+        if self.momentum_spec.shuffle_bn or self.momentum_spec.split_bn > 1:  # it never reaches `target_embed`'s shuffle
+            raise ValueError(f"model.momentum: DINO's teacher sees the views unshuffled (main_dino.py), so shuffle_bn must be false and split_bn 1, "
+                             f"got {self.momentum_spec.shuffle_bn} and {self.momentum_spec.split_bn}")
         for module in self.target_backbone.modules():  # the teacher has no stochastic depth (main_dino.py)
             if hasattr(module, "drop_prob"):
                 module.drop_prob = 0.0

@@ -118,6 +118,12 @@ def test_training_steps_lower_the_loss_on_the_embedded_data(tmp_path):
     assert after < 0.9 * before, (before, after)
 
 
+@pytest.mark.parametrize("momentum", [{"shuffle_bn": True, "split_bn": 1}, {"shuffle_bn": False, "split_bn": 4}, {"shuffle_bn": True, "split_bn": 8}])
+def test_a_shuffled_or_split_batchnorm_teacher_is_refused_as_dino_never_shuffles_its_views(momentum):
+    with pytest.raises(ValueError, match=rf"model.momentum: DINO's teacher sees the views unshuffled .*, got {momentum['shuffle_bn']} and {momentum['split_bn']}$"):
+        tiny_dino(momentum=MomentumSpec(base=0.9, schedule="constant", **momentum))
+
+
 def test_the_knn_monitor_votes_with_the_teacher():
     """facebookresearch/dino eval_knn.py reads the teacher (--checkpoint_key teacher), for the bank and the queries."""
     model = tiny_dino(knn_k=5).eval()
