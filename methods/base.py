@@ -56,12 +56,6 @@ class CompileSpec:
     fullgraph: bool = False
 
 
-class MethodMixin:
-    """Base of the mixins that add Lightning hooks to a method (`methods.momentum.MomentumMixin`). Such a mixin must
-    come before the method base in a class's bases: Lightning's own hooks end the `super()` chain, so a mixin
-    placed after them never runs. `MethodBase` refuses the wrong order when the class is created."""
-
-
 class MethodBase(EvaluationMixin, CheckpointRecord, L.LightningModule):
     """Base of every model the CLI trains (`main_pretrain.py`, `main_linear.py`); subclasses set `views` and implement
     `step`. Its checkpoints record the contrastlab version and the method class (`engine.checkpoint_record`)."""
@@ -140,7 +134,8 @@ class MethodBase(EvaluationMixin, CheckpointRecord, L.LightningModule):
 
     def check_data(self, datamodule, world_size: int) -> None:
         """Fail before training when the data cannot feed this method (the CLI calls this before
-        anything is written; `setup` calls it again for runs started from Python)."""
+        anything is written; `setup` calls it again, at every stage, for runs started from Python). An override calls
+        super (`methods.contract`)."""
         provided = tuple(getattr(datamodule, "view_names", ()))
         consumed = self.views + self.local_crops
         if sorted(provided) != sorted(consumed):
@@ -171,7 +166,7 @@ class MethodBase(EvaluationMixin, CheckpointRecord, L.LightningModule):
                 )
 
     def setup(self, stage: str) -> None:
-        if stage == "fit" and self.trainer.datamodule is not None:
+        if self.trainer.datamodule is not None:  # every stage: a check may settle what the evaluation reports (the probe)
             self.check_data(self.trainer.datamodule, self.trainer.world_size)
         if self.channels_last:
             self.to(memory_format=torch.channels_last)

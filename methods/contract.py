@@ -8,11 +8,19 @@ import lightning as L
 
 # The base's training, optimisation and evaluation path: a method implements `step` and never overrides these.
 BASE_HOOKS = ("training_step", "configure_optimizers", "validation_step", "test_step", "on_validation_epoch_end", "on_test_epoch_end")
+# The project's own hooks that the base and the mixins fill in, which an override must reach as Lightning's: the data
+# checks (queue capacity, views, batch size), what the results record and the warnings the CLI silences.
+PROJECT_HOOKS = ("check_data", "results_context", "expected_warnings")
 
 
 def lightning_hooks(cls: type) -> set[str]:
     """The LightningModule hooks a class defines itself."""
     return {name for name in vars(cls) if not name.startswith("__") and hasattr(L.LightningModule, name)}
+
+
+def overridable_hooks(cls: type) -> set[str]:
+    """The hooks a class defines itself whose overrides must reach the overridden: Lightning's and `PROJECT_HOOKS`."""
+    return lightning_hooks(cls) | {name for name in PROJECT_HOOKS if name in vars(cls)}
 
 
 def reaches_the_overridden(function, name: str) -> bool:
@@ -52,11 +60,11 @@ def check_method_class(cls: type, method_base: type) -> None:
     for position, owner in enumerate(order[: order.index(method_base)]):  # the class and the mixins before the base (its classes were checked when made)
         if owner is not cls and issubclass(owner, method_base):
             continue
-        own = lightning_hooks(owner)
+        own = overridable_hooks(owner)
         if own & set(BASE_HOOKS):
             raise TypeError(f"class {cls.__name__}: {owner.__name__} overrides {sorted(own & set(BASE_HOOKS))}: the base trains, optimises and "
                             "evaluates every method (methods/base.py); a method implements step(batch) -> (loss, probe features) instead")
-        later = {name for parent in order[position + 1 : end] for name in lightning_hooks(parent)}
+        later = {name for parent in order[position + 1 : end] for name in overridable_hooks(parent)}
         for name in sorted(own & later):
             if not reaches_the_overridden(inspect.unwrap(vars(owner)[name]), name):
                 raise TypeError(f"class {cls.__name__}: {owner.__name__}.{name} overrides the base's or a mixin's, which does the run's work "

@@ -77,6 +77,23 @@ def test_a_hook_of_the_base_overridden_without_super_is_refused_and_with_super_a
             return super().on_train_batch_start(batch, batch_idx)
 
 
+@pytest.mark.parametrize("hook", ["check_data", "results_context", "expected_warnings"])
+def test_the_projects_own_hooks_overridden_without_super_are_refused(hook):
+    """A `check_data` without super() dropped the view, batch-size and queue-capacity checks of the base and the
+    mixins, and every test still passed; `results_context` and `expected_warnings` are filled in the same way."""
+    def check_data(self, datamodule, world_size):
+        pass
+
+    def results_context(self):
+        return {}
+
+    def expected_warnings(self):
+        return ()
+
+    with pytest.raises(TypeError, match=rf"class NoSuper: NoSuper.{hook} overrides the base's or a mixin's, .* call super\(\).{hook}\(...\) in it"):
+        type("NoSuper", (MomentumMixin, PretrainMethod), {hook: locals()[hook]})
+
+
 def logged(hook):
     """A decorator without functools.wraps: the class sees only `wrapper`."""
 

@@ -87,11 +87,6 @@ class LongTailClassifier(MethodBase):
             )
         self.class_counts.copy_(counts)
 
-    def setup(self, stage: str) -> None:
-        super().setup(stage)
-        if stage != "fit" and self.trainer.datamodule is not None:  # fit checks the data in super().setup
-            self.check_data(self.trainer.datamodule, self.trainer.world_size)
-
     def evaluation_outputs(self, images: torch.Tensor) -> tuple[None, torch.Tensor]:
         # in fp32 at any training precision, as PaCo's validate() (LT/paco_lt.py, paco_cifar.py; paco_fp16_places.py
         # autocasts its training only): bf16 logits tie, and the argmax gives a tie to the lowest class, a head class
