@@ -80,6 +80,10 @@ class LinearProbe(MethodBase):
         if random_init == (pretrained_ckpt is not None):
             raise ValueError("give exactly one of model.pretrained_ckpt (a pretraining checkpoint) or model.random_init: true (a probe "
                              "resumed or evaluated with --ckpt_path last needs its --model.pretrained_ckpt again)")
+        if trunk_mode not in ("eval", "train"):
+            raise ValueError(f"model.trunk_mode must be 'eval' or 'train', got {trunk_mode!r}")
+        if self.trains_trunk and trunk_mode == "train":
+            raise ValueError("model.trunk_mode 'train' is the mode of a frozen trunk; fine-tuning trains its trunk in train mode already")
         state, spec, pretraining = probed_trunk(pretrained_ckpt, pretrained_format, backbone, pretrained_encoder) if pretrained_ckpt else (None, backbone, None)
         if spec is None:
             raise ValueError("model.backbone is required when the checkpoint does not record its backbone")
@@ -91,10 +95,6 @@ class LinearProbe(MethodBase):
             load_state_strictly(self.backbone, state, f"model.pretrained_ckpt {pretrained_ckpt!r}", target)
         # fine-tuning trains every trunk parameter, those its pretraining held fixed too (MoCo v3's patch projection and
         # sin-cos positions: facebookresearch/moco-v3 fine-tunes through DeiT, whose are parameters)
-        if trunk_mode not in ("eval", "train"):
-            raise ValueError(f"model.trunk_mode must be 'eval' or 'train', got {trunk_mode!r}")
-        if self.trains_trunk and trunk_mode == "train":
-            raise ValueError("model.trunk_mode 'train' is the mode of a frozen trunk; fine-tuning trains its trunk in train mode already")
         self.backbone.requires_grad_(self.trains_trunk)
         if not self.trains_trunk:  # Lightning trains every module in the mode it is in when the fit starts
             self.backbone.train(trunk_mode == "train")

@@ -1,4 +1,5 @@
-"""The momentum encoder shared by MoCo v2, ReSSL, SCE, JCL and PaCo: `MomentumMixin` keeps EMA copies of (online,
+"""The momentum encoder shared by MoCo v2, ReSSL, SCE, JCL, PaCo (and PaCo on RIDE, the multi-task model), BYOL, MoCo v3
+and DINO: `MomentumMixin` keeps EMA copies of (online,
 target) module pairs, steps them with the momentum schedule after every optimizer step, and runs the target
 branch with shuffle-BN (across processes) or split-BN (emulated on one device, `methods.shuffle_bn`). The queue
 and the memory bank are in `methods.queues`.
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 
 from engine.config import as_spec, check_choices
 from engine.optim import schedule_length
-from methods.base import MethodMixin, several_processes
+from methods.base import several_processes
 from methods.shuffle_bn import convert_to_split_batchnorm, distributed_shuffled_forward
 
 MomentumSchedule = Literal["constant", "cosine", "cosine_byol", "cosine_mocov3"]
@@ -68,7 +69,7 @@ class MomentumSpec:
     split_bn: int = 1  # > 1: one-device emulation, target BatchNorm2d over this many interleaved groups
 
 
-class MomentumMixin(MethodMixin):
+class MomentumMixin:
     """Adds EMA targets to a method: for every name in `momentum_modules`, `target_<name>` follows `<name>`.
 
     `init_momentum(spec)` creates the targets as frozen copies of the online modules (MoCo's builder.py
@@ -77,6 +78,8 @@ class MomentumMixin(MethodMixin):
     runs once per optimizer step, right after it inside Lightning's `optimizer_step` (so it is correct
     under gradient accumulation, and a checkpoint written at the end of the batch holds it), and the
     momentum in use is logged as `train/momentum`. `target_encode` is the key branch's forward, a public hook.
+    The mixin comes before the method base in a class's bases: Lightning's own hooks end the `super()` chain, so a
+    mixin after them would never run (`methods.contract` refuses that order when the class is created).
     """
 
     momentum_modules: tuple[str, ...] = ("backbone", "projector")
@@ -140,7 +143,7 @@ class MomentumMixin(MethodMixin):
         """Split BatchNorm (`momentum.split_bn`) normalises each of its groups of a batch on its own: the batch must
         split evenly, with at least 2 images per group."""
         if not hasattr(self, "momentum_spec"):
-            raise ValueError(f"{type(self).__name__} has no momentum encoder: its __init__ must end with self.init_momentum(momentum)")
+            raise ValueError(f"{type(self).__name__} has no momentum encoder: its __init__ must call self.init_momentum(momentum) after building the modules it copies")
         super().check_data(datamodule, world_size)
         groups, batch = self.momentum_spec.split_bn, datamodule.batch_size
         if groups > 1 and (batch % groups or batch // groups < 2):

@@ -97,11 +97,6 @@ class PretrainMethod(MethodBase):
         projection = self.projector(features)
         return F.normalize(projection, dim=1), F.normalize(self.predictor(projection), dim=1)
 
-    def embed_and_predict(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Online branch with `project_and_predict`: trunk features, projection and prediction."""
-        features = self.backbone(images)
-        return features, *self.project_and_predict(features)
-
     def crops(self, views: dict[str, torch.Tensor], names: Sequence[str]) -> list[torch.Tensor]:
         """Every crop of the named views, in order: a view with `count: N`, shaped (B, N, C, H, W), gives N crops."""
         return [crop for name in names for crop in (views[name].unbind(1) if views[name].ndim == 5 else [views[name]])]

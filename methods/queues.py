@@ -1,6 +1,7 @@
 """What a method remembers of past steps: `KeyQueue`, a FIFO queue of keys (one per row) with optional labels,
-filled with gathered keys (MoCo, SCE, ReSSL, JCL, PaCo); `MemoryBank`, one entry per training sample,
-momentum-updated by sample index (NPID); `EmbeddingQueue`, the past embeddings of SwAV's codes."""
+filled with gathered keys (MoCo, SCE, ReSSL, JCL, PaCo and its RIDE and multi-task variants, NNCLR's support set);
+`MemoryBank`, one entry per training sample, momentum-updated by sample index (NPID); `EmbeddingQueue`, the past
+embeddings of SwAV's codes."""
 
 import math
 

@@ -272,7 +272,7 @@ def test_a_method_that_never_calls_init_momentum_is_one_error_line_before_traini
         views = ("first", "second")
 
     model = Forgetful(backbone=TINY_BACKBONE, projector=TINY_PROJECTOR, knn_k=0)
-    with pytest.raises(ValueError, match=r"^Forgetful has no momentum encoder: its __init__ must end with self.init_momentum\(momentum\)$"):
+    with pytest.raises(ValueError, match=r"^Forgetful has no momentum encoder: its __init__ must call self.init_momentum\(momentum\) after building the modules it copies$"):
         model.check_data(SimpleNamespace(batch_size=8), world_size=1)
 
 

@@ -190,7 +190,7 @@ def test_simsiam_and_nnclr_average_over_every_pair_of_a_global_target_and_anothe
     if method == "NNCLR":
         model.support_set.push(F.normalize(torch.randn(32, TINY_PROJECTOR.output_dim, generator=torch.Generator().manual_seed(1)), dim=1))
     views = views_and_local_crops("first", "second")
-    embedded = [model.embed_and_predict(views[name])[1:] for name in ("first", "second")] + [model.embed_and_predict(crop)[1:] for crop in local_crops(views)]
+    embedded = [model.project_and_predict(model.backbone(crop)) for crop in [views["first"], views["second"], *local_crops(views)]]
     support = model.support_set.read().clone() if method == "NNCLR" else None
 
     def pair(target: int, crop: int) -> torch.Tensor:

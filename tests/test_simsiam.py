@@ -23,7 +23,7 @@ def fixed_batch_loss(model: SimSiam, batch: dict) -> float:
     """SimSiam's loss of the model's predictions and projections of both views, on a copy."""
     frozen = copy.deepcopy(model).train()
     with torch.no_grad():
-        (_, z1, p1), (_, z2, p2) = (frozen.embed_and_predict(batch["views"][name]) for name in ("first", "second"))
+        (z1, p1), (z2, p2) = (frozen.project_and_predict(frozen.backbone(batch["views"][name])) for name in ("first", "second"))
     return simsiam_loss(p1, p2, z1, z2).item()
 
 
@@ -33,7 +33,8 @@ def test_loss_matches_each_views_prediction_with_the_other_views_projection():
     loss, _ = model.step(batch)
     assert loss.item() == pytest.approx(fixed_batch_loss(model, batch), rel=1e-6)
     with torch.no_grad():
-        (_, z1, p1), (_, z2, p2) = (copy.deepcopy(model).embed_and_predict(batch["views"][name]) for name in ("first", "second"))
+        copied = copy.deepcopy(model)
+        (z1, p1), (z2, p2) = (copied.project_and_predict(copied.backbone(batch["views"][name])) for name in ("first", "second"))
     assert loss.item() != pytest.approx(simsiam_loss(p1, p2, z2, z1).item(), rel=1e-3)  # the same view's projection differs
 
 
@@ -44,7 +45,7 @@ def test_the_projections_are_targets_only_and_the_frozen_bias_is_not_optimised()
     optimised = {id(p) for group in model.optimizer_groups() for p in group["params"]}
     assert id(projection_output.bias) not in optimised and id(projection_output.weight) in optimised
     batch = first_batch(digits(SIMSIAM_VIEWS, batch_size=8))
-    (_, z1, p1), (_, z2, p2) = (model.embed_and_predict(batch["views"][name]) for name in ("first", "second"))
+    (z1, p1), (z2, p2) = (model.project_and_predict(model.backbone(batch["views"][name])) for name in ("first", "second"))
     simsiam_loss(p1, p2, z1, z2).backward(inputs=[z1, z2, p1, p2], retain_graph=True)
     assert z1.grad is None and z2.grad is None  # stop-gradient: only through the predictions
     assert p1.grad.abs().sum() > 0 and p2.grad.abs().sum() > 0

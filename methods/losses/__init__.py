@@ -3,7 +3,8 @@
 Conventions shared by every function:
 
 - embeddings are already L2-normalised rows (Barlow Twins and VICReg take the projector's raw output); a queue or
-  memory bank is a ``(K, D)`` tensor, one key per row; the crops of multi-crop losses come stacked, ``(V, B, K)``;
+  memory bank is a ``(K, D)`` tensor, one key per row; the crops of multi-crop losses come stacked, crop-major
+  ``(V, B, K)`` (SwAV, DINO) or sample-major ``(B, V, D)`` (SupCon, TCL, SimCLR's multi-crop NT-Xent, as SupContrast's);
 - each loss returns a 0-d tensor, the mean of its per-anchor losses where it has anchors;
 - the math runs with autocast disabled, in float32, or in float64 when any input is float64 (so that
   ``torch.autograd.gradcheck`` works); only logsumexp / log-softmax forms are used, never ``exp`` then ``log``;
