@@ -101,7 +101,11 @@ class LongTailClassifier(MethodBase):
 class SupervisedMoCoMixin(MomentumMixin):
     """PaCo's MoCo part (PaCo's LT/moco/builder.py) for a `LongTailClassifier`."""
 
-    def init_supervised_moco(self, projector: MLPSpec | dict, momentum: MomentumSpec | dict, queue_size: int) -> None:
+    def init_supervised_moco(self, projector: MLPSpec | dict, momentum: MomentumSpec | dict, queue_size: int, in_batch: str) -> None:
+        """The head, the momentum copies and the queue, and which batch the loss contrasts (`loss_batch`)."""
+        if in_batch not in ("local", "global"):
+            raise ValueError(f"model.in_batch must be 'local' or 'global', got {in_batch!r}")
+        self.in_batch = in_batch
         projector = as_spec(MLPSpec, projector)
         self.projector = self.build_projector(projector)
         self.init_momentum(momentum)
@@ -115,11 +119,6 @@ class SupervisedMoCoMixin(MomentumMixin):
         # PaCo starts its queue from random keys with random labels: early steps see spurious positives
         # (rows unit-norm here; the official code normalises its random matrix per column).
         return KeyQueue(size, key_dim, num_classes=self.num_classes)
-
-    def set_in_batch(self, in_batch: str) -> None:
-        if in_batch not in ("local", "global"):
-            raise ValueError(f"model.in_batch must be 'local' or 'global', got {in_batch!r}")
-        self.in_batch = in_batch
 
     def loss_batch(self, query: torch.Tensor, key: torch.Tensor, labels: torch.Tensor, center_logits: torch.Tensor | None = None):
         """The anchors and in-batch samples of the loss (query, key, labels, centre logits). `local`: this

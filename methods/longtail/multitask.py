@@ -70,8 +70,7 @@ class MultiTaskContrast(SupervisedMoCoMixin, LongTailClassifier):
         super().__init__(**kwargs)
         self.classifier_loss, self.contrast_weight = classifier_loss, contrast_weight
         self.reweight_beta, self.temperature = reweight_beta, temperature
-        self.set_in_batch(in_batch)
-        self.init_supervised_moco(projector, momentum, queue_size)
+        self.init_supervised_moco(projector, momentum, queue_size, in_batch)
 
     def step(self, batch):
         labels = batch["label"]

@@ -61,8 +61,7 @@ class PaCo(SupervisedMoCoMixin, LongTailClassifier):
         super().__init__(**kwargs)
         self.alpha, self.temperature, self.beta, self.gamma = alpha, temperature, beta, gamma
         self.rebalance = rebalance
-        self.set_in_batch(in_batch)
-        self.init_supervised_moco(projector, momentum, queue_size)
+        self.init_supervised_moco(projector, momentum, queue_size, in_batch)
 
     def step(self, batch):
         labels = batch["label"]
