@@ -17,6 +17,7 @@ from methods.queues import KeyQueue
 
 
 class ReSSL(MomentumMixin, PretrainMethod):
+    views = ("weak", "strong")
     multi_crop = True
 
     def __init__(
@@ -39,7 +40,6 @@ class ReSSL(MomentumMixin, PretrainMethod):
         check_hyperparameters("model.", temperature=temperature, temperature_momentum=temperature_momentum)
         super().__init__(**kwargs)
         self.temperature, self.temperature_momentum = temperature, temperature_momentum
-        self.views = ("weak", "strong")
         self.online_views = ("strong", *self.local_crops)
         self.init_momentum(momentum)
         self.queue = KeyQueue(queue_size, self.projection_dim)
