@@ -15,6 +15,8 @@ at inference, so it is not built.
 
 from typing import Literal
 
+import torch
+
 from backbones import MLPSpec
 from methods.longtail.base import LongTailClassifier, SupervisedMoCoMixin
 from methods.losses import check_hyperparameters, paco_loss
@@ -68,18 +70,12 @@ class PaCo(SupervisedMoCoMixin, LongTailClassifier):
         features, local_query, local_key = self.embed_query_and_key(batch)
         # centres on the unnormalised trunk feature (PaCo/LT/moco/builder.py: the avgpool output, not the projection)
         query, key, batch_labels, center_logits = self.loss_batch(local_query, local_key, labels, self.classifier(features))
-        loss = paco_loss(
-            query,
-            key,
-            self.queue.read(),
-            batch_labels,
-            self.queue.read_labels(),
-            center_logits=center_logits,
-            alpha=self.alpha,
-            temperature=self.temperature,
-            beta=self.beta,
-            gamma=self.gamma,
-            class_prior=self.class_counts / self.class_counts.sum() if self.rebalance else None,
-        )
+        loss = self.paco_term(query, key, self.queue.read(), batch_labels, self.queue.read_labels(), center_logits)
         self.enqueue(local_key, labels)
         return loss, None
+
+    def paco_term(self, query, key, queue, labels, queue_labels, center_logits) -> torch.Tensor:
+        """`paco_loss` with this model's alpha, tau, beta and gamma, and the training split's class prior (rebalance)."""
+        prior = self.class_counts / self.class_counts.sum() if self.rebalance else None
+        return paco_loss(query, key, queue, labels, queue_labels, center_logits=center_logits, alpha=self.alpha,
+                         temperature=self.temperature, beta=self.beta, gamma=self.gamma, class_prior=prior)

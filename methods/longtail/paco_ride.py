@@ -24,7 +24,6 @@ import torch.nn.functional as F
 
 from backbones import MLPSpec
 from methods.longtail.paco import PaCo
-from methods.losses import paco_loss
 from methods.queues import KeyQueue
 
 
@@ -83,23 +82,8 @@ class PaCoRIDE(PaCo):
         features, local_query, local_key = self.embed_query_and_key(batch)
         query, key, batch_labels, center_logits = self.loss_batch(local_query, local_key, labels, self.classifier(features))
         queue, queue_labels = self.expert_view(self.queue.read()), self.queue.read_labels()
-        prior = self.class_counts / self.class_counts.sum() if self.rebalance else None
-        expert_losses = [
-            paco_loss(
-                query[:, e],
-                key[:, e],
-                queue[:, e],
-                batch_labels,
-                queue_labels,
-                center_logits[:, e],
-                alpha=self.alpha,
-                temperature=self.temperature,
-                beta=self.beta,
-                gamma=self.gamma,
-                class_prior=prior,
-            )
-            for e in range(self.num_experts)
-        ]
+        expert_losses = [self.paco_term(query[:, e], key[:, e], queue[:, e], batch_labels, queue_labels, center_logits[:, e])
+                         for e in range(self.num_experts)]
         self.enqueue(local_key.flatten(1), labels)
         return torch.stack(expert_losses).mean(), None
 
