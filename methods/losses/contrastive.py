@@ -22,11 +22,10 @@ from methods.losses.common import (
 
 @float32_math
 def info_nce(query: Tensor, key: Tensor, queue: Tensor, temperature: float) -> Tensor:
-    """MoCo v2 InfoNCE: cross-entropy of ``[q.k, q.queue] / T`` with the positive in column 0 (moco builder.py)."""
-    check_query_key_bank(query, key, queue)
-    check_hyperparameters(temperature=temperature)
-    positive = (query * key).sum(dim=1) / temperature
-    return positive_nll(positive, query @ queue.T / temperature).mean()
+    """MoCo v2 InfoNCE: cross-entropy of ``[q.k, q.queue] / T`` with the positive in column 0 (moco builder.py), Wang &
+    Liu's ordinary contrastive loss with the key as the positive and the queue as the negatives."""
+    check_query_key_bank(query, key, queue)  # named as MoCo names them
+    return contrastive_loss(query, key, queue, temperature)
 
 
 @float32_math
