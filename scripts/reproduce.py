@@ -33,7 +33,8 @@ Slurm it writes the job files, the evaluation's dependency on a placeholder id).
 table.
 
 The table, printed and written as OUT/table.md and OUT/table.csv: per row and metric the paper's number, the
-measured mean ± sample standard deviation over the row's seeds (n), the difference, the status and the runs
+measured mean ± sample standard deviation over the row's seeds (n), the mean at each run's best validation (official
+codes that print the best epoch's number report that), the difference (of the measured), the status and the runs
 (W&B URLs of online runs, else the row's directory). A row shows a number only once every seed is done. When W&B
 is in use (WANDB_MODE is not `disabled` and a run logged to W&B) the table is also logged as a `wandb.Table` in a
 summary run in OUT/wandb (the runs' W&B project, group = the table file's name).
@@ -72,8 +73,8 @@ INTERRUPTED_EXITS = (143, 130)  # the CLI's exit after saving last.ckpt on SIGTE
 QUEUED = ("PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "CONFIGURING", "RESIZING", "SUSPENDED")
 IN_PROGRESS = ("running", "queued", "submitted")
 DEPENDENCY_PLACEHOLDER = "<pretraining job id>"  # a dry run submits nothing, so has no job id to wait for
-COLUMNS = ["row", "metric", "paper", "measured", "difference", "status", "runs"]
-CSV_COLUMNS = ["row_id", "label", "metric", "paper", "mean", "std", "n", "difference", "status", "source", "runs"]
+COLUMNS = ["row", "metric", "paper", "measured", "best", "difference", "status", "runs"]
+CSV_COLUMNS = ["row_id", "label", "metric", "paper", "mean", "std", "n", "best", "difference", "status", "source", "runs"]
 
 
 @dataclass(frozen=True)
@@ -136,6 +137,12 @@ def plan(rows: list[Row], seeds: int | None, out: Path, extra: list[str], evalua
 
 def read_value(run: Run, metric: Metric) -> float | None:
     return sweep.read_metric_value(run.directory / metric.stage / metric.results, metric.key)
+
+
+def best_mean(row_runs: list[Run], metric: Metric) -> float | None:
+    """The mean over the row's runs of the metric at each run's best validation; None unless every run recorded it."""
+    values = [sweep.read_best_value(run.directory / metric.stage / metric.results, metric.key) for run in row_runs]
+    return None if any(value is None for value in values) else sum(values) / len(values)
 
 
 # ----------------------------------------------------------------- status
@@ -378,13 +385,15 @@ def table_rows(table: Table, runs: list[Run]) -> list[dict]:
             mean = None if summary is None else scale * summary["mean"]
             std = None if summary is None or summary["n"] == 1 else scale * summary["std"]
             difference = None if mean is None or paper is None or table.stand_in else mean - paper
+            best = best_mean(row_runs, metric) if done else None
             entries.append(common | {"metric": metric.name, "paper": paper, "mean": mean, "std": std, "percent": metric.percent,
-                                     "n": summary["n"] if summary else None, "difference": difference})
+                                     "n": summary["n"] if summary else None, "best": None if best is None else scale * best,
+                                     "difference": difference})
     return entries
 
 
 def markdown(table: Table, entries: list[dict], given: list[str] = ()) -> str:
-    lines = [f"**{table.title}** (`{shown(table.path)}`)", "", "| " + " | ".join(COLUMNS) + " |", "|---|---|---:|---:|---:|---|---|"]
+    lines = [f"**{table.title}** (`{shown(table.path)}`)", "", "| " + " | ".join(COLUMNS) + " |", "|---|---|---:|---:|---:|---:|---|---|"]
     previous = None
     for entry in entries:
         first = entry["row_id"] != previous  # a row's status and runs on its first metric's line
@@ -397,10 +406,12 @@ def markdown(table: Table, entries: list[dict], given: list[str] = ()) -> str:
         links = " ".join([f"`{shown(entry['directory'])}/`", *(f"[s{seed}]({url})" for seed, url in entry["urls"] if url)])
         lines.append("| " + " | ".join([
             entry["label"].replace("|", "\\|") if first else "", entry["metric"], "—" if entry["paper"] is None else f"{entry['paper']:.{digits}f}", value,
-            "—" if entry["difference"] is None else f"{entry['difference']:+.2f}", entry["status"] if first else "", links if first else "",
+            "" if entry["status"] != "done" else "—" if entry["best"] is None else f"{entry['best']:.{digits}f}", "—" if entry["difference"] is None else f"{entry['difference']:+.2f}", entry["status"] if first else "", links if first else "",
         ]) + " |")
     notes = ["", "Measured: mean ± sample standard deviation over the row's seeds (n), accuracies in %, shown once every seed "
-             "is done; difference: measured − paper."]
+             "is done; difference: measured − paper. Best: the mean over the seeds of each run's number at its best validation "
+             "(`best` of results_val.json: the validation of the highest top-1, as official codes that print the best "
+             "epoch report it; — for a test stage)."]
     if table.stand_in:
         orientation = (" Its paper numbers are the stood-in table's, for orientation only (different data, trunk and scale): "
                        "no difference is computed.") if any(entry["paper"] is not None for entry in entries) else ""

@@ -195,6 +195,17 @@ def read_metric_value(path: Path, key: str) -> float | None:
     return value
 
 
+def read_best_value(path: Path, key: str) -> float | None:
+    """The value of `key` at the best validation of a fit's results file (`best`, engine.cli.results: a top-1's own
+    best, or the number recorded with it, as a shot group with the best overall top-1); None when it has none."""
+    if not path.is_file():
+        return None
+    best = read_json(path, "results file").get("best")
+    found = [entry["metrics"][key] for entry in (best.values() if isinstance(best, dict) else ())
+             if isinstance(entry, dict) and isinstance(entry.get("metrics"), dict) and key in entry["metrics"]]
+    return float(found[0]) if found and isinstance(found[0], (int, float)) else None
+
+
 def other_arguments(made_with: list[str] | None, planned: list[str]) -> str | None:
     """How the arguments results were made with differ from the planned ones ("with A and without B"), or None
     when they do not (or were not recorded)."""

@@ -56,9 +56,9 @@ def a_row(row_id: str, config: str = "configs/moco_digits.yaml", evaluation: str
             f"    paper: {paper}\n    source: a test\n    seeds: {seeds}\n{extra}")
 
 
-def write_results(directory: Path, metrics: dict, name: str = "results_val.json") -> None:
+def write_results(directory: Path, metrics: dict, name: str = "results_val.json", best: dict | None = None) -> None:
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / name).write_text(json.dumps({"metrics": metrics}))
+    (directory / name).write_text(json.dumps({"metrics": metrics} | ({"best": best} if best is not None else {})))
 
 
 def csv_rows(out: Path) -> list[dict]:
@@ -331,12 +331,14 @@ def test_the_table_shows_a_number_only_for_finished_rows_with_the_results_mean_s
     a_values, b_values = {0: (0.10, 0.625), 1: (0.20, 0.5)}, [0.5, 0.25]
     for seed, (knn, linear) in a_values.items():
         write_results(out / "a" / f"seed{seed}", {"val/knn_top1": knn, "val/probe_top1": 0.0})
-        write_results(out / "a" / f"seed{seed}" / "linear", {"val/probe_top1": linear})
+        best = {"val/probe_top1": {"global_step": 90, "epoch": 8, "metrics": {"val/probe_top1": linear + 0.0625}}}
+        write_results(out / "a" / f"seed{seed}" / "linear", {"val/probe_top1": linear}, best=best)
     for seed, value in enumerate(b_values):
         write_results(out / "b" / f"seed{seed}", {"val/probe_top1": value, "val/knn_top1": value})
     record(out / "b" / "seed2", exit_code=1)  # the third seed of b failed
+    best = {"val/top1": {"global_step": 7, "epoch": 3, "metrics": {"val/top1": 0.5, "val/many_top1": 0.75, "val/medium_top1": 0.375, "val/few_top1": 0.0}}}
     write_results(out / "c" / "seed0", {"val/top1": 0.375, "val/many_top1": 0.5, "val/medium_top1": 0.25, "val/few_top1": 0.125,
-                                        "val/uniformity": 2.5, "val/tolerance": 0.0625})
+                                        "val/uniformity": 2.5, "val/tolerance": 0.0625}, best=best)
     (out / "a" / "seed1" / "log.txt").write_text("wandb: \x1b[33m🚀 View run\x1b[0m at: \x1b[34mhttps://wandb.ai/lab/contrastlab/runs/abc123\x1b[0m\n")
 
     markdown = reproduce.assemble(table, runs, out)
@@ -353,13 +355,14 @@ def test_the_table_shows_a_number_only_for_finished_rows_with_the_results_mean_s
     assert [rows[index]["mean"] for index in range(4, 8)] == ["50.0", "25.0", "12.5", "37.5"] and rows[4]["std"] == ""
     assert float(rows[7]["difference"]) == pytest.approx(-2.5)
     assert [rows[8]["mean"], rows[9]["mean"]] == ["2.5", "0.0625"]  # not accuracies: as logged
-    assert markdown.splitlines()[13] == "|  | tolerance | — | 0.062 (n=1) | — |  |  |"
+    assert [row["best"] for row in rows] == ["", str(statistics.mean(linear) + 6.25), "", "", "75.0", "37.5", "0.0", "50.0", "", ""]
+    assert markdown.splitlines()[13] == "|  | tolerance | — | 0.062 (n=1) | — | — |  |  |"  # no best of a representation metric
     assert "https://wandb.ai/lab/contrastlab/runs/abc123" in rows[0]["runs"] and str(out / "a" / "seed0") in rows[0]["runs"]
     lines = markdown.splitlines()
-    assert lines[2] == "| row | metric | paper | measured | difference | status | runs |"
-    assert lines[4].startswith("| row a | knn | — | 15.00 ± 7.07 (n=2) | — | done | ") and "[s1](https://wandb.ai/lab/contrastlab/runs/abc123)" in lines[4]
-    assert lines[5] == "|  | linear | 60.00 | 56.25 ± 8.84 (n=2) | -3.75 |  |  |"
-    assert lines[6].startswith("| row b | probe | 50.00 |  | — | seed 0: done; seed 1: done; seed 2: pretrain failed (exit 1, log ")
+    assert lines[2] == "| row | metric | paper | measured | best | difference | status | runs |"
+    assert lines[4].startswith("| row a | knn | — | 15.00 ± 7.07 (n=2) | — | — | done | ") and "[s1](https://wandb.ai/lab/contrastlab/runs/abc123)" in lines[4]
+    assert lines[5] == "|  | linear | 60.00 | 56.25 ± 8.84 (n=2) | 62.50 | -3.75 |  |  |"  # the difference is the measured's
+    assert lines[6].startswith("| row b | probe | 50.00 |  |  | — | seed 0: done; seed 1: done; seed 2: pretrain failed (exit 1, log ")
     assert (out / "table.md").read_text() == markdown and "Sources: a test." in markdown
 
 
@@ -517,7 +520,7 @@ def test_a_label_with_a_vertical_bar_keeps_the_markdown_tables_columns(tmp_path)
     write_results(out / "a" / "seed0", {"val/probe_top1": 0.5, "val/knn_top1": 0.4})
     assert reproduce.main([str(path), "--out", str(out), "--collect"]) == 0
     (line,) = [line for line in (out / "table.md").read_text().splitlines() if "ResNet-18" in line]
-    assert line.startswith("| ResNet-18 \\| 200 ep | ") and line.replace("\\|", "").count("|") == 8
+    assert line.startswith("| ResNet-18 \\| 200 ep | ") and line.replace("\\|", "").count("|") == len(reproduce.COLUMNS) + 1
 
 
 def test_an_interrupted_run_of_other_arguments_is_stale_and_keeps_its_record(tmp_path):
