@@ -42,16 +42,16 @@ KANG_TAUS = [round(float(tau), 1) for tau in np.linspace(0, 2, 21)]  # classifie
 def tau_sweep(model: CrossEntropy, datamodule, taus: list[float], split: str = "val") -> list[dict]:
     """`{"tau", "top1", "many_top1", ...}` per tau, in the order of `taus` (module docstring)."""
     model.check_data(datamodule, 1)  # the training split's class counts, which define the shot groups
-    weight, classes = model.classifier.weight.float(), model.num_classes
+    classifiers, classes = [tau_normalised(model.classifier.weight.float(), tau) for tau in taus], model.num_classes
     correct, seen = torch.zeros(len(taus), classes, dtype=torch.long), torch.zeros(classes, dtype=torch.long)
     with eval_mode(model), torch.autocast(model.device.type, enabled=False):
         for batch in eval_batches(datamodule, split_dataset(datamodule, split)):
             features, labels = model.backbone(batch["image"].to(model.device).float()), batch["label"].to(model.device)
             seen += torch.bincount(labels, minlength=classes).cpu()
-            for row, tau in enumerate(taus):
-                hits = labels[(features @ tau_normalised(weight, tau).T).argmax(dim=1) == labels]
+            for row, weight in enumerate(classifiers):
+                hits = labels[(features @ weight.T).argmax(dim=1) == labels]
                 correct[row] += torch.bincount(hits, minlength=classes).cpu()
-    zeros = torch.zeros(classes, dtype=torch.long)
+    zeros = torch.zeros(classes, dtype=torch.long)  # the stat scores' fp, tn, fn: shot_accuracies reads tp and support
     many_above, few_below = model.shot_bounds
     return [{"tau": tau} | shot_accuracies(torch.stack([correct[row], zeros, zeros, zeros, seen], dim=1), model.class_counts.cpu(), many_above, few_below)
             for row, tau in enumerate(taus)]
