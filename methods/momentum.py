@@ -1,8 +1,7 @@
 """The momentum encoder shared by MoCo v2, ReSSL, SCE, JCL, PaCo (and PaCo on RIDE, the multi-task model), BYOL, MoCo v3
-and DINO: `MomentumMixin` keeps EMA copies of (online,
-target) module pairs, steps them with the momentum schedule after every optimizer step, and runs the target
-branch with shuffle-BN (across processes) or split-BN (emulated on one device, `methods.shuffle_bn`). The queue
-and the memory bank are in `methods.queues`.
+and DINO: `MomentumMixin` keeps EMA copies of (online, target) module pairs, steps them with the momentum schedule
+after every optimizer step, and runs the target branch with shuffle-BN (across processes) or split-BN (emulated on one
+device, `methods.shuffle_bn`). The queue and the memory bank are in `methods.queues`.
 """
 
 import copy
