@@ -84,9 +84,13 @@ def recorded_threads():
 
 
 def pytest_configure(config):
-    """CONTRASTLAB_REPIN=1 rewrites the pinned numbers' files from every test that it runs: in one process, so that
-    no worker writes over what another wrote."""
-    if os.environ.get("CONTRASTLAB_REPIN") == "1" and hasattr(config.option, "dist"):
+    """CONTRASTLAB_REPIN=1 rewrites the pinned numbers' files from every test that it runs, CONTRASTLAB_REPIN=kind adds
+    this machine kind's bits to them (tests/test_pinned_steps.py): in one process, so that no worker writes over what
+    another wrote."""
+    repin = os.environ.get("CONTRASTLAB_REPIN", "")
+    if repin not in ("", "0", "1", "kind"):
+        raise pytest.UsageError(f"CONTRASTLAB_REPIN={repin!r} (environment): 1 records the pinned numbers anew, kind adds this machine kind's bits, 0 or unset neither")
+    if repin in ("1", "kind") and hasattr(config.option, "dist"):
         config.option.dist = "no"
 
 

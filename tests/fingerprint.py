@@ -16,9 +16,16 @@ weights, cannot hide a change of the weights' update (an EMA not applied, no wei
   their change only; a parameter sum cannot even see it (cross-entropy gradients sum to zero over the classes).
 
 The directions come from NumPy's PCG64 generator, which gives the same numbers on every CPU.
+
+So that another kind need not rely on the tolerances, which cannot see a small change of an update, a pinned file keeps
+beside its recording (`machine`, `cases`) the bits of other machine kinds (`kinds`, by `kernel_kind`): each case's loss
+and the SHA-256 of each part as that kind computes them, recorded there with `CONTRASTLAB_REPIN=kind` once its
+numbers agree with the recording to the tolerances. A machine of such a kind compares them bit for bit.
 """
 
+import fcntl
 import hashlib
+import json
 import math
 import platform
 import zlib
@@ -36,18 +43,85 @@ RECORDED_THREADS = 2  # the intra-op threads of the recording machine: the tests
 HELD_TO_AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 
 
+# The instruction sets, as /proc/cpuinfo names them, that ATen's and oneDNN's CPU kernels choose among
+KERNEL_FLAGS = ("fma", "f16c", "avx2", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16",
+                "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8", "amx_fp16")
+CACHES = Path("/sys/devices/system/cpu/cpu0/cache")
+
+
+def cpuinfo(key: str) -> str | None:
+    """The first value of `key` in /proc/cpuinfo (x86 Linux), None where there is none."""
+    path = Path("/proc/cpuinfo")
+    lines = path.read_text().splitlines() if path.is_file() else []
+    return next((line.split(":", 1)[1].strip() for line in lines if line.split(":", 1)[0].strip() == key), None)
+
+
 def cpu_vendor() -> str:
     """The CPU's maker as x86 Linux names it (`vendor_id` of /proc/cpuinfo: AuthenticAMD, GenuineIntel), else
     `platform.processor()`. Part of the machine kind: held to the same AVX2 kernels, an Intel Xeon (AMX,
     2026-11-28) did not give the AMD EPYC recordings' bits in any pinned case, with MKL_ENABLE_INSTRUCTIONS=AVX2 or
     MKL_CBWR=AVX2 added neither; an AMD AVX-512 CPU gives them all."""
-    cpuinfo = Path("/proc/cpuinfo")
-    lines = cpuinfo.read_text().splitlines() if cpuinfo.is_file() else []
-    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("vendor_id")), platform.processor() or "unknown")
+    return cpuinfo("vendor_id") or platform.processor() or "unknown"
 
 
 def machine() -> dict:
     return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_vendor": cpu_vendor()}
+
+
+def kernel_kind() -> str:
+    """The machine kind of a bit-for-bit recording in `kinds`: the `machine`, the instruction sets of KERNEL_FLAGS the
+    CPU has and its cache sizes, by which oneDNN sizes the blocks of its loops, and so the order of its sums. A CPU
+    that differs in any of them is another kind, compared to the tolerances until its own bits are recorded."""
+    flags = set((cpuinfo("flags") or "").split())
+    caches = []
+    for index in sorted(CACHES.glob("index*")) if CACHES.is_dir() else []:
+        level, kind, size = ((index / name).read_text().strip() for name in ("level", "type", "size"))
+        caches.append(f"L{level}{dict(Data='d', Instruction='i').get(kind, '')} {size}")
+    described = machine()
+    return ", ".join([f"torch {described['torch']}", described["cpu_vendor"], described["cpu_capability"],
+                      " ".join(flag for flag in KERNEL_FLAGS if flag in flags) or "no listed flags", " ".join(caches) or "caches unknown"])
+
+
+def kernel_bits(found: dict) -> dict:
+    """What a kind's recording keeps of a case: the loss and each part's SHA-256 (a training step's `module_fingerprints`),
+    or the numbers themselves (evaluation metrics)."""
+    if "modules" not in found:
+        return found
+    return {"loss": found["loss"], "sha256": {part: numbers["sha256"] for part, numbers in found["modules"].items()}}
+
+
+def bit_differences(found: dict, recorded: dict) -> list[str]:
+    """How a case's `kernel_bits` differ from those its machine kind recorded (empty when they are equal)."""
+    found, problems = kernel_bits(found), []
+    for key in sorted(set(found) | set(recorded)):
+        if key == "sha256" and "sha256" in found and "sha256" in recorded:
+            parts = sorted(part for part in set(found["sha256"]) | set(recorded["sha256"]) if found["sha256"].get(part) != recorded["sha256"].get(part))
+            problems += [f"{part}: not the bits this machine kind recorded" for part in parts]
+        elif found.get(key) != recorded.get(key):
+            problems.append(f"{key} {found.get(key)!r} instead of {recorded.get(key)!r}, as this machine kind recorded")
+    return problems
+
+
+def record_kind_bits(path: Path, case: str, found: dict, reference_problems: list[str]) -> None:
+    """Add this machine kind's bits of `case` to the pinned file `path`, read and written under a lock (parallel
+    workers each add their cases); refused when its numbers differ from the recording's beyond the tolerances
+    (`reference_problems`): bits are pinned only of a computation the recording vouches for."""
+    if reference_problems:
+        raise ValueError(f"{case}: this machine kind's bits not recorded, its numbers differ from {path.name}'s beyond the tolerances: "
+                         + "; ".join(reference_problems))
+    with path.open("r+") as stream:
+        fcntl.flock(stream, fcntl.LOCK_EX)
+        pinned = json.loads(stream.read())
+        pinned.setdefault("kinds", {}).setdefault(kernel_kind(), {})[case] = kernel_bits(found)
+        stream.seek(0)
+        stream.truncate()
+        stream.write(json.dumps(pinned, indent=1, sort_keys=True) + "\n")
+
+
+def forget_kind_bits(pinned: dict, case: str) -> dict:
+    """`pinned` without any kind's bits of `case`, whose recording changes (a kind left empty goes too)."""
+    kinds = {kind: {name: bits for name, bits in cases.items() if name != case} for kind, cases in pinned.get("kinds", {}).items()}
+    return {**pinned, "kinds": {kind: cases for kind, cases in kinds.items() if cases}}
 
 
 def held_like(recorded: dict) -> dict[str, str] | None:

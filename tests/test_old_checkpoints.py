@@ -8,7 +8,8 @@ Resuming and validating give the numbers recorded in `expected.json`: the loss a
 recording's maker, where these tests run again in one pytest process held to the AVX2 kernels, `fingerprint.held_like`) and to the
 tolerances of `test_pinned_steps.py` elsewhere; the accuracies of the probe. To record them anew, at a commit meant to change them:
 `CONTRASTLAB_REPIN=1 uv run --locked pytest tests/test_old_checkpoints.py` (on an AVX-512 machine with the variables of
-`fingerprint.HELD_TO_AVX2` set before it, so that the numbers stay the AVX2 kernels').
+`fingerprint.HELD_TO_AVX2` set before it, so that the numbers stay the AVX2 kernels'). A machine of another kind compares
+the bits it recorded with `CONTRASTLAB_REPIN=kind` (the file's `kinds`, as `tests/test_pinned_steps.py` says) bit for bit too.
 """
 
 import json
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from fingerprint import held_like, initial_state, machine, module_fingerprints
+from fingerprint import bit_differences, forget_kind_bits, held_like, initial_state, kernel_kind, machine, module_fingerprints, record_kind_bits
 from test_pinned_steps import mismatches
 
 import main_linear
@@ -50,18 +51,27 @@ def repoint_probe(checkpoint: Path, pretrained: Path) -> None:
 
 def check_recorded(case: str, found: dict) -> None:
     expected = json.loads(EXPECTED.read_text()) if EXPECTED.is_file() else {"machine": machine(), "cases": {}}
-    if os.environ.get("CONTRASTLAB_REPIN") == "1":
-        expected = expected if expected["machine"] == machine() else {"machine": machine(), "cases": {}}
+    repin = os.environ.get("CONTRASTLAB_REPIN")
+    if repin == "1":
+        expected = forget_kind_bits(expected, case) if expected["machine"] == machine() else {"machine": machine(), "cases": {}}
         expected["cases"][case] = found
         EXPECTED.write_text(json.dumps(expected, indent=1, sort_keys=True) + "\n")
         return
     recorded, same_machine = expected["cases"][case], expected["machine"] == machine()
+    if repin == "kind" and same_machine:
+        pytest.fail(f"CONTRASTLAB_REPIN=kind on {machine()}, the kind that recorded {EXPECTED.name}: compared bit for bit already", pytrace=False)
     if "modules" in recorded:  # a training step: the loss and the module fingerprints
-        assert mismatches(found, recorded, same_machine) == []
+        problems = mismatches(found, recorded, same_machine)
     elif same_machine:  # evaluation metrics
-        assert found == recorded
+        problems = [] if found == recorded else [f"{found} instead of {recorded}"]
     else:  # another CPU kind may flip a prediction near a tie: up to one image of the 64 validated (2 batches of 32)
-        assert found.keys() == recorded.keys() and all(abs(found[key] - value) <= 1 / 64 for key, value in recorded.items()), case
+        close = found.keys() == recorded.keys() and all(abs(found[key] - value) <= 1 / 64 for key, value in recorded.items())
+        problems = [] if close else [f"{found} instead of {recorded}, beyond one image of 64"]
+    if repin == "kind":
+        record_kind_bits(EXPECTED, case, found, problems)
+        return
+    kind_bits = expected.get("kinds", {}).get(kernel_kind(), {})  # this kind's own bits, where it recorded them
+    assert problems + (bit_differences(found, kind_bits[case]) if case in kind_bits else []) == [], case
 
 
 RECORDED_TESTS = ["test_an_old_pretraining_checkpoint_resumes_with_its_saved_config_to_the_recorded_state",

@@ -14,7 +14,8 @@ version) the loss and the bytes must be equal. An AVX-512 machine of the same ma
 bit too: it computes every case in one process held to the AVX2 kernels (`fingerprint.HELD_TO_AVX2`, `ATEN_CPU_CAPABILITY=avx2
 ONEDNN_MAX_CPU_ISA=AVX2`: the capability then reads AVX2), shared by the parallel workers. Elsewhere kernels
 round differently: the loss and the fingerprints are compared to `TOLERANCE` (its comment says how it was
-measured and what it cannot see), the tensors' names, shapes and dtypes and the integer tensors exactly.
+measured and what it cannot see), the tensors' names, shapes and dtypes and the integer tensors exactly, and, on a kind
+that recorded its own bits in the file's `kinds` (`fingerprint.kernel_kind`), the loss and every part's SHA-256 bit for bit.
 
 To record them anew, when a change is meant to alter the numbers (say why in its commit; an AVX-512 machine of the
 recording's maker records them as its held process computes them, the AVX2 kernels'):
@@ -23,6 +24,10 @@ recording's maker records them as its held process computes them, the AVX2 kerne
 
 `-k <case>` records some cases only; on a machine of another kind than the recording's that is refused (the file holds
 one kind's numbers, and recording there starts it anew). Parallel workers add their cases under a lock on the file.
+A case recorded anew loses every kind's bits. On a machine of another kind, once its numbers agree with the recording
+to the tolerances (a case that does not is refused), this adds its own bits, which it then compares bit for bit:
+
+    CONTRASTLAB_REPIN=kind uv run --locked pytest tests/test_pinned_steps.py tests/test_old_checkpoints.py
 """
 
 import fcntl
@@ -31,11 +36,14 @@ import multiprocessing
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
 import fingerprint
-from fingerprint import HELD_TO_AVX2, RECORDED_THREADS, differences, held_like, initial_state, loss_differs, machine, module_fingerprints
+import torch
+from fingerprint import (HELD_TO_AVX2, RECORDED_THREADS, bit_differences, differences, forget_kind_bits, held_like, initial_state, kernel_bits,
+                         kernel_kind, loss_differs, machine, module_fingerprints, record_kind_bits)
 
 import main_linear
 import main_pretrain
@@ -160,12 +168,13 @@ def held_results(tmp_path_factory) -> dict | None:
 
 def record(case: str, found: dict, recording: dict) -> None:
     """Write one case's numbers as `recording`'s machine computes them into PINNED, read and written under a lock (the
-    parallel workers each add their cases). A file of another machine kind starts anew."""
+    parallel workers each add their cases), without the other kinds' bits of the case. A file of another machine kind
+    starts anew."""
     with os.fdopen(os.open(PINNED, os.O_RDWR | os.O_CREAT), "r+") as stream:
         fcntl.flock(stream, fcntl.LOCK_EX)
         text = stream.read()
         pinned = json.loads(text) if text else {"machine": recording, "cases": {}}
-        pinned = pinned if pinned["machine"] == recording else {"machine": recording, "cases": {}}
+        pinned = forget_kind_bits(pinned, case) if pinned["machine"] == recording else {"machine": recording, "cases": {}}
         pinned["cases"][case] = found
         stream.seek(0)
         stream.truncate()
@@ -187,26 +196,39 @@ def selected_cases(session) -> set[str]:
     return {item.callspec.params["case"] for item in session.items if getattr(item, "originalname", None) == "test_three_training_steps_give_the_pinned_loss_and_state"}
 
 
+def kind_on_its_recording(recording: dict) -> str:
+    return f"CONTRASTLAB_REPIN=kind on {recording}, the kind that recorded {PINNED.name}: its numbers are compared bit for bit already"
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_three_training_steps_give_the_pinned_loss_and_state(case, tmp_path, recorded_threads, held_results, request):
     pinned = recorded()
-    repin = os.environ.get("CONTRASTLAB_REPIN") == "1"
+    repin = os.environ.get("CONTRASTLAB_REPIN")
     if held_results is not None:  # computed as the recording machine computes: bit for bit, or recorded as it
-        if repin:
+        if repin == "kind":
+            pytest.fail(kind_on_its_recording(pinned["machine"]), pytrace=False)
+        if repin == "1":
             record(case, held_results[case], pinned["machine"])
             return
         assert case in pinned["cases"], f"{case} is not pinned: record it with CONTRASTLAB_REPIN=1"
         assert mismatches(held_results[case], pinned["cases"][case], same_machine=True) == []
         return
-    if repin and (refused := partial_repin(pinned["machine"], machine(), selected_cases(request.session))):
+    if repin == "1" and (refused := partial_repin(pinned["machine"], machine(), selected_cases(request.session))):
         pytest.fail(refused, pytrace=False)
+    if repin == "kind" and pinned["machine"] == machine():
+        pytest.fail(kind_on_its_recording(pinned["machine"]), pytrace=False)
     config, overrides = CASES[case]
     found = three_steps(config, overrides, tmp_path / "run")
-    if repin:
+    if repin == "1":
         record(case, found, machine())
         return
     assert case in pinned["cases"], f"{case} is not pinned: record it with CONTRASTLAB_REPIN=1"
-    assert mismatches(found, pinned["cases"][case], pinned["machine"] == machine()) == []
+    problems = mismatches(found, pinned["cases"][case], pinned["machine"] == machine())
+    if repin == "kind":
+        record_kind_bits(PINNED, case, found, problems)
+        return
+    kind_bits = pinned.get("kinds", {}).get(kernel_kind(), {})  # this kind's own bits, where it recorded them
+    assert problems + (bit_differences(found, kind_bits[case]) if case in kind_bits else []) == []
 
 
 def test_recording_some_cases_on_another_machine_kind_is_refused_and_every_case_or_on_its_own_kind_is_not():
@@ -232,6 +254,60 @@ def test_recordings_of_parallel_workers_each_add_their_cases_to_the_file(tmp_pat
     assert pinned["machine"] == recording and set(pinned["cases"]) == {"kept", *(f"w{w}_{i}" for w in range(2) for i in range(40))}
     record("other", {"loss": 2.0}, recording | {"cpu_capability": "other"})  # another kind starts the file anew
     assert set(json.loads((tmp_path / "pinned.json").read_text())["cases"]) == {"other"}
+
+
+def test_a_kinds_own_bits_are_compared_bit_for_bit_and_a_case_recorded_anew_loses_them(tmp_path, monkeypatch):
+    pinned = recorded()
+    moco, sce = pinned["cases"]["moco_digits"], pinned["cases"]["sce_digits"]
+    monkeypatch.setattr(sys.modules[__name__], "PINNED", tmp_path / "pinned.json")
+    PINNED.write_text(json.dumps({"machine": pinned["machine"], "cases": {"moco_digits": moco, "sce_digits": sce}}))
+    record_kind_bits(PINNED, "moco_digits", moco, [])
+    record_kind_bits(PINNED, "sce_digits", sce, [])
+    kinds = json.loads(PINNED.read_text())["kinds"]
+    assert kinds == {kernel_kind(): {"moco_digits": kernel_bits(moco), "sce_digits": kernel_bits(sce)}}
+    bits = kinds[kernel_kind()]["moco_digits"]
+    assert bit_differences(moco, bits) == []
+    part = sorted(moco["modules"])[0]
+    changed = {**moco, "modules": {**moco["modules"], part: {**moco["modules"][part], "sha256": "0" * 64}}}
+    assert bit_differences(changed, bits) == [f"{part}: not the bits this machine kind recorded"]
+    assert bit_differences({**moco, "loss": moco["loss"] * (1 + 2**-20)}, bits)[0].startswith("loss ")
+    assert len(bit_differences(sce, bits)) == 1 + len(set(moco["modules"]) | set(sce["modules"]))  # the loss and every part
+    record("moco_digits", moco, pinned["machine"])  # recorded anew: every kind's bits of it are gone, the others stay
+    assert json.loads(PINNED.read_text())["kinds"] == {kernel_kind(): {"sce_digits": kernel_bits(sce)}}
+
+
+def test_the_bits_of_numbers_beyond_the_tolerances_of_the_recording_are_not_recorded(tmp_path):
+    pinned = recorded()
+    path = tmp_path / "pinned.json"
+    path.write_text(json.dumps(pinned))
+    swapped = pinned["cases"]["balanced_softmax_digits_lt"]
+    problems = mismatches(swapped, pinned["cases"]["ce_digits_lt"], same_machine=False)
+    with pytest.raises(ValueError, match="^ce_digits_lt: this machine kind's bits not recorded, its numbers differ from pinned.json's"):
+        record_kind_bits(path, "ce_digits_lt", swapped, problems)
+    assert json.loads(path.read_text()) == pinned
+
+
+def test_another_kernel_instruction_set_or_cache_size_is_another_machine_kind(tmp_path, monkeypatch):
+    def kind(flags: str, l1_size: str) -> str:
+        caches = tmp_path / l1_size
+        (caches / "index0").mkdir(parents=True, exist_ok=True)
+        for name, value in (("level", "1"), ("type", "Data"), ("size", l1_size)):
+            (caches / "index0" / name).write_text(value + "\n")
+        monkeypatch.setattr(fingerprint, "CACHES", caches)
+        monkeypatch.setattr(fingerprint, "cpuinfo", lambda key: flags if key == "flags" else "GenuineIntel")
+        return kernel_kind()
+
+    assert kind("fma avx2 sse4_1", "48K") == kind("fma avx2", "48K")  # no kernel chooses by sse4_1 on these CPUs
+    assert kind("fma avx2", "48K").endswith(f", GenuineIntel, {torch.backends.cpu.get_cpu_capability()}, fma avx2, L1d 48K")
+    assert len({kind("fma avx2", "48K"), kind("fma avx2 avx512f", "48K"), kind("fma avx2", "32K")}) == 3
+
+
+def test_an_unknown_repin_value_is_refused_before_any_test_runs(monkeypatch):
+    import conftest
+
+    monkeypatch.setenv("CONTRASTLAB_REPIN", "yes")
+    with pytest.raises(pytest.UsageError, match="^CONTRASTLAB_REPIN='yes' \\(environment\\): 1 records the pinned numbers anew, kind adds"):
+        conftest.pytest_configure(types.SimpleNamespace(option=types.SimpleNamespace()))
 
 
 @pytest.mark.parametrize("case, other", [("ce_digits_lt", "balanced_softmax_digits_lt"), ("linear_digits", "linear_tcl_digits"), ("sce_digits", "ressl_digits")])
