@@ -42,12 +42,16 @@ class NonFiniteLossGuard(Callback):
         self.consecutive_skips = 0
         self.drop_gradients = False
 
-    def setup(self, trainer, pl_module, stage: str) -> None:
-        if self.skip_batch and trainer.world_size > 1:
+    def check_processes(self, world_size: int) -> None:
+        """`skip_batch` refused beyond one process: the CLI asks before the run writes anything, `setup` again."""
+        if self.skip_batch and world_size > 1:
             raise ValueError(
-                f"non_finite.skip_batch works in a single process only, this run has {trainer.world_size}: "
+                f"non_finite.skip_batch works in a single process only, this run has {world_size}: "
                 "set it to false (the run then stops at a non-finite loss)"
             )
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        self.check_processes(trainer.world_size)
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
         finite = bool(torch.isfinite(loss.detach()).all())
@@ -67,3 +71,9 @@ class NonFiniteLossGuard(Callback):
         if self.drop_gradients:
             optimizer.zero_grad(set_to_none=True)  # an optimizer skips parameters without a gradient
             self.drop_gradients = False
+
+
+def check_guard_processes(trainer) -> None:
+    """The run's guard refuses `skip_batch` with more than one process (`NonFiniteLossGuard.check_processes`)."""
+    for guard in (callback for callback in trainer.callbacks if isinstance(callback, NonFiniteLossGuard)):
+        guard.check_processes(trainer.world_size)

@@ -17,6 +17,7 @@ from test_cli import PRETRAIN_DIGITS, TINY_RUN, run_failing
 import main_pretrain
 from engine.config import load_yaml
 from engine.preemption import ProcessTimeLimit
+from scripts import compare
 
 QUIET = ["--trainer.logger=false", "--trainer.precision=32-true"]
 
@@ -91,6 +92,9 @@ def test_the_lock_of_a_run_that_ended_or_died_is_taken_over(tmp_path):
         ("--data.init_args.batch_size=32", "data.init_args.batch_size 32 (the run was trained with 16)"),
         ("--trainer.max_epochs=3", "trainer.max_epochs 3 (the run was trained with 1)"),
         ("--seed_everything=1", "seed_everything 1 (the run was trained with 0)"),
+        # what a CPU without bf16 units chooses for the same command (engine.devices.choose_cpu_precision): the error says how to keep it
+        ("--trainer.precision=bf16-mixed", "trainer.precision 'bf16-mixed' (the run was trained with '32-true'; --trainer.precision 32-true "
+                                           "resumes it so: on a CPU without bf16 units the precision rule trains a bf16 precision as 32-true)"),
         # a view given anew with its preset only: its other settings would revert to the preset's (blur 0.5) without a word
         ("--data.init_args.views={query: {preset: mocov2}, key: {preset: mocov2}}",
          "data.init_args.views.key.blur_prob not given (the run was trained with 0.0)"),
@@ -142,6 +146,25 @@ def test_a_finished_run_whose_results_file_was_removed_measures_its_final_weight
     assert again["global_step"] == again["val_global_step"] == written["global_step"] == 2
     measured = {name: value for name, value in written["metrics"].items() if name.startswith("val/")}
     assert measured and {name: again["metrics"][name] for name in measured} == measured
+
+
+@pytest.mark.slow
+def test_a_finished_run_resumed_to_train_further_is_unfinished_until_its_new_end(tmp_path, capsys, monkeypatch):
+    """The results of the fit before must not stand beside the new settings of config.yaml while the run trains on
+    (stopped here by max_time; a SIGTERM or a crash alike): compare.py, sweeps and tables would take them as its end."""
+    finished_run = tmp_path / "run"
+    pretrain(finished_run, *STOPPABLE, "--trainer.max_steps=2")
+    one_second_per_step(monkeypatch)
+    earlier = json.loads((finished_run / "results_val.json").read_text())
+    extend = [*STOPPABLE, "--ckpt_path=last", "--trainer.max_steps=5", "--trainer.max_time=00:00:00:02"]
+    with pytest.raises(SystemExit) as exit_info:
+        pretrain(finished_run, *extend)  # steps 3 and 4 of 5
+    assert exit_info.value.code == 143 and earlier["global_step"] == 2
+    assert not (finished_run / "results_val.json").exists() and not compare.read_run(finished_run).finished
+    assert json.loads((finished_run / "results_val.earlier.json").read_text()) == earlier  # kept, under another name
+    assert load_yaml((finished_run / "config.yaml").read_text())["trainer"]["max_steps"] == 5
+    pretrain(finished_run, *extend)  # step 5: the end
+    assert json.loads((finished_run / "results_val.json").read_text())["global_step"] == 5 and compare.read_run(finished_run).finished
 
 
 def callback_of(cli, kind: type) -> Callback:
@@ -228,17 +251,26 @@ def test_a_finished_run_whose_checkpoints_are_not_in_its_directory_still_holds_i
         assert files_in(run_dir) == before
 
 
-def test_a_run_that_keeps_no_last_ckpt_still_holds_its_directory(tmp_path, capsys):
+def test_a_run_whose_last_ckpt_is_gone_still_holds_its_directory(tmp_path, capsys):
     run_dir = tmp_path / "run"
-    pretrain(run_dir, "--checkpoint.save_last=false")
+    pretrain(run_dir)
+    (run_dir / "checkpoints" / "last.ckpt").unlink()  # removed, or a run of a version that let checkpoint.save_last be false
     (checkpoint,) = (run_dir / "checkpoints").glob("*.ckpt")
     before = files_in(run_dir)
     line = run_failing(main_pretrain, ["fit", "--config", PRETRAIN_DIGITS, *TINY_RUN, *QUIET, f"--trainer.default_root_dir={run_dir}",
-                                       "--checkpoint.save_last=false", "--seed_everything=5"], capsys)
+                                       "--seed_everything=5"], capsys)
     assert line == f"error: {checkpoint} already holds a run: resume it with --ckpt_path last, or start a new one under another trainer.default_root_dir"
     assert files_in(run_dir) == before
-    resumed = pretrain(run_dir, "--checkpoint.save_last=false", "--ckpt_path=last")  # its newest checkpoint: finished, nothing to train
+    resumed = pretrain(run_dir, "--ckpt_path=last")  # its newest checkpoint: finished, nothing to train
     assert resumed.trainer.ckpt_path == str(checkpoint) and resumed.trainer.global_step == 2
+
+
+def test_a_run_without_last_ckpt_is_refused_in_one_line_before_anything_is_written(tmp_path, capsys):
+    """A SIGTERM or max_time stop writes last.ckpt only where the run keeps one: with save_last false it lost its steps."""
+    line = run_failing(main_pretrain, ["fit", "--config", PRETRAIN_DIGITS, *TINY_RUN, *QUIET, f"--trainer.default_root_dir={tmp_path / 'run'}",
+                                       "--checkpoint.save_last=false"], capsys)
+    assert line.startswith("error: checkpoint.save_last False: every run keeps checkpoints/last.ckpt, which a stop (SIGTERM, max_time) writes")
+    assert not (tmp_path / "run").exists()
 
 
 def test_config_yaml_records_a_batch_count_as_the_integer_the_run_used(tmp_path):

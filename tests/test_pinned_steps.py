@@ -105,7 +105,7 @@ def three_steps(config: str, overrides: list[str], run_dir: Path) -> dict:
         "fit", "--config", str(ROOT / "configs" / config), *overrides, f"--trainer.max_steps={STEPS}",
         "--trainer.limit_val_batches=0", "--trainer.num_sanity_val_steps=0", "--trainer.logger=false",
         "--trainer.enable_progress_bar=false", "--trainer.precision=32-true", f"--trainer.default_root_dir={run_dir}",
-        "--trainer.callbacks+=fingerprint.InitialState", "--checkpoint.save_last=false", "--checkpoint.save_top_k=0",  # no file: only the numbers count here
+        "--trainer.callbacks+=fingerprint.InitialState", "--checkpoint.save_top_k=0",  # last.ckpt only: the numbers count here
     ])  # fmt: skip
     assert cli.trainer.global_step == STEPS
     return {

@@ -762,6 +762,14 @@ def test_skip_batch_drops_a_non_finite_batch_and_training_goes_on(tmp_path, monk
     assert changed == [True, False, True, True]  # step 1 updated nothing; the optimizer's momentum did not move it either
 
 
+def test_skip_batch_with_two_processes_is_one_error_line_before_anything_is_written(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    line = run_failing(main_pretrain, ["fit", "--config", PRETRAIN_DIGITS, *TINY_RUN, f"--trainer.default_root_dir={run_dir}", "--trainer.logger=false",
+                                       "--trainer.accelerator=cpu", "--trainer.devices=2", "--trainer.strategy=ddp", "--non_finite.skip_batch=true"], capsys)
+    assert line == "error: non_finite.skip_batch works in a single process only, this run has 2: set it to false (the run then stops at a non-finite loss)"
+    assert not run_dir.exists()
+
+
 def test_skip_batch_stops_after_too_many_non_finite_batches_in_a_row(tmp_path, monkeypatch):
     guard = NonFiniteLossGuard(skip_batch=True, max_consecutive_skips=2)
     with pytest.warns(UserWarning, match="batch skipped"), pytest.raises(NonFiniteLossError, match="at global step 3 "):

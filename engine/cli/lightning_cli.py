@@ -62,12 +62,12 @@ from engine.cli.resume import (
     refuse_to_overwrite_a_run,
 )
 from engine.cli.run_lock import RunDirectoryInUse, RunDirectoryLock
-from engine.cli.results import FIT_RESULTS, FinalValidation, evaluated_position, report_results, validate_the_end_if_missed
+from engine.cli.results import FinalValidation, end_of_fit, evaluated_position, report_results
 from engine.compat import KeepsEvaluationSettings, dump_config_for_hyperparameters
 from engine.config import load_yaml
 from engine.devices import choose_cpu_precision, keep_freed_host_memory
 from engine.files import SameDirectoryCheckpointIO, UnreadableCheckpoint, WriteFailed, read_checkpoint
-from engine.non_finite import NonFiniteLossError, NonFiniteLossGuard
+from engine.non_finite import NonFiniteLossError, NonFiniteLossGuard, check_guard_processes
 from engine.preemption import LastCheckpointAtEveryEpoch, LastCheckpointOnSigterm, PreemptionSignals, ProcessTimeLimit, ResumeInStoppedEpoch
 from engine.random_state import RandomStateCheckpoint
 from engine.tracking import TrainingThroughput, WandbUnavailable, tracked_run, wandb_mode
@@ -212,6 +212,7 @@ class ContrastlabCLI(KeepsEvaluationSettings):
 
     def _check_data(self) -> None:
         with one_error_line(ValueError):
+            check_guard_processes(self.trainer)
             self.datamodule.setup("fit")  # opens the dataset files: a corrupt one is one error line too
             self.model.check_data(self.datamodule, self.trainer.world_size)
             self.datamodule.check_sampler(self.trainer.max_epochs)
@@ -283,8 +284,7 @@ class ContrastlabCLI(KeepsEvaluationSettings):
     def after_fit(self) -> None:
         for limit in (callback for callback in self.trainer.callbacks if isinstance(callback, ProcessTimeLimit)):
             limit.exit_if_cut_short(self.trainer, self.config[self.subcommand]["trainer"]["max_time"])  # no results: as after a SIGTERM
-        validate_the_end_if_missed(self.trainer, self.model, self.datamodule)
-        report_results(self.trainer, "val", FIT_RESULTS)
+        end_of_fit(self.trainer, self.model, self.datamodule)
 
     def after_validate(self) -> None:
         # its own file: a `validate` in a run directory keeps the training's results (epoch, step, time, images/s)

@@ -13,6 +13,7 @@ from lightning.pytorch.loggers import WandbLogger
 
 from engine.checkpoint_record import RECORD_KEY
 from engine.cli.errors import condense_parser_error, fail
+from engine.cli.results import set_aside_earlier_results
 from engine.config import SAFE_LOADER, load_yaml
 from engine.files import write_run_file
 
@@ -68,7 +69,7 @@ def check_run_values(config, subcommand: str | None) -> None:
     """Values Lightning accepts but a run of this project cannot use, refused before anything is written: a seed that
     is not an explicit integer, an accumulation of no batch (a ZeroDivisionError once training started), a fit of no
     epoch or step (it wrote its files and trained nothing), the checkpoint `best` of a fit in another process and a run
-    without checkpoints."""
+    without checkpoints or without last.ckpt."""
     seed = config.get("seed_everything")
     if not isinstance(seed, int) or isinstance(seed, bool):  # true means seed 0 every time (Lightning >= 2.2 seeds None as 0: Lightning-AI/pytorch-lightning #18846)
         fail(f"seed_everything must be an explicit integer (a config's seed_everything or --seed_everything), got {seed!r}")
@@ -84,6 +85,9 @@ def check_run_values(config, subcommand: str | None) -> None:
     if trainer.get("enable_checkpointing") is False:  # Lightning refuses it beside the `checkpoint` callback every run has
         fail("trainer.enable_checkpointing false: every run keeps checkpoints/last.ckpt, which a resume, the linear stage and "
              "the sweeps read; --checkpoint.save_top_k 0 keeps no other checkpoint")
+    if (config.get("checkpoint") or {}).get("save_last") is not True:  # a SIGTERM or max_time stop would save nothing to resume from
+        fail(f"checkpoint.save_last {(config.get('checkpoint') or {}).get('save_last')!r}: every run keeps checkpoints/last.ckpt, which a stop "
+             "(SIGTERM, max_time) writes and a resume, the linear stage and the sweeps read; --checkpoint.save_top_k 0 keeps no other checkpoint")
 
 
 def fail_on_syntax_error(path, text: str) -> None:
@@ -154,6 +158,8 @@ class SaveConfigToRun(SaveConfigCallback):
             name = self.config_filename if stage == "fit" else f"{Path(self.config_filename).stem}_{stage}.yaml"
             if trainer.is_global_zero:
                 write_run_file(os.path.join(trainer.default_root_dir, name), self.resolved_text)
+                if stage == "fit":  # the directory now describes this fit, whose results are yet to come
+                    set_aside_earlier_results(Path(trainer.default_root_dir))
         super().setup(trainer, pl_module, stage)
 
     def save_config(self, trainer, pl_module, stage: str) -> None:

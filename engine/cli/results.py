@@ -7,9 +7,10 @@ from pathlib import Path
 from lightning.pytorch.callbacks import Callback
 
 from engine.compat import epochs_trained
-from engine.files import read_checkpoint, write_atomically
+from engine.files import read_checkpoint, read_json_object, write_atomically
 
 FIT_RESULTS = "results_val.json"  # a fit's results file
+EARLIER_FIT_RESULTS = "results_val.earlier.json"  # those of the fit before, while a resumed fit goes on (`set_aside_earlier_results`)
 SUMMARY_KEYS = ("probe_top1", "probe_top5", "knn_top1", "knn_top5", "top1", "many_top1", "medium_top1", "few_top1")
 # Each top-1 selects its best validation, and the numbers reported with it are that validation's: PaCo's paco_lt.py
 # keeps the epoch of the best overall top-1 (`is_best = acc > best_acc`) and reports its shot groups, not each group's best.
@@ -72,6 +73,30 @@ class FinalValidation(Callback):
 def final_validation(trainer) -> FinalValidation | None:
     """The run's `FinalValidation` callback (the CLI adds one to every run), if it has one."""
     return next((callback for callback in trainer.callbacks if isinstance(callback, FinalValidation)), None)
+
+
+def set_aside_earlier_results(run_dir: Path) -> None:
+    """A fit that starts in a directory holding the results of an earlier fit (a finished run resumed, say with a larger
+    max_steps) moves them to EARLIER_FIT_RESULTS: until it ends, the directory is of an unfinished run, whose config.yaml
+    holds the new settings (sweeps, tables and compare.py take results_val.json as the run's end). Rank 0 only."""
+    if (run_dir / FIT_RESULTS).is_file():
+        (run_dir / FIT_RESULTS).replace(run_dir / EARLIER_FIT_RESULTS)
+
+
+def end_of_fit(trainer, model, datamodule) -> None:
+    """After a fit: a fit that trained nothing (a finished run resumed) gets back the results it set aside, when they
+    are of its final step; the final weights are validated if no validation measured them, and the results written."""
+    run_dir = Path(trainer.default_root_dir)
+    earlier = run_dir / EARLIER_FIT_RESULTS
+    if trainer.is_global_zero and not trainer.callback_metrics and not (run_dir / FIT_RESULTS).exists() and earlier.is_file():
+        try:
+            of_this_step = read_json_object(earlier, "results file").get("global_step") == trainer.global_step
+        except ValueError:  # unreadable: the final weights are measured again below
+            of_this_step = False
+        if of_this_step:
+            earlier.replace(run_dir / FIT_RESULTS)
+    validate_the_end_if_missed(trainer, model, datamodule)
+    report_results(trainer, "val", FIT_RESULTS)
 
 
 def validate_the_end_if_missed(trainer, model, datamodule) -> None:

@@ -61,6 +61,17 @@ def training_settings(config: dict) -> dict[str, object]:
     return flattened({"model": config.get("model"), "data": data, "seed_everything": config.get("seed_everything"), "trainer": trainer})
 
 
+PRECISION = "trainer.precision"
+
+
+def precision_hint(trained_with: str) -> str:
+    """How to resume a run in the precision it was trained in: moved between CPUs with and without bf16 units, the
+    same command meets the CPU precision rule (`engine.devices.choose_cpu_precision`), which the user did not write."""
+    keep_bf16 = " --bf16_on_cpu always" if "bf16" in str(trained_with) else ""
+    return (f"; --trainer.precision {trained_with}{keep_bf16} resumes it so: on a CPU without bf16 units the precision rule "
+            "trains a bf16 precision as 32-true")
+
+
 def changed_setting(checkpoint: dict, config: dict, world_size: int | None = None) -> str | None:
     """The first setting the configured run changes against the run that wrote the checkpoint, as
     "<key> <new> (the run was trained with <old>)"; None when none changed or the checkpoint records no config."""
@@ -70,7 +81,7 @@ def changed_setting(checkpoint: dict, config: dict, world_size: int | None = Non
     before, now = training_settings(record["config"]), training_settings(config)
     for key in sorted(before.keys() & now.keys()):
         if before[key] != now[key] and not without_effect(key, before, now, record.get("world_size"), world_size):
-            return f"{key} {now[key]!r} (the run was trained with {before[key]!r})"
+            return f"{key} {now[key]!r} (the run was trained with {before[key]!r}{precision_hint(before[key]) if key == PRECISION else ''})"
     for key in sorted(before.keys() - now.keys()):  # left out now: a dict replaced by a shorter one or by null (whose values would revert silently)
         replaced = next((parent for parent in prefixes(key) if parent in now), None)  # by null: name the whole setting
         if replaced is not None:
@@ -166,7 +177,7 @@ def checkpoint_to_resume(trainer, ckpt_path: str | None) -> Path | None:
         return None
     lasts = [last_checkpoint_path(callback) for callback in trainer.checkpoint_callbacks if isinstance(callback, ModelCheckpoint)]
     found = [path for path in (*lasts, *Path(trainer.default_root_dir).glob("hpc_ckpt_*.ckpt")) if path.is_file()]
-    if not found and ckpt_path == "last":  # a run that keeps no last.ckpt (checkpoint.save_last false): its newest checkpoint
+    if not found and ckpt_path == "last":  # a run whose last.ckpt is gone (removed; or an old run with checkpoint.save_last false): its newest checkpoint
         found = [path for path in run_checkpoints(trainer) if path.is_file()]
     return max(found, key=lambda path: path.stat().st_mtime, default=None)
 
