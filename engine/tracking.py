@@ -29,6 +29,7 @@ from engine.compat import bind_wandb_run, configured_run_name, new_wandb_run_id,
 from engine.files import write_atomically
 
 RUN_ID_FILE = "wandb_run_id"
+WANDB_MODES = ("online", "offline", "disabled", "dryrun", "run", "shared")  # what wandb.Settings.mode accepts (wandb 0.31)
 
 
 def config_value(config: dict, key: str, source: str) -> Any:
@@ -79,8 +80,10 @@ def wandb_mode() -> str | None:
     server = os.environ.get("WANDB_BASE_URL")
     has_credentials = bool(os.environ.get("WANDB_API_KEY")) or wandb_credentials_for(server) is not None
     mode = os.environ.get("WANDB_MODE")
+    if mode and mode not in WANDB_MODES:
+        raise WandbUnavailable(f"WANDB_MODE={mode!r} (environment) is no W&B mode: one of {', '.join(WANDB_MODES)}")
     if mode not in (None, "", "online", "run"):
-        return mode  # offline, disabled, dryrun: nothing to reach
+        return mode  # offline, disabled, dryrun, shared: nothing to reach
     if not has_credentials:
         if mode:
             raise WandbUnavailable(

@@ -59,6 +59,7 @@ LOSS_CURVE = "train/loss"
 VAL_CURVES = ("val/knn_top1", "val/probe_top1", "val/top1")  # the first that a run logged is plotted
 GROUPING_SECTIONS = ("model", "data", "trainer", "non_finite")
 UNFINISHED = "unfinished: its last logged values"  # the label of runs without a results file
+RUN_ID_FILE = "wandb_run_id"  # where a run directory keeps its W&B run's id (engine.tracking.RUN_ID_FILE)
 DERIVED = ("model.num_classes",)  # linked from the data when the model is built: in the W&B config, not in config.yaml
 # Run control: where a run writes, what it logs and shows, and how often it validates (the last epoch is validated
 # in any case: engine.cli.results.FinalValidation). These differ between the repeats of one setting and never set rows
@@ -238,7 +239,7 @@ def read_run(root: Path) -> Run:
     curves = curves_from_rows(rows, "step")
     linear, linear_config = linear_metrics(root)
     sources = [name for name, found in (("config.yaml", config_files), ("results_val.json", metrics), ("CSV log", rows)) if found]
-    starts = by_start([log.parent for log in root.glob("wandb/*run-*/run-*.wandb")])
+    starts = by_start(own_wandb_runs(root))
     if starts and (config is None or not metrics or not curves):
         log = read_wandb(starts)
         config, metrics = config or log.config, metrics or log.summary
@@ -248,6 +249,14 @@ def read_run(root: Path) -> Run:
         metrics = {key: float(value) for row in rows for key, value in row.items() if value not in ("", None) and key not in ("epoch", "step")}
     return Run(root, ", ".join(sources + ["linear/results_val.json"] * bool(linear)), config or {}, metrics | linear, curves, linear_config,
                finished=results.is_file())
+
+
+def own_wandb_runs(root: Path) -> list[Path]:
+    """The W&B directories of the run in `root` (`wandb/[offline-]run-<time>-<id>`): those of the id it keeps in
+    RUN_ID_FILE. A `validate` or `test` in the run directory logs a W&B run of its own there, of other settings."""
+    run_dirs = [log.parent for log in root.glob("wandb/*run-*/run-*.wandb")]
+    run_id = (root / RUN_ID_FILE).read_text().strip() if (root / RUN_ID_FILE).is_file() else None
+    return [run_dir for run_dir in run_dirs if run_id is None or run_dir.name.endswith(f"-{run_id}")]
 
 
 def by_start(run_dirs: list[Path]) -> list[Path]:

@@ -433,8 +433,9 @@ def csv_text(entries: list[dict]) -> str:
 
 def log_to_wandb(table: Table, runs: list[Run], entries: list[dict], out: Path) -> str | None:
     """The table as a `wandb.Table` in the table's summary run; where, or None when W&B is not in use."""
-    mode = wandb_mode()
-    if mode == "disabled" or not any((stage.directory / "wandb").is_dir() for run in runs for stage in run.stages):
+    if not any((stage.directory / "wandb").is_dir() for run in runs for stage in run.stages):
+        return None  # no run logged to W&B: its mode is of no concern here
+    if (mode := wandb_mode()) == "disabled":
         return None
     import wandb  # only when W&B is in use
 
@@ -507,14 +508,16 @@ def main(argv: list[str]) -> int:
         raise SystemExit(f"error: --rows {' '.join(unknown)}: {shown(table.path)} has no such row (its rows: {', '.join(ids)})")
     if args.seeds is not None and not 1 <= args.seeds <= MAX_SEEDS:
         raise SystemExit(f"error: --seeds {args.seeds} is not a number of seeds from 1 to {MAX_SEEDS}")
-    for arguments, where in ((args.extra, "after --"), (args.evaluation_override, "in --evaluation-override")):
-        if (seed := sweep.given_seed(arguments)) is not None:
-            raise SystemExit(f"error: {seed} {where}: each run's seed is its own (--seeds, or the row's seeds; one for all would "
-                             "train the same run under every seed)")
     out = (args.out or Path("runs/tables") / table.path.stem).resolve()
     if out.exists() and not out.is_dir():
         raise SystemExit(f"error: --out {shown(out)} is a file, not a folder")
     rows = [row for row in table.rows if args.rows is None or row.id in args.rows]
+    seeds = "is its own (--seeds, or the row's seeds)"
+    sweep.refuse_what_each_run_sets(args.extra, "after --", [override for row in rows for override in row.overrides], seeds,
+                                    "--out, and the overrides of a row")
+    sweep.refuse_what_each_run_sets(args.evaluation_override, "in --evaluation-override",
+                                    [override for row in rows for evaluation in row.evaluations for override in evaluation.overrides], seeds,
+                                    "--out, and the overrides of a row's evaluation")
     if args.evaluation_override and not any(evaluation.stage for row in rows for evaluation in row.evaluations):
         raise SystemExit(f"error: --evaluation-override {args.evaluation_override[0]}: {'the selected rows' if args.rows else shown(table.path)} "
                          "have no evaluation stage (linear or test) for it to apply to")

@@ -102,10 +102,40 @@ def expand(grid: list[tuple[str, list[str]]], seeds: list[int], out: Path) -> li
     return [Run(point, seed, out / f"{point_label(point)}_seed{seed}") for point in grid_points(grid) for seed in seeds]
 
 
-def given_seed(arguments: list[str]) -> str | None:
-    """A `--seed_everything` among arguments given for every run (after `--`, or an override of every linear stage):
-    it would follow each run's own `--seed_everything` and win, training the same run under every seed label."""
-    return next((argument for argument in arguments if argument.split("=", 1)[0] == "--seed_everything"), None)
+# What a sweep or a table sets for each run itself (its seed, directory, checkpoints, W&B group and name)
+EACH_RUN_SETS = ("seed_everything", "trainer.default_root_dir", "model.pretrained_ckpt", "ckpt_path", "trainer.logger.init_args.group",
+                 "trainer.logger.init_args.name")
+
+
+def setting_key(argument: str) -> str:
+    """The config key an argument sets, in one spelling: `--model.temperature=0.3` and `--model.init_args.temperature 0.3`
+    both set model.temperature."""
+    return argument.split("=", 1)[0].removeprefix("--").replace(".init_args.", ".")
+
+
+def set_for_every_run(arguments: list[str], own: list[str]) -> tuple[str, str] | None:
+    """(argument, key): the first of `arguments` given for every run (after `--`, or an override of every linear stage)
+    that sets what each run sets itself: a key of EACH_RUN_SETS or a part of one, or a key of `own` (the grid's, a row's
+    overrides), a part of one or a whole that holds one. It would follow the run's own value and win, training the same
+    run under every label (`--trainer.logger=false` holds the W&B group and name, and drops them with the logger)."""
+    placed, owned = [setting_key(key) for key in EACH_RUN_SETS], [setting_key(key) for key in own]
+    for argument in (argument for argument in arguments if argument.startswith("--")):
+        given = setting_key(argument)
+        clash = next((key for key in placed + owned if given == key or given.startswith(key + ".")), None)
+        if clash := clash or next((key for key in owned if key.startswith(given + ".")), None):
+            return argument, clash
+    return None
+
+
+def refuse_what_each_run_sets(arguments: list[str], where: str, own: list[str], seeds: str, origin: str) -> None:
+    """One error line for an argument of `set_for_every_run`: `seeds` and `origin` say where each run's own seed and
+    other values come from."""
+    if (found := set_for_every_run(arguments, own)) is not None:
+        argument, key = found
+        if key == "seed_everything":
+            raise SystemExit(f"error: {argument} {where}: each run's seed {seeds}: one for all would train the same run under every seed")
+        raise SystemExit(f"error: {argument} {where}: each run sets {key} itself ({origin}); one value for all would follow it and win, "
+                         "the same run under every label")
 
 
 def tracked_as(config: str, group: str, name: str) -> list[str]:
@@ -445,17 +475,17 @@ def main(argv: list[str]) -> int:
     for path, flag in ((args.config, "--config"), (args.linear, "--linear")):
         if path is not None and not (ROOT / path).is_file():
             raise SystemExit(f"error: {flag} {path!r} is not an existing file")
-    for arguments, where in ((args.extra, "after --"), (args.linear_override, "in --linear-override")):
-        if (seed := given_seed(arguments)) is not None:
-            raise SystemExit(f"error: {seed} {where}: each run's seed comes from --seeds (one for all would train the same run under every seed)")
+    try:
+        grid = parse_grid(args.grid)
+    except ValueError as error:
+        raise SystemExit(f"error: {error}") from None
+    refuse_what_each_run_sets(args.extra, "after --", [key for key, _ in grid], "comes from --seeds", "--grid and --out give it per run")
+    refuse_what_each_run_sets(args.linear_override, "in --linear-override", [], "comes from --seeds", "--out gives it per run")
     if repeated := sorted({seed for seed in args.seeds if args.seeds.count(seed) > 1 or seed < 0}):
         raise SystemExit(f"error: --seeds {' '.join(map(str, args.seeds))}: seed {repeated[0]} is repeated or negative (each seed is one run)")
     if args.out.exists() and not args.out.is_dir():
         raise SystemExit(f"error: --out {args.out} is a file, not a folder")
-    try:
-        runs = expand(parse_grid(args.grid), args.seeds, args.out.resolve())
-    except ValueError as error:
-        raise SystemExit(f"error: {error}") from None
+    runs = expand(grid, args.seeds, args.out.resolve())
     if args.only is not None and not 0 <= args.only < len(runs):
         raise SystemExit(f"error: --only {args.only} is outside the {len(runs)} runs of this sweep (0..{len(runs) - 1})")
     # an array task resolves its own run only: the submitting command resolved every point (--slurm). Runs here are

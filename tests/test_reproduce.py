@@ -171,6 +171,17 @@ def test_unknown_rows_and_bad_seeds_are_refused(tmp_path):
         reproduce.main([str(path), "--dry-run", "--evaluation-override=--seed_everything=3"])
 
 
+def test_an_argument_for_every_row_that_a_row_or_the_table_sets_for_each_run_is_refused(tmp_path):
+    """After `--` it would follow the row's own override (or each run's directory) and win: two rows, one run."""
+    path = write_table(tmp_path / "t.yaml", a_row("a") + a_row("b", overrides="model.init_args.temperature: 0.5"))
+    with pytest.raises(SystemExit, match=re.escape("error: --model.temperature=0.3 after --: each run sets model.temperature itself "
+                                                   "(--out, and the overrides of a row); one value for all would follow it and win")):
+        reproduce.main([str(path), "--dry-run", "--", "--model.temperature=0.3"])
+    with pytest.raises(SystemExit, match="error: --trainer.default_root_dir after --: each run sets trainer.default_root_dir itself"):
+        reproduce.main([str(path), "--dry-run", "--", "--trainer.default_root_dir", str(tmp_path / "one")])
+    assert reproduce.main([str(path), "--rows", "a", "--dry-run", "--", "--model.temperature=0.3"]) == 0  # row a leaves it to the config
+
+
 def test_dry_run_prints_each_stage_resolved_in_order_and_writes_nothing(tmp_path, capsys):
     path = write_table(tmp_path / "t.yaml", a_row("a", overrides="model.init_args.temperature: 0.5") + a_row(
         "lt", config="configs/paco_digits_lt.yaml", evaluation="{longtail: test, overrides: {model.init_args.temperature: 0.1}}",
@@ -512,6 +523,17 @@ def test_the_dry_run_of_every_table_resolves_each_row_and_prints_its_commands(tm
             configs.add(command[4])
     assert len(configs) > 50
     assert not any(tmp_path.iterdir())  # a dry run writes nothing
+
+
+def test_collecting_runs_that_logged_nothing_to_wandb_asks_nothing_of_wandb(tmp_path, monkeypatch, capsys):
+    """WANDB_MODE=online without credentials is refused where a W&B run would start: here none does."""
+    path = write_table(tmp_path / "t.yaml", a_row("a", seeds=1))
+    write_results(tmp_path / "out" / "a" / "seed0", {"val/probe_top1": 0.5, "val/knn_top1": 0.4})
+    monkeypatch.setenv("WANDB_MODE", "online")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no_netrc"))
+    assert reproduce.main([str(path), "--out", str(tmp_path / "out"), "--collect"]) == 0
+    assert "| 50.00 |" in capsys.readouterr().out
 
 
 def test_a_label_with_a_vertical_bar_keeps_the_markdown_tables_columns(tmp_path):

@@ -187,6 +187,14 @@ def test_results_made_before_the_configs_values_were_edited_are_stale_and_a_comm
         (["--seeds", "0", "1", "--", "--seed_everything=7"], "error: --seed_everything=7 after --: each run's seed comes from --seeds"),
         (["--seeds", "0", "1", "--linear", LINEAR_DIGITS, "--linear-override=--seed_everything", "--linear-override=7"],
          "error: --seed_everything in --linear-override: each run's seed comes from --seeds"),
+        # after --, a value the grid or the sweep sets per run follows it and wins: every point would train the same run
+        (["--grid", "model.init_args.temperature=0.1,0.2", "--", "--model.temperature=0.3"],
+         "error: --model.temperature=0.3 after --: each run sets model.temperature itself (--grid and --out give it per run)"),
+        (["--grid", "model.init_args.momentum.base=0.9,0.99", "--", "--model.init_args.momentum={base: 0.5}"],
+         "error: --model.init_args.momentum={base: 0.5} after --: each run sets model.momentum.base itself"),
+        (["--", "--trainer.default_root_dir", "/tmp/one"], "error: --trainer.default_root_dir after --: each run sets trainer.default_root_dir itself"),
+        (["--linear", LINEAR_DIGITS, "--linear-override=--model.init_args.pretrained_ckpt=x.ckpt"],
+         "error: --model.init_args.pretrained_ckpt=x.ckpt in --linear-override: each run sets model.pretrained_ckpt itself (--out gives it per run)"),
     ],
 )
 def test_a_seed_or_grid_value_given_twice_is_refused_before_anything_is_written(arguments, message, tmp_path, capsys):

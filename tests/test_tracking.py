@@ -2,8 +2,10 @@
 restart, the resolved config sent to it), the training throughput, and two real offline runs compared."""
 
 import json
+import shutil
 import socket
 import statistics
+from pathlib import Path
 
 import pytest
 from test_cli import PRETRAIN_DIGITS, TINY_RUN
@@ -52,6 +54,15 @@ def test_offline_exactly_when_there_are_no_credentials_and_no_wandb_mode(netrc, 
     assert wandb_mode() is None
     monkeypatch.setenv("WANDB_MODE", "online")
     assert wandb_mode() == "online"
+
+
+def test_a_misspelt_wandb_mode_is_one_error_naming_it_and_the_modes(monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "ofline")
+    with pytest.raises(WandbUnavailable, match=r"^WANDB_MODE='ofline' \(environment\) is no W&B mode: one of online, offline, disabled, "):
+        wandb_mode()
+    for mode in tracking.WANDB_MODES[1:4]:
+        monkeypatch.setenv("WANDB_MODE", mode)
+        assert wandb_mode() == mode
 
 
 def test_an_online_run_that_cannot_log_is_one_error_naming_offline_mode(netrc, monkeypatch):
@@ -166,6 +177,16 @@ def test_training_throughput_counts_the_images_and_carries_over_a_restart(offlin
     assert metrics["train/time_s"] > 0 and metrics["train/images_per_s"] > 2 * 16 / metrics["train/time_s"]  # validation excluded
     (resumed,) = [callback for callback in restarted.trainer.callbacks if isinstance(callback, TrainingThroughput)]
     assert resumed.earlier["images"] == 2 * 16 and resumed.earlier["time_s"] >= metrics["train/time_s"]
+
+
+def test_compare_reads_the_wandb_runs_of_the_run_directorys_own_id_only(offline_runs, tmp_path):
+    """A `validate` in a run directory logs a W&B run of its own there, of other settings: not the run's curves or numbers."""
+    root, _, _ = offline_runs
+    run = Path(shutil.copytree(root / "seed0", tmp_path / "seed0"))
+    own = compare.own_wandb_runs(run)
+    assert len(own) == 2 and compare.RUN_ID_FILE == RUN_ID_FILE
+    shutil.copytree(own[0], own[0].with_name(own[0].name.replace((run / RUN_ID_FILE).read_text(), "validate1")))
+    assert len(list(run.glob("wandb/*run-*"))) == 3 and sorted(compare.own_wandb_runs(run)) == sorted(own)
 
 
 @pytest.mark.slow
