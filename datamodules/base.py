@@ -34,6 +34,7 @@ normalisation, default evaluation view and the layout it expects under `data.roo
 import os
 import random
 from pathlib import Path
+import typing
 from typing import Any, Callable, Iterator, Literal
 
 import lightning as L
@@ -65,6 +66,10 @@ def dataset_labels(dataset: Dataset) -> np.ndarray:
     if hasattr(dataset, "base"):
         return dataset_labels(dataset.base)
     raise ValueError(f"cannot read the labels of a {type(dataset).__name__} without decoding its images: it needs a `labels` or `targets` attribute")
+
+
+Sampler = Literal["instance", "class_balanced", "square_root", "progressive"]
+SAMPLERS = typing.get_args(Sampler)
 
 
 def seed_draw(seed: int) -> None:
@@ -213,7 +218,7 @@ class ContrastiveDataModule(L.LightningDataModule):
         knn_bank: bool = True,
         pin_memory: bool = True,
         pipeline: Literal["cpu", "gpu"] = "cpu",
-        sampler: Literal["instance", "class_balanced", "square_root", "progressive"] = "instance",
+        sampler: Sampler = "instance",
         resident: bool = True,
         label_subset: LabelSubset | None = None,
     ):
@@ -253,6 +258,8 @@ class ContrastiveDataModule(L.LightningDataModule):
         self.knn_bank = knn_bank
         self.pin_memory = pin_memory
         self.pipeline = pipeline
+        if sampler not in SAMPLERS:  # the CLI checks the Literal; from Python, the first batch would fail with a KeyError
+            raise ValueError(f"data.sampler {sampler!r} is not one of {', '.join(SAMPLERS)}")
         self.sampler = sampler
         self.label_subset = None if label_subset is None else as_spec(LabelSubset, label_subset)  # checked here, before anything is written
         self.mode = pipeline_mode(pipeline, resident, self.uniform_image_size)

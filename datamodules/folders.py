@@ -54,10 +54,11 @@ def class_folder_samples(split_dir: Path, classes: list[str]) -> list[tuple[str,
 
 
 def folder_classes(train_dir: Path) -> list[str]:
-    """The class names of a labelled folder: its sub-folders in sorted order (torchvision's ImageFolder)."""
+    """The class names of a labelled folder: its sub-folders in sorted order (torchvision's ImageFolder), except hidden
+    ones such as .ipynb_checkpoints, which ImageFolder would count as a class (the validation folders leave them out too)."""
     if not train_dir.is_dir():
         raise ValueError(f"the labelled training folder {train_dir} does not exist (expected <class>/<images> in it)")
-    classes = sorted(entry.name for entry in os.scandir(train_dir) if entry.is_dir())
+    classes = sorted(entry.name for entry in os.scandir(train_dir) if entry.is_dir() and not entry.name.startswith("."))
     if len(classes) < 2:
         raise ValueError(f"{train_dir} must hold one folder per class (at least two), found {classes}")
     return classes

@@ -109,13 +109,17 @@ def subset(dataset: Dataset, indices: Sequence[int]) -> Subset:
 
 
 WIDE_MODES = {"I;16": 16, "I;16L": 16, "I;16B": 16, "I;16N": 16, "I": 32}  # integer modes wider than 8 bits, their bits
+# Formats of at most 16 bits per sample that PIL opens as the 32-bit mode "I": a PGM or PPM whose maxval exceeds 255
+# (scaled by PIL to 0..65535), a 16-bit grey PNG in older Pillows
+SIXTEEN_BITS_AS_I = ("PPM", "PNG")
 
 
 def as_rgb(image: Image.Image) -> Image.Image:
     """The image as 8-bit RGB. PIL's `convert("RGB")` clips a 16-bit grey image to 255 instead of scaling it (an
     ordinary 16-bit PNG comes out nearly white); such an image is scaled to 8 bits by its bit depth first."""
     if image.mode in WIDE_MODES:
-        pixels = np.asarray(image).astype(np.int64) >> (WIDE_MODES[image.mode] - 8)
+        bits = 16 if image.mode == "I" and image.format in SIXTEEN_BITS_AS_I else WIDE_MODES[image.mode]
+        pixels = np.asarray(image).astype(np.int64) >> (bits - 8)
         image = Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8), mode="L")
     return image.convert("RGB")
 

@@ -126,6 +126,9 @@ class FashionMNISTDataModule(TorchvisionDataModule):
         return {"train": RGBImages(self.open_split(train=True)), "val": test, "test": test}
 
 
+STL10_TRAIN_SPLITS = ("train+unlabeled", "train", "unlabeled")
+
+
 class STL10DataModule(TorchvisionDataModule):
     """STL-10 at 96x96: pretraining on `train+unlabeled` (105,000 images, the unlabelled ones with label
     -1, which the online probe and the kNN monitor leave out), the kNN bank on the labelled `train`
@@ -145,8 +148,11 @@ class STL10DataModule(TorchvisionDataModule):
             train_split: the training split: `train+unlabeled` for pretraining, `train` for the linear stage.
             **kwargs: the TorchvisionDataModule arguments (root, download, batch_size, views, ...).
         """
+        if train_split not in STL10_TRAIN_SPLITS:  # the CLI checks the Literal; from Python, torchvision would blame the files
+            raise ValueError(f"data.train_split {train_split!r} is not one of STL-10's training splits {', '.join(STL10_TRAIN_SPLITS)}")
         super().__init__(**kwargs)
         self.train_split = train_split
+        self.training_labels = train_split != "unlabeled"  # without labels the online probe learns nothing: it reports nothing
 
     def build_splits(self) -> dict[str, Dataset]:
         test = self.open_split(split="test")

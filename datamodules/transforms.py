@@ -95,6 +95,12 @@ class Cutout:
 AUTOAUGMENT_POLICIES = {policy.value.lower(): policy for policy in T.AutoAugmentPolicy}
 
 
+def check_number(preset: str, name: str, value, low: float, integer: bool = True) -> None:
+    """A per-image preset's parameter checked when the view is built: its transform would fail only at the first image."""
+    if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)) or value < low:
+        raise ValueError(f"{preset} {name} must be {'an integer' if integer else 'a number'} >= {low}, got {value!r}")
+
+
 def autoaugment(
     size: int, mean, std, padding: int = 4, policy: str = "imagenet", cutout: int = 0, fill: int = 0, operations: str = "torchvision"
 ) -> T.Compose:
@@ -106,6 +112,8 @@ def autoaugment(
     `datamodules.paco_autoaugment`; with `cutout: 16`, PaCo's CIFAR-LT query view)."""
     if policy not in AUTOAUGMENT_POLICIES:
         raise ValueError(f"autoaugment policy must be one of {sorted(AUTOAUGMENT_POLICIES)}, got {policy!r}")
+    check_number("autoaugment", "padding", padding, 0)
+    check_number("autoaugment", "cutout", cutout, 0)
     if not 0 <= fill <= 255:
         raise ValueError(f"autoaugment fill must lie in [0, 255] (a grey level of the uint8 image), got {fill}")
     own = {"tcl": TCLAutoAugment, "paco": PacoAutoAugment}
@@ -138,6 +146,11 @@ def randaugment(
     runs), `num_ops: 3` the ResNeXt-101 one. Other `ViewSpec` fields are accepted as overrides."""
     from timm.data.auto_augment import rand_augment_transform  # here: timm's import is seconds that only this view needs
 
+    check_number("randaugment", "num_ops", num_ops, 0)
+    check_number("randaugment", "magnitude", magnitude, 0, integer=False)
+    check_number("randaugment", "magnitude_std", magnitude_std, 0, integer=False)
+    if fill is not None and not (isinstance(fill, (list, tuple)) and len(fill) == 3 and all(isinstance(value, (int, float)) and 0 <= value <= 1 for value in fill)):
+        raise ValueError(f"randaugment fill must be an RGB colour of three values in [0, 1] (as the dataset's mean), got {fill!r}")
     base = augment(ViewSpec(size, mean, std, **(PACO_RANDCLS | family)))
     policy = rand_augment_transform(
         f"rand-n{num_ops}-m{magnitude}-mstd{magnitude_std}",
@@ -150,6 +163,9 @@ def randaugment(
 def crop_pad_flip(size: int, mean, std, padding: int = 4, resize: int | None = None) -> T.Compose:
     """Linear-evaluation training view for small datasets: RandomCrop(size, padding) + flip (SCE supplementary, Sec. D);
     `resize` first resizes the short side (e.g. STL-10's 96 px images to a 64 px protocol)."""
+    check_number("crop_pad_flip", "padding", padding, 0)
+    if resize is not None and (isinstance(resize, bool) or not isinstance(resize, int) or resize < size):
+        raise ValueError(f"crop_pad_flip resize {resize!r} is smaller than the {size} px crop: give its size too (size: {resize}) or an integer >= {size}")
     return T.Compose([*([T.Resize(resize)] if resize else []), T.RandomCrop(size, padding=padding), T.RandomHorizontalFlip(), ToNormalizedTensor(mean, std)])
 
 
@@ -161,6 +177,9 @@ def center(size: int, mean, std, resize: int | list[int] | None = None, interpol
     DINO's eval_linear.py (`Resize(256, interpolation=3)`)."""
     if interpolation not in INTERPOLATIONS:
         raise ValueError(f"interpolation must be one of {', '.join(INTERPOLATIONS)}, got {interpolation!r}")
+    check_number("center", "size", size, 1)
+    for side in resize if isinstance(resize, (list, tuple)) else [] if resize is None else [resize]:
+        check_number("center", "resize", side, size)  # smaller, CenterCrop would pad the image with black
     return T.Compose([T.Resize(resize or size, interpolation=T.InterpolationMode(interpolation)), T.CenterCrop(size), ToNormalizedTensor(mean, std)])
 
 
@@ -218,13 +237,13 @@ def build_view(view_name: str, spec: dict[str, Any], defaults: dict[str, Any], p
         _check_keys(view_name, preset, params, accepted_parameters(factory))
         try:
             transform = factory(**(defaults | params))
-        except ValueError as error:
+        except (ValueError, TypeError) as error:  # TypeError: a value of another type (a string for a number)
             raise ValueError(f"view {view_name!r}: {error}") from None
     elif preset in CONTRASTIVE_PRESETS:
         _check_keys(view_name, preset, params, accepted_keys(preset))
         try:
             spec = view_spec(preset, params, defaults)
-        except ValueError as error:
+        except (ValueError, TypeError) as error:
             raise ValueError(f"view {view_name!r}: {error}") from None
         transform = augment(spec) if pipeline == "cpu" else BatchedAugment(spec)
     else:

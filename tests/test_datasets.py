@@ -182,6 +182,16 @@ def test_stl10_pretrains_on_train_and_unlabeled_and_banks_only_the_labelled_imag
     linear = STL10DataModule(root=str(tmp_path), batch_size=4, num_workers=0, views=VIEWS, train_split="train")
     linear.setup()
     assert len(linear.splits["train"]) == 6
+    assert datamodule.training_labels and linear.training_labels
+
+
+def test_stl10_pretraining_on_the_unlabeled_split_alone_has_no_online_probe_and_a_misspelt_split_is_refused(tmp_path, monkeypatch):
+    write_stl10(tmp_path, monkeypatch)
+    unlabeled = STL10DataModule(root=str(tmp_path), batch_size=4, num_workers=0, views=VIEWS, train_split="unlabeled")
+    unlabeled.setup()
+    assert {unlabeled.splits["train"][index][1] for index in range(10)} == {-1} and not unlabeled.training_labels  # a probe would stay at chance
+    with pytest.raises(ValueError, match=r"^data.train_split 'unlabelled' is not one of STL-10's training splits train\+unlabeled, train, unlabeled$"):
+        STL10DataModule(root=str(tmp_path), views=VIEWS, train_split="unlabelled")
 
 
 def test_a_missing_torchvision_dataset_says_where_the_files_go_and_how_to_fetch_them(tmp_path):
@@ -347,7 +357,8 @@ def test_image_folder_and_unlabeled_folder_serve_users_own_images(tmp_path):
                 save_image(tmp_path / "labelled" / split / name / f"{index}.png")
     for index in range(4):
         save_image(tmp_path / "raw" / f"batch{index % 2}" / f"{index}.jpg")
-    (tmp_path / "labelled" / "val" / ".ipynb_checkpoints").mkdir()  # a hidden folder is no class folder
+    for split in ("train", "val"):
+        (tmp_path / "labelled" / split / ".ipynb_checkpoints").mkdir()  # a hidden folder is no class folder
     labelled = ImageFolderDataModule(root=str(tmp_path / "labelled"), batch_size=4, num_workers=0, views=VIEWS, image_size=24)
     assert labelled.classes == ["cat", "dog", "owl"] and labelled.num_classes == 3
     check_batches(labelled, 24, 3)

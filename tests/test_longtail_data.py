@@ -303,6 +303,12 @@ def digits_lt(**kwargs) -> DigitsLTDataModule:
     return DigitsLTDataModule(imbalance_ratio=10, max_count=100, batch_size=16, num_workers=0, views=VIEWS, train_variants=1, eval_variants=1, **kwargs)
 
 
+def test_a_misspelt_sampler_is_refused_when_the_datamodule_is_built():
+    """The CLI checks the name against its choices; built from Python, the first batch failed with a KeyError."""
+    with pytest.raises(ValueError, match="^data.sampler 'class-balanced' is not one of instance, class_balanced, square_root, progressive$"):
+        DigitsLTDataModule(sampler="class-balanced")
+
+
 def test_instance_sampling_is_ordinary_shuffling_and_progressive_takes_its_epochs_from_the_trainer(tmp_path):
     assert type(digits_lt().train_dataloader().sampler) is EpochSampler  # every image once per epoch, in an order from (seed, epoch)
     datamodule = digits_lt(sampler="progressive")

@@ -1,5 +1,7 @@
 """The named augmentation presets: the papers' parameters, both pipelines, the per-image policies."""
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -98,6 +100,28 @@ def test_randaugment_fills_with_the_dataset_mean_unless_a_fill_colour_is_given()
 def test_policy_presets_refuse_the_gpu_pipeline(preset):
     with pytest.raises(ValueError, match=f"view 'v': preset '{preset}' runs per image only; use data.pipeline: cpu"):
         build_view("v", {"preset": preset}, DEFAULTS, pipeline="gpu")
+
+
+@pytest.mark.parametrize(
+    "view, message",
+    [
+        # STL-10's 64 px protocol without its size: the 96 px crop of a 64 px image failed at the first image
+        ({"preset": "crop_pad_flip", "resize": 12}, "crop_pad_flip resize 12 is smaller than the 16 px crop: give its size too (size: 12) or an integer >= 16"),
+        ({"preset": "crop_pad_flip", "padding": -1}, "crop_pad_flip padding must be an integer >= 0, got -1"),
+        ({"preset": "center", "resize": 12}, "center resize must be an integer >= 16, got 12"),  # CenterCrop would pad it with black
+        ({"preset": "center", "resize": [16, -3]}, "center resize must be an integer >= 16, got -3"),
+        ({"preset": "autoaugment", "cutout": -8}, "autoaugment cutout must be an integer >= 0, got -8"),
+        ({"preset": "randaugment", "num_ops": -1}, "randaugment num_ops must be an integer >= 0, got -1"),
+        # 0-255 levels read as [0, 1] colours: timm clipped them to a white fill
+        ({"preset": "randaugment", "fill": [124, 116, 104]}, "randaugment fill must be an RGB colour of three values in [0, 1] (as the dataset's mean), got [124, 116, 104]"),
+        ({"preset": "randaugment", "fill": 0.5}, "randaugment fill must be an RGB colour of three values in [0, 1]"),
+        ({"preset": "mocov2", "jitter_prob": "0.8"}, "jitter_prob must be a number, got '0.8'"),  # a TypeError traceback at the first image before
+        ({"preset": "mocov2", "scale": [0.2, "1"]}, "scale must be numbers, got [0.2, '1']"),
+    ],
+)
+def test_a_view_parameter_its_transform_would_fail_on_is_refused_when_the_view_is_built(view, message):
+    with pytest.raises(ValueError, match="^" + re.escape(f"view 'v': {message}")):
+        build_view("v", view, DEFAULTS)
 
 
 def test_linear_training_view_can_resize_before_its_padded_crop():
