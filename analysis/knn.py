@@ -38,9 +38,12 @@ def knn_grid(model, datamodule: ContrastiveDataModule, ks: Sequence[int], temper
     then `temperatures`; top-5 where there are more than 5 classes, as the monitor reports it."""
     datamodule.setup()
     bank_split = "bank" if "bank" in datamodule.splits else "train"
+    evaluated = split_dataset(datamodule, split)  # a misspelt split is refused before the bank is embedded
+    if split == bank_split:  # each image would be its own nearest neighbour, at similarity 1
+        raise ValueError(f"split {split!r} is the kNN bank itself: give an evaluation split (one of {sorted(set(datamodule.splits) - {bank_split})})")
     with eval_mode(model):
         bank, bank_labels = evaluated_features(model, datamodule, split_dataset(datamodule, bank_split))
-        queries, labels = evaluated_features(model, datamodule, split_dataset(datamodule, split))
+        queries, labels = evaluated_features(model, datamodule, evaluated)
     labelled = bank_labels >= 0  # unlabelled images cannot vote
     bank, bank_labels = F.normalize(bank[labelled], dim=1), bank_labels[labelled]
     queries = F.normalize(queries, dim=1)

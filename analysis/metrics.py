@@ -80,10 +80,10 @@ def tolerance(z: Tensor, labels: Tensor) -> Tensor:
     z = F.normalize(_as_float(z), dim=1)
     if labels.shape != (len(z),):
         raise ValueError(f"labels must have shape ({len(z)},), got {tuple(labels.shape)}")
-    same_class = labels[:, None] == labels[None, :]
+    same_class = (labels[:, None] == labels[None, :]) & (labels[:, None] >= 0)  # an unlabelled image (-1) is of no class
     same_class.fill_diagonal_(False)
     if not same_class.any():
-        raise ValueError("labels must contain at least one class with two samples")
+        raise ValueError("labels must contain at least one class with two samples (unlabelled images, label -1, count in none)")
     return (z @ z.T)[same_class].mean()
 
 

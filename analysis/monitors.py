@@ -50,7 +50,7 @@ from torch.utils.data import Subset
 
 from analysis.embedding_map import MAX_LEGEND_CLASSES, Space, write_embedding_map
 from analysis.metrics import alignment, normalised_std, rankme, uniformity
-from analysis.representation import checked_view, eval_mode, fixed_choice, isolated_randomness, split_dataset
+from analysis.representation import checked_view, eval_mode, first_crops, fixed_choice, isolated_randomness, split_dataset
 from datamodules.base import ContrastiveDataModule
 from methods import PretrainMethod
 
@@ -62,7 +62,7 @@ def trunk_and_projector(model: PretrainMethod, batches) -> tuple[Tensor, Tensor]
     a view of several crops per image (`count: N`) gives its first crop."""
     features, projected = [], []
     for images in batches:
-        trunk = model.backbone(images[:, 0] if images.ndim == 5 else images)
+        trunk = model.backbone(first_crops(images))
         features.append(trunk.float())
         projected.append(model.projector(trunk).float())
     return torch.cat(features), torch.cat(projected)

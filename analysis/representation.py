@@ -76,8 +76,14 @@ def isolated_randomness(seed: int, device: torch.device) -> Iterator[None]:
 
 
 def embed(model, images: Tensor) -> Tensor:
-    """The L2-normalised projections of `images`, in fp32."""
-    return model.embed(images.to(model.device))[1].float()
+    """The L2-normalised projections of `images`, in fp32; of a view of several crops per image (`count: N`, SupCon's
+    and TCL's two, JCL's keys), of its first crop, as the collapse monitor takes it."""
+    return model.embed(first_crops(images).to(model.device))[1].float()
+
+
+def first_crops(images: Tensor) -> Tensor:
+    """(B, C, H, W) of a batch of one view: its first crop where the view draws several per image, (B, N, C, H, W)."""
+    return images[:, 0] if images.ndim == 5 else images
 
 
 @contextmanager

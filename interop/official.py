@@ -252,14 +252,16 @@ def official_trunk(
     """The linear stage's trunk weights and spec (`backbone`, else inferred from the weights) from a loaded official
     checkpoint; None when it is a contrastlab checkpoint, which the linear stage reads itself. An `encoder` other than
     the one the format reads (None: that one) is refused, as it would probe another trunk than the one asked for:
-    `momentum` for a file without a momentum trunk (every format but DINO's; an export holds the one trunk it was
-    exported from), `online` for DINO's, whose teacher is read, as eval_linear.py reads it."""
+    `momentum` for every format but DINO's (their official linear evaluations read the online trunk, which is the one
+    read here: MoCo's, JCL's, PaCo's and MoCo v3's files also hold a momentum encoder, which is not read; an export holds
+    the one trunk it was exported from), `online` for DINO's, whose teacher is read, as eval_linear.py reads it."""
     check_format(format, "model.pretrained_format")
     weights = official_weights(checkpoint, format, _name(backbone), source)
     if weights is None:
         return None
     if encoder == "momentum" and weights.format not in MOMENTUM_TRUNK_FORMATS:
-        raise ValueError(f"{source} (format {weights.format}) holds no momentum trunk, only the one it is read as: give --model.pretrained_encoder online")
+        raise ValueError(f"{source} (format {weights.format}) is read as its online trunk, which its official linear evaluation probes (a momentum "
+                         "encoder it may hold is not read): give --model.pretrained_encoder online")
     if encoder == "online" and weights.format in MOMENTUM_TRUNK_FORMATS:
         raise ValueError(f"{source} (format {weights.format}) is read as its teacher, the momentum trunk, as eval_linear.py reads it: give "
                          "--model.pretrained_encoder momentum, or leave it out")

@@ -16,12 +16,16 @@ from lightning.pytorch.loggers import WandbLogger
 import main_pretrain
 from analysis import RepresentationAnalysis, analyse
 from analysis.__main__ import main as analyse_checkpoint
+from analysis import knn
+from analysis.knn import knn_grid
 from analysis.figures import plot_against_temperature, plot_local_separation, plot_negative_entropy
-from analysis.metrics import local_separation, negative_entropy
+from analysis.key_distribution import key_distribution
+from analysis.metrics import local_separation, negative_entropy, tolerance
 from datamodules.digits import composite_digits
 from methods import NPID
 from methods.evaluation import knn_predict, knn_topk_accuracy
 from helpers import TINY_BACKBONE, TINY_PROJECTOR, digits
+from test_supcon import CROPS, tiny_supcon
 
 ROOT = Path(__file__).parents[1]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -101,6 +105,26 @@ def test_analyse_reports_a_fixed_subset_in_eval_mode_and_leaves_the_random_strea
     assert analyse(model.eval(), datamodule, max_samples=40).scalars() == report.scalars()
     assert 0 < report.uniformity <= 4 and -1 <= report.tolerance <= 1
     assert 0 < report.scalars()["negative_entropy"] <= math.log(39)
+
+
+def test_a_view_of_two_crops_an_image_is_analysed_by_its_first_crop():
+    """SupCon's and TCL's `crops` view draws two crops of each image: the analyses embed the first, as the collapse
+    monitor does (a (B, 2, C, H, W) batch reached the trunk)."""
+    model = tiny_supcon().train()
+    datamodule = digits(CROPS, batch_size=16)
+    report = analyse(model, datamodule, max_samples=24)
+    assert report.view == "crops" and report.positive.shape == (24,) and -1 <= report.tolerance <= 1
+    similarity, variance = key_distribution(model, datamodule, views_per_image=2, max_samples=16)
+    assert similarity.shape == variance.shape == (16,)
+
+
+def test_tolerance_pools_the_labelled_classes_only():
+    """Unlabelled images (label -1: STL-10's unlabeled split, a folder of unlabelled images) are of no class."""
+    z = torch.cat([unit(0, 4, 3) + torch.tensor([5.0, 0, 0]), unit(1, 4, 3) + torch.tensor([0, 5.0, 0]), unit(2, 8, 3)])
+    labels = torch.tensor([0] * 4 + [1] * 4 + [-1] * 8)
+    torch.testing.assert_close(tolerance(z, labels), tolerance(z[:8], labels[:8]))
+    with pytest.raises(ValueError, match="at least one class with two samples"):
+        tolerance(z, torch.full((16,), -1))
 
 
 class RecordingWandbLogger(WandbLogger):
@@ -192,6 +216,17 @@ def test_the_knn_command_gives_the_monitors_numbers_for_its_k_and_temperature_an
     assert float(knn_topk_accuracy(scores, val["labels"], 1)) == pytest.approx(record["settings"][0]["top1"], abs=1e-6)
     embedding = torch.load(run_dir / "analysis" / "last-val" / "features-embedding.pt")
     assert embedding["features"].shape == (300, 128) and torch.allclose(embedding["features"].norm(dim=1), torch.ones(300))
+
+
+def test_the_knn_command_refuses_to_evaluate_the_bank_and_names_a_misspelt_split_before_embedding_anything(monkeypatch):
+    model, datamodule = tiny_npid(), digits({"image": {"preset": "npid"}}, batch_size=16)
+    embedded = []
+    monkeypatch.setattr(knn, "evaluated_features", lambda model, datamodule, dataset: embedded.append(dataset))  # the bank came first
+    with pytest.raises(ValueError, match=r"^split 'train' is the kNN bank itself: give an evaluation split \(one of \['test', 'val'\]\)$"):
+        knn_grid(model, datamodule, [5], [0.07], split="train")
+    with pytest.raises(ValueError, match="split 'vall' is not one of"):
+        knn_grid(model, datamodule, [5], [0.07], split="vall")
+    assert embedded == []
 
 
 @pytest.mark.parametrize(

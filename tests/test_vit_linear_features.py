@@ -211,6 +211,6 @@ def test_the_momentum_trunk_of_a_file_that_holds_none_is_refused_in_one_line(din
     """An export holds one trunk: `pretrained_encoder: momentum` on it would probe another trunk than asked."""
     exported = export(dino_checkpoint, "timm", tmp_path / "teacher")[0]
     backbone = {"name": "vit_tiny", "kwargs": DINO_OPTIONS | TINY}
-    with pytest.raises(ValueError, match=r"\(format \w+\) holds no momentum trunk, only the one it is read as: give --model.pretrained_encoder online"):
+    with pytest.raises(ValueError, match=r"\(format \w+\) is read as its online trunk, which its official linear evaluation probes \(a momentum encoder it may hold is not read\): give --model.pretrained_encoder online"):
         LinearProbe(pretrained_ckpt=str(exported), backbone=backbone, pretrained_encoder="momentum", knn_k=0)
     assert LinearProbe(pretrained_ckpt=str(exported), backbone=backbone, pretrained_encoder="online", knn_k=0).feature_dim == 192
