@@ -44,10 +44,9 @@ class OptimizerSpec:
     # default, as torch's optimizers and the official runs that build `SGD(model.parameters(), ...)`
     # (MoCo, PaCo, SupCon); each config states its grouping in its header (tests/test_configs.py).
     exclude_bias_and_norm: bool = False
-    # One kernel per step for all parameters (torch's fused SGD / AdamW): None uses it where every parameter is
-    # on a CUDA device and no `clip_grad_per_parameter` is set (LARS is always multi-tensor, `torch._foreach_*`), true
-    # asks for it anywhere torch has it. A fused step unscales 16-mixed gradients itself, so Lightning leaves them
-    # scaled until then (MixedPrecision.optimizer_step): a clip before it would cut the loss-scaled norms.
+    # One kernel per step for all parameters (torch's fused SGD / AdamW): None uses it where every parameter is on a
+    # CUDA device and nothing clips (LARS is always multi-tensor, `torch._foreach_*`), true asks for it anywhere. A fused
+    # step unscales 16-mixed gradients itself (MixedPrecision.optimizer_step): a clip before it would cut scaled norms.
     fused: bool | None = None
     # Modules (top-level names, e.g. `predictor`) whose parameters keep the peak learning rate: their groups carry
     # `fixed_lr` and the schedule leaves them alone (SimSiam's --fix-pred-lr, facebookresearch/simsiam main_simsiam.py).
@@ -74,6 +73,8 @@ class OptimizerSpec:
                 raise ValueError(f"optimizer.{name} must lie in [0, 1), got {getattr(self, name)}")
         if not self.trust_coefficient > 0:
             raise ValueError(f"optimizer.trust_coefficient must be > 0, got {self.trust_coefficient:g}")
+        if self.nesterov and (self.name != "sgd" or self.momentum == 0):  # torch's SGD refuses it without momentum, LARS and AdamW have none
+            raise ValueError(f"optimizer.nesterov: true needs name: sgd with momentum > 0, got name {self.name} with momentum {self.momentum:g}")
         if self.fused and self.name == "lars":
             raise ValueError("optimizer.fused: true, but LARS has no fused kernel (it runs multi-tensor); set optimizer.fused: null")
         if self.fused and self.clip_grad_per_parameter is not None:
@@ -105,10 +106,9 @@ class ScheduleSpec:
     # epoch, MoCo v2's scripts); s/W from 0 (ReSSL's and SimCLR's official code, BYOL, MoCo v3); s/(W-1) from 0 to
     # the peak at the last warm-up step (eztorch's LinearWarmupCosineAnnealingLR, which SCE's official runs use).
     warmup_shape: WarmupShape = "(s+1)/W"
-    # The learning rate of the first warm-up step, the same for every scheduled group: the warm-up runs from it to
-    # each group's peak in the shape above (vturrisi/solo-learn solo/utils/lr_scheduler.py: warmup_start_lr, 3e-5 by
-    # default in solo/methods/base.py, for the trunk's groups and the online classifier's alike). 0: from the shape's
-    # own first value.
+    # Where the warm-up starts, the same for every scheduled group, to each group's peak in the shape above
+    # (vturrisi/solo-learn solo/utils/lr_scheduler.py: warmup_start_lr, 3e-5 in solo/methods/base.py, for every group):
+    # the first step's lr under s/W and s/(W-1) (solo-learn's); under (s+1)/W that step is 1/W of the way. 0: the shape's.
     warmup_start_lr: float = 0.0
     decay: Literal["cosine", "step", "constant"] = "cosine"
     milestones: list[int] = field(default_factory=list)  # epochs at which `step` multiplies by gamma
@@ -185,14 +185,15 @@ def with_group_lrs(groups: list[dict], lr: float, batch_scale: float) -> list[di
     return [group | own_lr(group) for group in groups]
 
 
-def build_optimizer(groups: list[dict], spec: OptimizerSpec, lr: float) -> Optimizer:
+def build_optimizer(groups: list[dict], spec: OptimizerSpec, lr: float, clipped: bool = False) -> Optimizer:
+    """`spec`'s optimizer; not fused where the trainer clips (`clipped`): Lightning refuses it under mixed precision."""
     if spec.name == "lars":
         return LARS(
             groups, lr=lr, momentum=spec.momentum, trust_coefficient=spec.trust_coefficient,
             trust_denominator=spec.lars_trust_denominator, clip_lr=spec.lars_clip_lr, lr_in_momentum=spec.lars_lr_in_momentum,
         )
     on_cuda = all(param.is_cuda for group in groups for param in group["params"])
-    fused = spec.fused if spec.fused is not None else on_cuda and spec.clip_grad_per_parameter is None
+    fused = spec.fused if spec.fused is not None else on_cuda and spec.clip_grad_per_parameter is None and not clipped
     if spec.name == "sgd":
         return torch.optim.SGD(groups, lr=lr, momentum=spec.momentum, nesterov=spec.nesterov, fused=fused or None)
     return torch.optim.AdamW(groups, lr=lr, betas=spec.betas, fused=fused or None)
@@ -258,7 +259,7 @@ def configure_optimization(trainer, groups: list[dict], optimizer_spec: Optimize
     total_steps = schedule_length(trainer)
     steps_per_epoch = optimizer_steps_per_epoch(trainer)
     lr = optimizer_spec.effective_lr(global_batch_size)
-    optimizer = build_optimizer(with_group_lrs(groups, lr, optimizer_spec.batch_scale(global_batch_size)), optimizer_spec, lr)
+    optimizer = build_optimizer(with_group_lrs(groups, lr, optimizer_spec.batch_scale(global_batch_size)), optimizer_spec, lr, bool(trainer.gradient_clip_val))
 
     def schedule(group: dict) -> Callable[[int], float]:
         if group.get("fixed_lr"):

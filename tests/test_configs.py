@@ -55,7 +55,7 @@ def trained_parameter_groups(model) -> list[dict]:
     """The optimizer's parameter groups, from the model's own `configure_optimizers`, without the online
     probe of a pretraining method (a monitor outside the paper's run, never decayed)."""
     trainer = SimpleNamespace(
-        datamodule=SimpleNamespace(batch_size=256), world_size=1, accumulate_grad_batches=1, max_epochs=10, max_steps=-1,
+        datamodule=SimpleNamespace(batch_size=256), world_size=1, accumulate_grad_batches=1, gradient_clip_val=None, max_epochs=10, max_steps=-1,
         estimated_stepping_batches=100, num_training_batches=10, print=lambda *args: None,
     )
     model.trainer = trainer  # configure_optimization reads only these numbers

@@ -22,14 +22,14 @@ from engine.optim import (
 
 def ten_epochs_of_ten_steps(batch_size: int) -> SimpleNamespace:
     """The numbers `configure_optimization` reads of a trainer: one process, 10 epochs of 10 optimizer steps."""
-    return SimpleNamespace(datamodule=SimpleNamespace(batch_size=batch_size), world_size=1, accumulate_grad_batches=1, max_epochs=10, max_steps=-1,
+    return SimpleNamespace(datamodule=SimpleNamespace(batch_size=batch_size), world_size=1, accumulate_grad_batches=1, gradient_clip_val=None, max_epochs=10, max_steps=-1,
                            estimated_stepping_batches=100, num_training_batches=10, print=lambda *args: None)
 
 
 def test_an_epoch_of_5_batches_accumulated_by_2_has_3_optimizer_steps_as_lightning_counts_them():
     """Lightning steps on an epoch's last, short window too: with 149 steps assumed for 150 taken, the warm-up ended, the
     step decays fired and `unit: epoch` changed the lr inside an epoch, one step per epoch early."""
-    trainer = SimpleNamespace(datamodule=SimpleNamespace(batch_size=8), world_size=1, accumulate_grad_batches=2, max_epochs=2, max_steps=-1,
+    trainer = SimpleNamespace(datamodule=SimpleNamespace(batch_size=8), world_size=1, accumulate_grad_batches=2, gradient_clip_val=None, max_epochs=2, max_steps=-1,
                               estimated_stepping_batches=6, num_training_batches=5, print=lambda *args: None)
     optimization = configure_optimization(trainer, parameter_groups(nn.Linear(2, 2).named_parameters(), OptimizerSpec()), OptimizerSpec(lr=1.0),
                                           ScheduleSpec(decay="step", milestones=[1], gamma=0.1, unit="epoch"))
@@ -353,6 +353,9 @@ def test_the_default_fuses_the_optimizer_exactly_when_every_parameter_is_on_cuda
     for params in ([OnCuda(torch.zeros(2)), OnCuda(torch.zeros(3))], [OnCuda(torch.zeros(2)), nn.Parameter(torch.zeros(3))], [nn.Parameter(torch.zeros(2))]):
         build_optimizer([{"params": params}], OptimizerSpec(name=name), 0.1)
     assert chosen == [True, None, None]  # every parameter on the GPU: fused; any on the CPU: torch's default
+    # trainer.gradient_clip_val: Lightning refuses to clip for a fused step under mixed precision (a RuntimeError at the first step)
+    build_optimizer([{"params": [OnCuda(torch.zeros(2))]}], OptimizerSpec(name=name), 0.1, clipped=True)
+    assert chosen[-1] is None
 
 
 @pytest.mark.parametrize("name, constructor", [("sgd", "SGD"), ("adamw", "AdamW")])

@@ -959,6 +959,10 @@ def test_a_probe_evaluated_after_its_pretraining_trained_on_records_the_step_of_
         # a ZeroDivisionError once training started, after config.yaml and run.lock were written
         ("moco_digits", "--trainer.accumulate_grad_batches=0", "error: trainer.accumulate_grad_batches must be an integer >= 1, got 0"),
         ("moco_digits", "--trainer.max_epochs=0", "error: trainer.max_epochs 0 trains nothing"),  # it wrote its files and exited 0
+        # an OverflowError in configure_optimizers (the schedules' length of an open-ended run), after its files
+        ("moco_digits", "--trainer.max_epochs=-1", "error: trainer.max_epochs -1 without trainer.max_steps: the learning-rate and momentum schedules"),
+        # torch's SGD refused it in configure_optimizers, after the files; LARS ignored it
+        ("vicreg_digits", "--model.init_args.optimizer.nesterov=true", "optimizer.nesterov: true needs name: sgd with momentum > 0, got name lars with momentum 0.9"),
         # Lightning's "found ModelCheckpoint in callbacks list" did not say how to keep fewer checkpoints
         ("moco_digits", "--trainer.enable_checkpointing=false", "error: trainer.enable_checkpointing false: every run keeps checkpoints/last.ckpt"),
     ],
@@ -967,6 +971,15 @@ def test_an_out_of_range_or_mistyped_value_ends_with_one_error_line_naming_it(co
     run_dir = tmp_path / "run"
     line = run_failing(main_pretrain, ["fit", "--config", str(ROOT / "configs" / f"{config}.yaml"), f"--trainer.default_root_dir={run_dir}", override], capsys)
     assert expected in line
+    assert not run_dir.exists()
+
+
+def test_a_fused_optimizer_with_the_trainers_gradient_clipping_is_one_error_line_before_anything_is_written(tmp_path, capsys):
+    """Lightning refused it with a RuntimeError at the first step under mixed precision, after config.yaml and run.lock."""
+    run_dir = tmp_path / "run"
+    line = run_failing(main_pretrain, ["fit", "--config", str(ROOT / "configs" / "moco_digits.yaml"), f"--trainer.default_root_dir={run_dir}",
+                                       "--model.init_args.optimizer.fused=true", "--trainer.gradient_clip_val=1.0"], capsys)
+    assert line.startswith("error: model.init_args.optimizer.fused true with trainer.gradient_clip_val: a fused step unscales")
     assert not run_dir.exists()
 
 

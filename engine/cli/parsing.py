@@ -80,6 +80,13 @@ def check_run_values(config, subcommand: str | None) -> None:
     if subcommand == "fit" and 0 in (trainer.get("max_epochs"), trainer.get("max_steps")):
         stop = "max_epochs" if trainer.get("max_epochs") == 0 else "max_steps"
         fail(f"trainer.{stop} 0 trains nothing: give the run's length (or evaluate a checkpoint with validate or test)")
+    if subcommand == "fit" and trainer.get("max_epochs") == -1 and trainer.get("max_steps") in (None, -1):
+        fail("trainer.max_epochs -1 without trainer.max_steps: the learning-rate and momentum schedules run over the run's length, "
+             "which an open-ended run has not; give max_epochs, or max_steps (max_time only stops a run)")
+    optimizer = ((config.get("model") or {}).get("init_args") or {}).get("optimizer") or {}
+    if optimizer.get("fused") is True and trainer.get("gradient_clip_val"):  # Lightning's RuntimeError at the first step, after the files
+        fail("model.init_args.optimizer.fused true with trainer.gradient_clip_val: a fused step unscales mixed-precision gradients "
+             "itself, after the clip would have cut their loss-scaled norms; set optimizer.fused: null (not fused where the trainer clips)")
     if config.get("ckpt_path") == "best":  # Lightning's name for the best checkpoint of this process's fit: a new process has none
         fail("ckpt_path 'best' names the best checkpoint of a fit in this process, which a new process has not written: give last or a checkpoint file")
     if trainer.get("enable_checkpointing") is False:  # Lightning refuses it beside the `checkpoint` callback every run has
