@@ -31,13 +31,13 @@ from matplotlib.figure import Figure
 from torch import Tensor
 
 from analysis.figures import save_figure
-from analysis.loading import load_method, positive_int
+from analysis.loading import load_method, positive_int, usable_device
 from analysis.representation import embed, eval_mode, fixed_subset, isolated_randomness
 from datamodules.base import ContrastiveDataModule
 from engine.arguments import ScriptArgumentParser
 from engine.cli import instantiate_config
 from engine.config import split_overrides
-from engine.files import write_atomically
+from engine.files import WriteFailed, check_folder, write_atomically
 
 __all__ = ["augmentation_statistics", "key_distribution", "plot_key_distributions"]
 
@@ -104,10 +104,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--max-samples", type=positive_int, default=2048, help="images (the paper: 32,768)")
     parser.add_argument("--view", help="the training view to augment with (default: each method's first)")
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", type=usable_device, default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(own)
     runs, record = {}, {}
     try:
+        check_folder(args.out, "--out")  # before any run is analysed
+        if model_overrides := [argument for argument in overrides if argument.startswith("--model")]:  # the data's only: each method is its checkpoint's
+            raise ValueError(f"{model_overrides[0]}: each run analyses the method its checkpoint was trained with; overrides set its config's data")
         for run in args.run:
             if len(run) not in (2, 3):
                 raise ValueError(f"--run takes CHECKPOINT CONFIG [LABEL], got {run}")
@@ -121,10 +124,10 @@ def main(argv: list[str]) -> int:
                 raise ValueError(f"--run {checkpoint}: its label {name!r} is another run's too; give each run a LABEL of its own")
             runs[name] = key_distribution(model, datamodule, args.split, args.view, args.views_per_image, args.max_samples)
             record[name] = {"checkpoint": checkpoint, **summary(*runs[name])}
-    except ValueError as error:
+        figure = plot_key_distributions(runs, args.out / "key_distribution.png", f"{args.views_per_image} augmentations per image, {args.split}")
+        write_atomically(args.out / "key_distribution.json", lambda partial: partial.write_text(json.dumps(record, indent=1)))
+    except (ValueError, WriteFailed) as error:
         raise SystemExit(f"error: {error}") from None
-    figure = plot_key_distributions(runs, args.out / "key_distribution.png", f"{args.views_per_image} augmentations per image, {args.split}")
-    write_atomically(args.out / "key_distribution.json", lambda partial: partial.write_text(json.dumps(record, indent=1)))
     print(json.dumps(record, indent=1))
     print(f"figure: {figure}")
     return 0

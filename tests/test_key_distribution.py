@@ -77,3 +77,16 @@ def test_the_command_overlays_the_histograms_of_checkpoints(tmp_path, capsys):
         main(["--run", checkpoint, config, "--max-samples", "-590", "--out", str(tmp_path / "negative")])
     assert "argument --max-samples: invalid positive_int value: '-590'" in capsys.readouterr().err
 
+
+def test_the_command_refuses_an_unwritable_out_a_missing_device_and_model_overrides_before_analysing(tmp_path, capsys):
+    """Each was a traceback, the first after every run was analysed; a model override was silently ignored."""
+    (tmp_path / "a_file").write_text("")
+    missing = str(tmp_path / "missing.ckpt")  # never read: the refusals come first
+    with pytest.raises(SystemExit, match=rf"^error: --out {tmp_path / 'a_file' / 'kd'} cannot be a folder: {tmp_path / 'a_file'} is a file$"):
+        main(["--run", missing, "configs/jcl_digits.yaml", "--out", str(tmp_path / "a_file" / "kd")])
+    with pytest.raises(SystemExit, match="^error: --model.init_args.temperature=0.5: each run analyses the method its checkpoint was trained with"):
+        main(["--run", missing, "configs/jcl_digits.yaml", "--out", str(tmp_path / "kd"), "--", "--model.init_args.temperature=0.5"])
+    with pytest.raises(SystemExit):
+        main(["--run", missing, "configs/jcl_digits.yaml", "--out", str(tmp_path / "kd"), "--device", "mps"])
+    assert "argument --device: " in capsys.readouterr().err
+
