@@ -178,7 +178,7 @@ def center(size: int, mean, std, resize: int | list[int] | None = None, interpol
     if interpolation not in INTERPOLATIONS:
         raise ValueError(f"interpolation must be one of {', '.join(INTERPOLATIONS)}, got {interpolation!r}")
     check_number("center", "size", size, 1)
-    for side in resize if isinstance(resize, (list, tuple)) else [] if resize is None else [resize]:
+    for side in resize if isinstance(resize, (list, tuple)) else [resize or size]:  # as T.Resize below takes it
         check_number("center", "resize", side, size)  # smaller, CenterCrop would pad the image with black
     return T.Compose([T.Resize(resize or size, interpolation=T.InterpolationMode(interpolation)), T.CenterCrop(size), ToNormalizedTensor(mean, std)])
 

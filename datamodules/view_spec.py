@@ -42,8 +42,9 @@ class ViewSpec:
             object.__setattr__(self, name, value)
         for name in (item.name for item in fields(self) if item.name not in ("flip", "interpolation")):
             value = getattr(self, name)
-            if not all(isinstance(number, (int, float)) and not isinstance(number, bool) for number in (value if isinstance(value, tuple) else [value])):
-                raise ValueError(f"{name} must be {'numbers' if isinstance(value, tuple) else 'a number'}, got {list(value) if isinstance(value, tuple) else value!r}")
+            numbers = value if isinstance(value, tuple) else (value,)
+            if not all(isinstance(number, (int, float)) and not isinstance(number, bool) for number in numbers):
+                raise ValueError(f"{name} must be {'numbers' if name in LENGTHS else 'a number'}, got {list(value) if name in LENGTHS else value!r}")
         checks = [
             ("size", self.size >= 1, "an image side >= 1"),
             ("std", min(self.std) > 0, "positive"),

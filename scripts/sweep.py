@@ -121,9 +121,9 @@ def set_for_every_run(arguments: list[str], own: list[str]) -> tuple[str, str] |
     placed, owned = [setting_key(key) for key in EACH_RUN_SETS], [setting_key(key) for key in own]
     for argument in (argument for argument in arguments if argument.startswith("--")):
         given = setting_key(argument)
-        clash = next((key for key in placed + owned if given == key or given.startswith(key + ".")), None)
-        if clash := clash or next((key for key in owned if key.startswith(given + ".")), None):
-            return argument, clash
+        for key in placed + owned:
+            if given == key or given.startswith(key + ".") or (key in owned and key.startswith(given + ".")):
+                return argument, key
     return None
 
 
