@@ -1,4 +1,5 @@
-"""Every shell command in README.md and docs/*.md runs as printed (issue 22 item 6, issue 23), checked without training.
+"""Every shell command in README.md and docs/*.md runs as printed (issue 22 item 6, issue 23), checked without training;
+so does every command in the header comment of a config or a table (`header_commands`).
 
 Which text is a command:
 - the lines of fenced blocks tagged ```bash, ```sh, ```shell or ```console (in ```console only the lines after a
@@ -314,6 +315,64 @@ def test_every_documented_command_runs_as_printed(tmp_path, monkeypatch):
     print(f"{checked} documented program calls checked, {skipped} commands with placeholders skipped")
     assert checked > 0, "no documented command found"
     assert not failures, "documented commands that do not run as printed:\n" + "\n".join(failures)
+
+
+YAML_FILES = [*sorted((ROOT / "configs").glob("*.yaml")), *sorted((ROOT / "tables").glob("*.yaml"))]
+HEADER_COMMAND = re.compile(r"#\s+((?:uv run (?:--locked )?)?python\s.*)")
+
+
+def header_commands(path: Path) -> tuple[list[Command], list[int]]:
+    """The commands of a YAML file's leading comment, and the numbers of its lines that name `python ` outside them.
+    A command is a comment line `#   python ...` or `#   uv run python ...`, continued by the next comment line while
+    it ends in `\\`; it is run as `uv run python ...`."""
+    commands, outside, pending = [], [], None
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.startswith("#"):
+            break
+        text = line[1:].strip()
+        if pending is None:
+            if not (match := HEADER_COMMAND.match(line)):
+                outside += [number] if "python " in line else []
+                continue
+            pending = (number, [match.group(1)])
+        else:
+            pending[1].append(text)
+        if not text.endswith("\\"):
+            start, parts = pending
+            commands.append(Command(path, start, number, " ".join(part.removesuffix("\\").strip() for part in parts), inline=True))
+            pending = None
+    return commands, outside
+
+
+@pytest.mark.slow  # resolves each header's main_* commands in this process
+def test_every_command_in_a_config_or_table_header_runs_as_printed(tmp_path, monkeypatch):
+    """A config's header may show how to run it (a linear stage, tau-norm's second stage, JCL's visualisation
+    runs): those commands are checked as the documents' are, with `python` as `uv run python`."""
+    monkeypatch.chdir(ROOT)
+    failures, checked = [], 0
+    for path in YAML_FILES:
+        commands, outside = header_commands(path)
+        failures += [f"{shown(path)}:{number}: names `python ` outside a command line (`#   python ...`, continued by `\\`)" for number in outside]
+        if not commands:
+            continue
+        scratch = tmp_path / path.stem
+        scratch.mkdir()
+        for command, argv in recorded_calls(path, commands, scratch):
+            checked += 1
+            failures += [f"{command.where()}\n    -> {problem}" for problem in check_call(["uv", "run", *argv] if argv[0] == "python" else argv, monkeypatch)]
+    assert checked >= 8, f"only {checked} header commands found"
+    assert not failures, "header commands that do not run as printed:\n" + "\n".join(failures)
+
+
+def test_a_header_command_is_read_with_its_continuations_and_prose_naming_python_is_flagged(tmp_path):
+    path = tmp_path / "x.yaml"
+    path.write_text("# A config.\n#   uv run python main_pretrain.py fit --config configs/moco_digits.yaml \\\n#       --trainer.max_epochs 2\n"
+                    "# then: python main_linear.py fit\n#   python -m analysis knn --help\nseed_everything: 0\n# python main_pretrain.py\n")
+    commands, outside = header_commands(path)
+    assert [(command.line, command.last_line, command.text) for command in commands] == [
+        (2, 3, "uv run python main_pretrain.py fit --config configs/moco_digits.yaml --trainer.max_epochs 2"),
+        (5, 5, "python -m analysis knn --help")]
+    assert outside == [4]
 
 
 def test_the_readme_and_the_docs_hold_commands_and_the_readme_fits_300_lines():
