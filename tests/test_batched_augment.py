@@ -48,6 +48,13 @@ def test_crop_area_and_aspect_statistics_match_torchvision_random_resized_crop()
     for ours, ref in ((ours_area, ref_area), (ours_aspect, ref_aspect)):
         assert abs(ours.mean() - ref.mean()) < 0.02 and abs(ours.std() - ref.std()) < 0.02
     assert (boxes[:, 0] >= 0).all() and (boxes[:, 2] <= width).all() and (boxes[:, 3] <= height).all()
+    # the position: uniform over every place the crop fits, its far edges included (each of the W - w + 1 offsets)
+    ours_edges = [((boxes[:, 2] == width) & (boxes[:, 0] > 0)).float().mean(), ((boxes[:, 3] == height) & (boxes[:, 1] > 0)).float().mean()]
+    ref_edges = [sum(left + w == width and left > 0 for _, left, _, w in reference) / count, sum(top + h == height and top > 0 for top, _, h, _ in reference) / count]
+    assert all(abs(ours - ref) < 0.02 for ours, ref in zip(ours_edges, ref_edges)) and min(ref_edges) > 0.05
+    slack = boxes[:, 2] - boxes[:, 0] < width
+    ref_offsets = torch.tensor([left / (width - w) for _, left, _, w in reference if w < width])
+    assert abs((boxes[slack, 0] / (width - (boxes[slack, 2] - boxes[slack, 0]))).mean() - ref_offsets.mean()) < 0.02
 
 
 def test_crop_falls_back_to_the_centred_image_when_no_draw_fits():

@@ -75,6 +75,19 @@ def test_with_accumulated_batches_the_centre_moves_once_per_optimizer_step_towar
     torch.testing.assert_close(model.center, 0.1 * both)
 
 
+@pytest.mark.parametrize("warmup_epochs, expected", [(3, 0.04), (0, 0.07)])
+def test_the_step_sharpens_the_teacher_with_the_temperature_of_its_epoch(warmup_epochs, expected):
+    """Epoch 0: the warm-up's start, or the final temperature without a warm-up (the later epochs: below)."""
+    model = tiny_dino(warmup_teacher_temperature=0.04, teacher_temperature=0.07, warmup_teacher_temperature_epochs=warmup_epochs)
+    batch = first_batch(digits(VIEWS, batch_size=8))
+    crops = [batch["views"]["global1"], batch["views"]["global2"]]
+    student, teacher = outputs(model, crops, teacher=False), outputs(model, crops, teacher=True)
+    with torch.no_grad():
+        loss, _ = model.step(batch)
+    assert loss.item() == pytest.approx(dino_loss(student, teacher, torch.zeros(1, 20), 0.1, expected).item(), rel=1e-5)
+    assert loss.item() != pytest.approx(dino_loss(student, teacher, torch.zeros(1, 20), 0.1, 0.11 - expected).item(), rel=1e-5)
+
+
 def test_the_last_layer_is_weight_normalised_with_unit_norms_that_only_train_without_norm_last_layer():
     normed, free = tiny_dino(), tiny_dino(norm_last_layer=False)
     torch.testing.assert_close(normed.last_layer.weight.norm(dim=1), torch.ones(20))
@@ -86,10 +99,8 @@ class Record(Callback):
     def __init__(self):
         self.temperatures, self.last_layer, self.trunk, self.teacher = [], [], [], []
 
-    def on_train_batch_start(self, trainer, module, batch, batch_idx):
-        self.temperatures.append(module.teacher_temperature())
-
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.temperatures.append(trainer.callback_metrics["train/teacher_temperature"].item())  # as the step used it
         self.last_layer.append(module.last_layer.parametrizations.weight.original1.detach().clone())
         self.trunk.append(module.backbone.conv1.weight.detach().clone())
         self.teacher.append(module.target_backbone.conv1.weight.detach().clone())

@@ -135,6 +135,23 @@ def test_shot_accuracies_leave_out_empty_groups_and_unseen_classes():
     assert result == {"top1": 1.0, "many_top1": 1.0, "medium_top1": 1.0}  # class 2 (few) has no sample
 
 
+def test_knn_votes_weigh_each_neighbour_by_exp_of_its_similarity_over_the_temperature():
+    """NPID's weighted vote (Wu et al. 2018, Sec. 3.4): one class-1 neighbour at similarity 0.9 outvotes two class-0
+    neighbours at 0.5 at temperature 0.07, and loses to them at temperature 10, where the vote is nearly a count."""
+    from methods.evaluation import knn_predict
+
+    angle = lambda similarity: torch.tensor([similarity, math.sqrt(1 - similarity**2)])  # noqa: E731 (unit vectors)
+    bank = torch.stack([angle(0.9), angle(0.5), angle(0.5), angle(-0.9)])
+    labels = torch.tensor([1, 0, 0, 2])  # the last, least similar, is not among the k = 3 neighbours
+    query = torch.tensor([[1.0, 0.0]])
+    for temperature in (0.07, 10.0):
+        scores = knn_predict(query, bank, labels, num_classes=3, k=3, temperature=temperature)
+        expected = torch.tensor([[2 * math.exp(0.5 / temperature), math.exp(0.9 / temperature), 0.0]])
+        torch.testing.assert_close(scores, expected, rtol=1e-5, atol=0.0)
+    assert knn_predict(query, bank, labels, 3, k=3, temperature=0.07).argmax().item() == 1
+    assert knn_predict(query, bank, labels, 3, k=3, temperature=10.0).argmax().item() == 0
+
+
 def test_knn_top_k_counts_only_classes_that_received_a_vote():
     """With k = 1 neighbour a query has one class with a vote: its top-5 is that class alone, not four zero-score
     classes in index order (DINO's eval_knn.py: the top min(5, k))."""

@@ -142,9 +142,29 @@ def test_queue_that_keeps_labels_refuses_keys_without_labels():
 
 # ------------------------------------------------------------------ memory bank
 def test_memory_bank_starts_uniform_in_npid_range():
-    bank = MemoryBank(size=1000, dim=128)
+    torch.manual_seed(0)
+    entries = MemoryBank(size=1000, dim=128).entries
     bound = 1 / math.sqrt(128 / 3)
-    assert bank.entries.abs().max() <= bound and bank.entries.abs().max() > 0.9 * bound
+    assert entries.abs().max() <= bound and entries.max() > 0.99 * bound and entries.min() < -0.99 * bound
+    # uniform on [-b, b]: mean 0, standard deviation b / sqrt(3), half of the values within b / 2 (128,000 draws)
+    assert abs(entries.mean().item()) < 0.01 * bound
+    assert entries.std().item() == pytest.approx(bound / math.sqrt(3), rel=0.01)
+    assert (entries.abs() < bound / 2).float().mean().item() == pytest.approx(0.5, abs=0.01)
+
+
+def test_split_batchnorm_keys_are_encoded_from_a_shuffled_batch_and_returned_in_the_batchs_order():
+    """One device, shuffle_bn with split_bn (MoCo's shuffle-BN emulated): the key trunk sees a permutation of the
+    batch, so its BatchNorm groups mix the images of several queries, and each key comes back to its own query's row."""
+    torch.manual_seed(0)
+    model = MoCoV2(backbone=TINY_BACKBONE, projector=TINY_PROJECTOR, queue_size=64, momentum=MomentumSpec(shuffle_bn=True, split_bn=2), knn_k=0)
+    images, seen = torch.randn(16, 3, 32, 32), []
+    model.target_backbone.register_forward_pre_hook(lambda module, inputs: seen.append(inputs[0].clone()))
+    keys = model.target_embed(images)
+    order = [next(row for row in range(16) if torch.equal(seen[0][position], images[row])) for position in range(16)]
+    assert sorted(order) == list(range(16)) and order != list(range(16))
+    torch.testing.assert_close(keys, F.normalize(model.target_encode(images[order]), dim=1)[torch.argsort(torch.tensor(order))])
+    model.eval()  # per-image outputs: the keys are each image's own
+    torch.testing.assert_close(model.target_embed(images), F.normalize(model.target_encode(images), dim=1))
 
 
 def test_memory_bank_updates_only_the_given_indices_with_the_momentum_rule():
@@ -178,6 +198,8 @@ def test_split_batchnorm_running_stats_average_the_groups_and_eval_is_plain_batc
     split(x)
     group_means = torch.stack([x[g::2].mean(dim=(0, 2, 3)) for g in range(2)])
     torch.testing.assert_close(split.running_mean, 0.1 * group_means.mean(0))
+    group_variances = torch.stack([x[g::2].var(dim=(0, 2, 3), unbiased=True) for g in range(2)])  # as BatchNorm's running_var
+    torch.testing.assert_close(split.running_var, 0.9 + 0.1 * group_variances.mean(0))
     plain.load_state_dict(split.state_dict())
     split.eval(), plain.eval()
     torch.testing.assert_close(split(x), plain(x))

@@ -116,6 +116,19 @@ def test_warmups_ramp_tau_m_and_coeff_from_their_start_values(monkeypatch):
         assert model.scheduled() == pytest.approx(expected)
 
 
+def test_the_step_takes_tau_m_and_coeff_at_their_warm_up_points(monkeypatch):
+    model = tiny(SCE, temperature=0.1, temperature_momentum=0.05, coeff=0.5,
+                 temperature_momentum_warmup=RampSpec(start=0.1, epochs=10), coeff_warmup=RampSpec(start=1.0, epochs=10))
+    monkeypatch.setattr(SCE, "epochs_done", property(lambda self: 5.0))  # half-way: tau_m 0.075, coeff 0.75
+    batch = first_batch(digits(WEAK_STRONG, batch_size=16))
+    queue_before = model.queue.read()
+    loss, _ = model.step(batch)
+    with torch.no_grad():
+        _, query = model.embed(batch["views"]["strong"])
+        key = model.target_embed(batch["views"]["weak"])
+    torch.testing.assert_close(loss, sce_loss(query, key, queue_before, 0.1, 0.075, 0.75), rtol=1e-5, atol=1e-6)
+
+
 def test_bad_sce_settings_are_refused_with_their_values():
     with pytest.raises(ValueError, match="temperature_momentum must be > 0, got 0.0"):
         tiny(SCE, temperature_momentum=0.0)
