@@ -164,7 +164,12 @@ def _checked_trunk(state: dict, spec: BackboneSpec, encoder: str, source: str) -
 
 
 def _classifier(state: dict, tau: float) -> dict[str, torch.Tensor]:
-    """The prediction layer of `LongTailClassifier.classify` / `CrossEntropy.classify` as an nn.Linear's weights."""
+    """The prediction layer of `LongTailClassifier.classify` / `CrossEntropy.classify` as an nn.Linear's weights; PaCo on
+    RIDE's with one expert (its prediction, the mean over the experts, is then that expert's layer)."""
+    if "classifier.weight" not in state and "classifier.experts.0.weight" in state:
+        if "classifier.experts.1.weight" in state:
+            raise ValueError("the classifier has several RIDE experts, each on its own features: its prediction, their mean, is no one nn.Linear to export")
+        state = {key.replace("classifier.experts.0.", "classifier."): value for key, value in state.items()}
     weight, bias = state["classifier.weight"].float(), state["classifier.bias"].float()  # float32 as the trunk
     if tau:
         weight, bias = tau_normalised(weight, tau), torch.zeros_like(bias)

@@ -296,8 +296,9 @@ def check_head_count(checkpoint: Any, format: str, spec: BackboneSpec, source: s
         )
 
 
-def load_official_classifier(trunk: torch.nn.Module, classifier: torch.nn.Module, path: str, format: str | None, backbone: BackboneSpec) -> None:
-    """Load a long-tail classifier's trunk and classifier (PaCo's centres, a torchvision/timm `fc`) strictly."""
+def load_official_classifier(trunk: torch.nn.Module, classifier: torch.nn.Module, path: str, format: str | None, backbone: BackboneSpec) -> float:
+    """Load a long-tail classifier's trunk and classifier (PaCo's centres, a torchvision/timm `fc`) strictly; return the
+    tau its classifier was normalised with when exported (`interop.export --tau-norm`, its record), else 0."""
     check_format(format, "model.pretrained_format")
     source = f"model.pretrained_ckpt {path!r}"
     weights = official_weights(read_checkpoint(path, source), format, backbone.name, source)
@@ -314,6 +315,8 @@ def load_official_classifier(trunk: torch.nn.Module, classifier: torch.nn.Module
             raise ValueError(f"model.backbone.{key} {getattr(backbone, key)!r}, but {source} was exported from a trunk with {getattr(recorded, key)!r} (its export record): give that")
     load_state_strictly(trunk, weights.trunk, source, f"backbone {backbone.name!r} (small_input={backbone.small_input})")
     load_state_strictly(classifier, weights.classifier, source, f"the classifier (nn.Linear {classifier.in_features} -> {classifier.out_features})")
+    exported = (export_record(path, source) or {}).get("classifier")
+    return float(exported.get("tau_norm") or 0.0) if isinstance(exported, dict) else 0.0
 
 
 def load_official_encoder(model, checkpoint: Any, format: str | None, source: str) -> str | None:

@@ -147,7 +147,8 @@ class EvaluationMixin:
                 self.log(f"{stage}/{self.metric_prefix}top{k}", accuracy.compute())
             accuracy.reset()
         if self.class_stats is not None:
-            groups = shot_accuracies(self.class_stats.compute(), self.class_counts, *self.shot_bounds)
+            # without training-split counts (validated from Python without a DataModule) there are no shot groups
+            groups = shot_accuracies(self.class_stats.compute(), self.class_counts, *self.shot_bounds) if self.class_counts.any() else {}
             self.class_stats.reset()
             for name in ("many_top1", "medium_top1", "few_top1"):
                 if name in groups:

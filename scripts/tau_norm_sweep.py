@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -41,7 +42,10 @@ KANG_TAUS = [round(float(tau), 1) for tau in np.linspace(0, 2, 21)]  # classifie
 @torch.no_grad()
 def tau_sweep(model: CrossEntropy, datamodule, taus: list[float], split: str = "val") -> list[dict]:
     """`{"tau", "top1", "many_top1", ...}` per tau, in the order of `taus` (module docstring)."""
-    model.check_data(datamodule, 1)  # the training split's class counts, which define the shot groups
+    trained_counts = model.class_counts.clone()
+    model.check_data(datamodule, 1)  # the data's checks; it sets the class counts from the data's training split
+    if trained_counts.any():  # the shot groups of the counts the model was trained on, as `validate` restores them
+        model.class_counts.copy_(trained_counts)
     classifiers, classes = [tau_normalised(model.classifier.weight.float(), tau) for tau in taus], model.num_classes
     correct, seen = torch.zeros(len(taus), classes, dtype=torch.long), torch.zeros(classes, dtype=torch.long)
     with eval_mode(model), torch.autocast(model.device.type, enabled=False):
@@ -60,7 +64,7 @@ def tau_sweep(model: CrossEntropy, datamodule, taus: list[float], split: str = "
 def non_negative_float(text: str) -> float:
     """An argparse type: a tau (argparse's one error line names the option and the value)."""
     value = float(text)
-    if not value >= 0:
+    if not (math.isfinite(value) and value >= 0):  # inf: every logit 0, and JSON has no Infinity
         raise ValueError(text)
     return value
 
@@ -94,6 +98,10 @@ def main(argv: list[str]) -> int:
         groups = "  ".join(f"{name} {100 * setting[f'{name}_top1']:.2f}%" for name in ("many", "medium", "few") if f"{name}_top1" in setting)
         print(f"tau {setting['tau']:<5}  top-1 {100 * setting['top1']:.2f}%  {groups}")
     print(f"chosen: tau {chosen['tau']} (top-1 {100 * chosen['top1']:.2f}% on {args.split}); written: {out / 'tau_norm.json'}")
+    if chosen["tau"] == 0 and (positive := [setting for setting in settings if setting["tau"] > 0]):
+        best = max(positive, key=lambda setting: setting["top1"])
+        print(f"tau 0 is the classifier without its bias, which no model.init_args.tau_norm gives (0 keeps the bias): "
+              f"the best tau that `test` can evaluate is {best['tau']} (top-1 {100 * best['top1']:.2f}%)")
     return 0
 
 

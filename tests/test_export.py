@@ -25,7 +25,7 @@ from helpers import TINY_PROJECTOR, randomised
 from datamodules import DigitsDataModule
 from interop.export import data_facts, export, main as export_command
 from interop.official import exported_backbone
-from methods import BYOL, DINO, NNCLR, BarlowTwins, CrossEntropy, LinearProbe, MoCoV2, MoCoV3, PaCo, SimCLR, SimSiam, SwAV, VICReg
+from methods import BYOL, DINO, NNCLR, BarlowTwins, CrossEntropy, LinearProbe, MoCoV2, MoCoV3, PaCo, PaCoRIDE, SimCLR, SimSiam, SwAV, VICReg
 from methods.longtail import tau_normalised
 
 ROOT = Path(__file__).parents[1]
@@ -285,6 +285,30 @@ def test_an_exported_long_tail_classifier_predicts_the_classes_validate_predicts
     reimported = CrossEntropy(backbone=BackboneSpec("resnet18", small_input=True), num_classes=10, pretrained_ckpt=str(pth)).eval()
     with torch.no_grad():
         assert torch.equal(reimported.classify(IMAGES).argmax(dim=1), expected)  # and back, as a torchvision classifier
+    if tau_norm:  # normalised once, in the export: tau-normalising it again at evaluation is refused
+        with pytest.raises(ValueError, match=r"^model.tau_norm 0.5: model.pretrained_ckpt holds a classifier exported already tau-normalised \(tau 1, "):
+            CrossEntropy(backbone=BackboneSpec("resnet18", small_input=True), num_classes=10, pretrained_ckpt=str(pth), tau_norm=0.5)
+
+
+def test_paco_on_ride_exports_its_one_experts_classifier_and_refuses_several(tmp_path):
+    """PaCo on RIDE predicts with the mean of its experts' classifiers: with one expert (any trunk but a RIDE one),
+    that expert's layer; with several, each on its own features, no single fc (one error line, not a KeyError)."""
+    model = PaCoRIDE(backbone=BackboneSpec("resnet18", small_input=True), num_classes=10, projector=TINY_PROJECTOR, queue_size=64)
+    randomised(model.backbone).eval()
+    with torch.no_grad():
+        spread(model.classifier.experts[0], model.backbone(IMAGES))
+        expected = model.classify(IMAGES)
+    state = torch.load(export(saved(model, tmp_path / "last.ckpt"), "torchvision", tmp_path / "ride")[0], weights_only=True)
+    exported = torchvision_model("resnet18", small_input=True, num_classes=10)
+    exported.load_state_dict(state, strict=True)
+    with torch.no_grad():
+        torch.testing.assert_close(exported.eval()(IMAGES), expected)
+    checkpoint = torch.load(tmp_path / "last.ckpt", weights_only=False)
+    for key in [key for key in checkpoint["state_dict"] if key.startswith("classifier.experts.0.")]:
+        checkpoint["state_dict"][key.replace(".experts.0.", ".experts.1.")] = checkpoint["state_dict"][key].clone()
+    torch.save(checkpoint, tmp_path / "two_experts.ckpt")
+    with pytest.raises(ValueError, match=r"^the classifier has several RIDE experts, each on its own features"):
+        export(tmp_path / "two_experts.ckpt", "torchvision", tmp_path / "two")
 
 
 @pytest.mark.slow

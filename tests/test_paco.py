@@ -156,6 +156,7 @@ def test_multitask_loss_is_cross_entropy_plus_the_weighted_reweighted_contrast()
         (dict(alpha=-1.0), "model.alpha must be >= 0"),
         (dict(temperature=0.0), "model.temperature must be > 0"),
         (dict(trainable_convs="layer9"), "model.trainable_convs 'layer9' is not a module of the backbone"),
+        (dict(trainable_convs=""), "model.trainable_convs '' is not a module of the backbone"),  # the trunk itself: it froze every convolution
     ],
 )
 def test_paco_rejects_bad_hyperparameters(kwargs, message):
@@ -175,6 +176,22 @@ def test_trainable_convs_freezes_every_other_convolution_but_keeps_batchnorm_tra
     for name, parameter in model.backbone.named_parameters():
         is_conv = name.endswith(".weight") and parameter.ndim == 4
         assert parameter.requires_grad == (not is_conv or name.startswith("layer4.1.")), name
+
+
+def test_a_classifier_validated_without_its_training_counts_reports_no_shot_groups(tmp_path):
+    """From Python, without a DataModule, the class counts are unknown (zeros): no class is few-shot then."""
+    import lightning as L
+
+    model = CrossEntropy(backbone=TINY_BACKBONE, num_classes=10)
+    images = torch.rand(8, 3, 32, 32)
+    batches = torch.utils.data.DataLoader([{"image": images[i], "label": i, "index": i} for i in range(8)], batch_size=8)
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=tmp_path)
+    metrics = trainer.validate(model, dataloaders=batches, verbose=False)[0]
+    assert "val/top1" in metrics and not any(name.endswith(("many_top1", "medium_top1", "few_top1")) for name in metrics)
+    model.class_counts.copy_(torch.tensor([200] * 3 + [50] * 3 + [5] * 4))
+    metrics = trainer.validate(model, dataloaders=batches, verbose=False)[0]
+    assert {"val/many_top1", "val/medium_top1", "val/few_top1"} <= set(metrics)
 
 
 def test_the_data_must_have_every_configured_class_in_its_training_split():

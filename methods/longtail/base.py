@@ -50,15 +50,16 @@ class LongTailClassifier(MethodBase):
         super().__init__(optimizer=optimizer, **kwargs)
         self.init_evaluation(prefix="", shot_bounds=(many_shot_above, few_shot_below))
         self.classifier = nn.Linear(self.feature_dim, self.num_classes)
+        self.loaded_tau_norm = 0.0  # the tau a loaded classifier was exported with (interop.export --tau-norm)
         if pretrained_ckpt is not None:
-            load_official_classifier(self.backbone, self.classifier, pretrained_ckpt, pretrained_format, self.backbone_spec)
+            self.loaded_tau_norm = load_official_classifier(self.backbone, self.classifier, pretrained_ckpt, pretrained_format, self.backbone_spec)
         if trainable_convs is not None:
             self._freeze_convs_outside(trainable_convs)
         self.register_buffer("class_counts", torch.zeros(self.num_classes, dtype=torch.long))
 
     def _freeze_convs_outside(self, prefix: str) -> None:
         modules = dict(self.backbone.named_modules())
-        if prefix not in modules:
+        if not prefix or prefix not in modules:  # "" names the trunk itself, which holds no Conv2d of that name: all frozen
             raise ValueError(f"model.trainable_convs {prefix!r} is not a module of the backbone")
         for name, module in modules.items():
             if isinstance(module, nn.Conv2d) and not (name == prefix or name.startswith(prefix + ".")):

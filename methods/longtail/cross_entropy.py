@@ -45,6 +45,9 @@ class CrossEntropy(LongTailClassifier):
         if not tau_norm >= 0:  # NaN too: every logit would be NaN
             raise ValueError(f"model.tau_norm must be >= 0, got {tau_norm}")
         super().__init__(**kwargs)
+        if tau_norm and self.loaded_tau_norm:
+            raise ValueError(f"model.tau_norm {tau_norm:g}: model.pretrained_ckpt holds a classifier exported already tau-normalised "
+                             f"(tau {self.loaded_tau_norm:g}, its export record), which would be normalised twice: give model.tau_norm 0")
         self.loss, self.tau_norm = loss, tau_norm
 
     def step(self, batch):
