@@ -231,7 +231,8 @@ class ContrastiveDataModule(L.LightningDataModule):
                 view feeds which branch, so the names must be the ones the method consumes.
             eval_view: the evaluation pipeline (default: `default_eval_view()`, the SCE supplement D
                 protocol at the dataset's resolution).
-            knn_bank: also serve the labelled training images under `eval_view` during validation (kNN monitor).
+            knn_bank: also serve the labelled training images under `eval_view` during validation (kNN monitor), to
+                a model that votes with them (one of `knn_k` 0, e.g. a long-tail classifier, is served none).
             pin_memory: pin host memory for faster host-to-GPU copies.
             pipeline: where the training views are drawn: `cpu` (per image, PIL, in the DataLoader
                 workers) or `gpu` (per batch on the training device, whichever it is, CPU included: the
@@ -464,7 +465,8 @@ class ContrastiveDataModule(L.LightningDataModule):
         """The split's loader and the kNN bank's; with several processes each scores its own shard (`EvaluationShard`)."""
         self.setup()
         datasets = [EvalDataset(self.splits[split], self.eval_transform)]
-        if self.knn_bank:
+        model = self.trainer.lightning_module if self.trainer is not None else None
+        if self.knn_bank and getattr(model, "knn_k", None) != 0:  # a pass over the training split the model would not read
             datasets.append(EvalDataset(self.splits.get("bank", self.splits["train"]), self.eval_transform))
         processes = process_group()
         return [self._loader(dataset, train=False, sampler=EvaluationShard(dataset, **processes) if processes["num_replicas"] > 1 else None)

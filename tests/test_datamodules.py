@@ -49,6 +49,23 @@ def test_validation_serves_the_eval_split_and_the_training_split_as_knn_bank():
     assert len(digits({"weak": {"preset": "crop_flip"}}, knn_bank=False).val_dataloader()) == 1
 
 
+@pytest.mark.parametrize("knn_k, loaders", [(0, 1), (5, 2)])
+def test_a_model_without_a_knn_monitor_is_served_no_bank(knn_k, loaders, tmp_path):
+    """A model of knn_k 0 (a long-tail classifier, a monitor turned off) would decode the whole training split at every
+    validation for nothing."""
+    import lightning as L
+
+    from helpers import TINY_BACKBONE, TINY_PROJECTOR
+    from methods import MoCoV2
+
+    model = MoCoV2(backbone=TINY_BACKBONE, projector=TINY_PROJECTOR, queue_size=128, knn_k=knn_k)
+    datamodule = digits({"query": {"preset": "crop_flip"}, "key": {"preset": "crop_flip"}}, batch_size=64)
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=1, default_root_dir=tmp_path)
+    trainer.validate(model, datamodule=datamodule, verbose=False)
+    assert len(trainer.val_dataloaders if isinstance(trainer.val_dataloaders, list) else [trainer.val_dataloaders]) == loaders
+
+
 @pytest.mark.parametrize("images, processes", [(7, 2), (8, 2), (10, 4), (3, 3), (1, 2)])
 def test_evaluation_shards_are_as_long_take_every_image_once_and_pad_with_images_labelled_minus_one(images, processes):
     arrays, labels = composite_digits("val", 1)

@@ -325,10 +325,11 @@ class SignalInValidation(Callback):
 
 
 def train_validating(directory, *callbacks, ckpt_path=None):
-    """`train` of MoCo v2 with a validation (2 batches of the validation split, 2 of the kNN bank) after
-    every epoch, and the signal callbacks of a run."""
+    """`train` of MoCo v2 with a validation (2 batches of the validation split, 2 of the kNN bank, which its kNN
+    monitor reads) after every epoch, and the signal callbacks of a run."""
     L.seed_everything(0, verbose=False)
-    build, views = METHODS["moco"]
+    views = METHODS["moco"][1]
+    build = lambda: MoCoV2(backbone=FAST_BACKBONE, projector=TINY_PROJECTOR, queue_size=64, momentum=MOMENTUM, knn_k=5)  # noqa: E731
     indices = BatchIndices()
     callbacks = [RandomStateCheckpoint(), LastCheckpointOnSigterm(), PreemptionSignals(), ModelCheckpoint(directory, save_last=True), indices, *callbacks]
     trainer = cpu_trainer(directory, max_steps=TOTAL_STEPS, limit_train_batches=BATCHES_PER_EPOCH, limit_val_batches=2,
