@@ -194,6 +194,20 @@ def test_a_classifier_validated_without_its_training_counts_reports_no_shot_grou
     assert {"val/many_top1", "val/medium_top1", "val/few_top1"} <= set(metrics)
 
 
+@pytest.mark.parametrize("model, sampler, warned", [
+    (dict(loss="balanced_softmax"), "class_balanced", True), (dict(loss="balanced_softmax"), "instance", False),
+    (dict(loss="ce"), "square_root", False), (dict(rebalance=True), "progressive", True), (dict(rebalance=False), "progressive", False),
+])
+def test_the_log_prior_with_a_rebalancing_sampler_is_a_warning_of_rebalancing_twice(model, sampler, warned, recwarn):
+    """The prior of Balanced Softmax (Ren et al. 2020) is the label distribution of the batches: a sampler that draws
+    the classes otherwise than the dataset's counts changes it."""
+    method = tiny(CrossEntropy, **model) if "loss" in model else tiny(PaCo, **model)
+    views = {"image": {"preset": "crop_flip"}} if "loss" in model else {"query": {"preset": "crop_flip"}, "key": {"preset": "crop_flip"}}
+    method.check_data(digits(views, sampler=sampler), world_size=1)
+    messages = [str(warning.message) for warning in recwarn if "rebalanced twice" in str(warning.message)]
+    assert len(messages) == warned and all(f"data.init_args.sampler {sampler!r}" in message for message in messages)
+
+
 def test_the_data_must_have_every_configured_class_in_its_training_split():
     model = CrossEntropy(backbone=TINY_BACKBONE, num_classes=12)
     with pytest.raises(ValueError, match="model.num_classes is 12 but the training split of DigitsDataModule has 10 classes"):

@@ -11,6 +11,8 @@ the top-1 of each group every epoch (`val/top1`, `val/many_top1`, `val/medium_to
 on the trunk feature, momentum copies of trunk and head, and a queue of keys with their labels.
 """
 
+import warnings
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -87,6 +89,18 @@ class LongTailClassifier(MethodBase):
                 f"{len(counts)} classes" + (f", {len(empty)} of them without any image (classes {empty[:10]})" if empty else "")
             )
         self.class_counts.copy_(counts)
+        sampler = getattr(datamodule, "sampler", "instance")
+        if self.trains_with_log_prior() and sampler != "instance":
+            warnings.warn(
+                f"{type(self).__name__} adds the log prior of the training split's class counts in training, which "
+                f"corrects for the label distribution the batches are drawn from (Ren et al. 2020, Eq. 4), while "
+                f"data.init_args.sampler {sampler!r} draws the classes in other proportions: the classes are rebalanced "
+                "twice, towards the tail; give sampler instance, or the loss without the prior"
+            )
+
+    def trains_with_log_prior(self) -> bool:
+        """Whether training adds the log class prior to the logits (Balanced Softmax, PaCo's rebalance)."""
+        return False
 
     def evaluation_outputs(self, images: torch.Tensor) -> tuple[None, torch.Tensor]:
         # in fp32 at any training precision, as PaCo's validate() (LT/paco_lt.py, paco_cifar.py; paco_fp16_places.py

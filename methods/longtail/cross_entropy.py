@@ -56,6 +56,9 @@ class CrossEntropy(LongTailClassifier):
             logits = logits + self.log_prior
         return F.cross_entropy(logits, batch["label"]), None
 
+    def trains_with_log_prior(self) -> bool:
+        return self.loss == "balanced_softmax"
+
     def classify(self, images):
         if not self.tau_norm:
             return super().classify(images)

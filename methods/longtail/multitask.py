@@ -72,6 +72,9 @@ class MultiTaskContrast(SupervisedMoCoMixin, LongTailClassifier):
         self.reweight_beta, self.temperature = reweight_beta, temperature
         self.init_supervised_moco(projector, momentum, queue_size, in_batch)
 
+    def trains_with_log_prior(self) -> bool:
+        return self.classifier_loss == "balanced_softmax"
+
     def step(self, batch):
         labels = batch["label"]
         features, query, key = self.embed_query_and_key(batch)

@@ -65,6 +65,9 @@ class PaCo(SupervisedMoCoMixin, LongTailClassifier):
         self.rebalance = rebalance
         self.init_supervised_moco(projector, momentum, queue_size, in_batch)
 
+    def trains_with_log_prior(self) -> bool:
+        return self.rebalance
+
     def step(self, batch):
         labels = batch["label"]
         features, local_query, local_key = self.embed_query_and_key(batch)
