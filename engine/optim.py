@@ -162,7 +162,7 @@ def parameter_groups(named_params: Iterable[tuple[str, torch.nn.Parameter]], spe
     for excluded in (False, True):
         if split[True, excluded]:
             groups.append({"params": split[True, excluded], "weight_decay": 0.0 if excluded else spec.weight_decay,
-                           "lars_exclude": excluded, "fixed_lr": True})
+                           "lars_exclude": excluded, "fixed_lr": True} | (lr_ratio(spec.bias_and_norm_lr_ratio) if excluded else {}))
     return groups
 
 

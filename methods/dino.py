@@ -75,7 +75,8 @@ class DINO(MomentumMixin, PretrainMethod):
         for layer in self.projector.modules():  # DINOHead's initialisation, before its last layer exists
             if isinstance(layer, nn.Linear):
                 nn.init.trunc_normal_(layer.weight, std=0.02)
-                nn.init.zeros_(layer.bias)
+                if layer.bias is not None:  # a head with BatchNorm has none before its norms
+                    nn.init.zeros_(layer.bias)
         self.last_layer = weight_norm(nn.Linear(self.projection_dim, out_dim, bias=False))
         norms = self.last_layer.parametrizations.weight.original0
         norms.data.fill_(1.0)
@@ -86,9 +87,6 @@ class DINO(MomentumMixin, PretrainMethod):
         if self.momentum_spec.shuffle_bn or self.momentum_spec.split_bn > 1:  # it never reaches `target_embed`'s shuffle
             raise ValueError(f"model.momentum: DINO's teacher sees the views unshuffled (main_dino.py), so shuffle_bn must be false and split_bn 1, "
                              f"got {self.momentum_spec.shuffle_bn} and {self.momentum_spec.split_bn}")
-        for module in self.target_backbone.modules():  # the teacher has no stochastic depth (main_dino.py)
-            if hasattr(module, "drop_prob"):
-                module.drop_prob = 0.0
 
     def head(self, projector: nn.Module, last_layer: nn.Module):
         return lambda pooled: last_layer(F.normalize(projector(pooled), dim=-1))

@@ -162,8 +162,15 @@ class MomentumMixin:
 
 
 def frozen_copy(online: nn.Module, split_bn: int = 1) -> nn.Module:
-    """A gradient-free copy of `online`, its BatchNorm2d split into `split_bn` groups when > 1."""
+    """A gradient-free copy of `online`, its BatchNorm2d split into `split_bn` groups when > 1, without stochastic depth
+    or dropout: a target is deterministic in every official code (facebookresearch/dino main_dino.py builds the teacher
+    without drop_path_rate; moco-v3's ViTs and BYOL's and MoCo's ResNets have none)."""
     target = copy.deepcopy(online)
+    for module in target.modules():
+        if hasattr(module, "drop_prob"):  # timm's DropPath
+            module.drop_prob = 0.0
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
     if split_bn > 1:
         target = convert_to_split_batchnorm(target, split_bn)
     return target.requires_grad_(False)

@@ -88,6 +88,11 @@ def test_the_step_sharpens_the_teacher_with_the_temperature_of_its_epoch(warmup_
     assert loss.item() != pytest.approx(dino_loss(student, teacher, torch.zeros(1, 20), 0.1, 0.11 - expected).item(), rel=1e-5)
 
 
+def test_a_head_with_batchnorm_has_no_biases_before_its_norms_and_builds():
+    model = tiny_dino(projector=MLPSpec(hidden_dim=32, output_dim=16, num_layers=3, batch_norm=True, activation="gelu"))
+    assert any(isinstance(layer, torch.nn.BatchNorm1d) for layer in model.projector.modules())
+
+
 def test_the_last_layer_is_weight_normalised_with_unit_norms_that_only_train_without_norm_last_layer():
     normed, free = tiny_dino(), tiny_dino(norm_last_layer=False)
     torch.testing.assert_close(normed.last_layer.weight.norm(dim=1), torch.ones(20))

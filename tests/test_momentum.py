@@ -18,6 +18,19 @@ from helpers import TINY_BACKBONE, TINY_PROJECTOR, free_port, start_processes
 
 
 # ------------------------------------------------------------------ EMA and its schedules
+def test_a_target_has_no_stochastic_depth_or_dropout_while_its_online_trunk_keeps_them():
+    """facebookresearch/dino main_dino.py gives drop_path_rate to the student only; moco-v3's and BYOL's targets have
+    none: a target's outputs are deterministic."""
+    vit = {"name": "vit_tiny", "kwargs": {"img_size": 32, "patch_size": 8, "depth": 2, "drop_path_rate": 0.3, "proj_drop_rate": 0.2, "pos_drop_rate": 0.2}}
+    model = MoCoV2(backbone=vit, projector=TINY_PROJECTOR, queue_size=64, momentum=MomentumSpec(shuffle_bn=False), knn_k=0)
+    rates = lambda trunk: sorted({round(getattr(module, "drop_prob", getattr(module, "p", 0.0)), 6) for module in trunk.modules()  # noqa: E731
+                                  if hasattr(module, "drop_prob") or isinstance(module, nn.Dropout)})
+    assert rates(model.backbone) == [0.0, 0.2, 0.3] and rates(model.target_backbone) == [0.0]
+    images = torch.randn(4, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(model.target_embed(images), model.target_embed(images), rtol=0, atol=0)  # train mode
+
+
 def test_constant_momentum_is_the_same_at_every_step():
     assert [momentum_at(step, 100, 0.99, "constant") for step in (0, 50, 99)] == [0.99] * 3
 

@@ -15,6 +15,7 @@ from engine.optim import (
     configure_optimization,
     lr_factor,
     parameter_groups,
+    schedule_length,
     schedule_weight_decay_,
     weight_decay_at,
 )
@@ -40,6 +41,22 @@ def test_an_epoch_of_5_batches_accumulated_by_2_has_3_optimizer_steps_as_lightni
         optimizer.step()
         scheduler.step()
     assert rates == pytest.approx([1.0, 1.0, 1.0, 0.1, 0.1, 0.1])  # epoch 1 starts at the 4th step
+
+
+def test_with_max_steps_the_schedule_spans_max_epochs_of_lightnings_optimizer_steps_the_short_window_included():
+    """A run stopped by max_steps keeps the schedule of its max_epochs (schedule_length): 2 epochs of 5 batches
+    accumulated by 2 are 6 optimizer steps, not 4, so the cosine is not over at step 4."""
+    trainer = SimpleNamespace(world_size=1, accumulate_grad_batches=2, max_epochs=2, max_steps=4, estimated_stepping_batches=4, num_training_batches=5)
+    assert schedule_length(trainer) == 6
+
+
+def test_the_learning_rate_is_scaled_by_the_global_batch_of_every_accumulated_micro_batch():
+    """128 images x 2 accumulated batches are a global batch of 256: lr 0.1 per 256 images stays 0.1."""
+    trainer = SimpleNamespace(datamodule=SimpleNamespace(batch_size=128), world_size=1, accumulate_grad_batches=2, gradient_clip_val=None, max_epochs=2,
+                              max_steps=-1, estimated_stepping_batches=6, num_training_batches=5, print=lambda *args: None)
+    optimization = configure_optimization(trainer, parameter_groups(nn.Linear(2, 2).named_parameters(), OptimizerSpec()),
+                                          OptimizerSpec(lr=0.1, lr_scaling="linear"), ScheduleSpec(decay="constant"))
+    assert optimization["optimizer"].param_groups[0]["lr"] == pytest.approx(0.1)
 
 
 def test_linear_warmup_then_cosine_per_step():
@@ -409,6 +426,15 @@ def test_the_bias_and_norm_lr_ratio_gives_those_groups_barlow_twins_bias_rate_th
     assert [group["lr"] for group in optimization["optimizer"].param_groups] == pytest.approx([0.2, 0.2 * 0.024])
     with pytest.raises(ValueError, match="optimizer.bias_and_norm_lr_ratio 0.024 needs exclude_bias_and_norm: true"):
         OptimizerSpec(bias_and_norm_lr_ratio=0.024)
+
+
+def test_the_bias_and_norm_lr_ratio_applies_inside_a_fixed_lr_module_too():
+    model = nn.ModuleDict({"backbone": nn.Linear(3, 3), "predictor": nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))})
+    spec = OptimizerSpec(lr=0.2, exclude_bias_and_norm=True, bias_and_norm_lr_ratio=0.024, fixed_lr_modules=["predictor"])
+    optimization = configure_optimization(ten_epochs_of_ten_steps(batch_size=256), parameter_groups(model.named_parameters(), spec), spec, ScheduleSpec())
+    groups = optimization["optimizer"].param_groups  # trunk weights, trunk biases, predictor weights, predictor biases and norms
+    assert [(len(group["params"]), group.get("fixed_lr", False)) for group in groups] == [(1, False), (1, False), (1, True), (3, True)]
+    assert [group["lr"] for group in groups] == pytest.approx([0.2, 0.2 * 0.024, 0.2, 0.2 * 0.024])
 
 
 def test_the_weight_decay_follows_dinos_cosine_from_start_towards_end_on_the_decayed_groups_only():
