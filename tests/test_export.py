@@ -23,7 +23,7 @@ from backbones import BackboneSpec, MLPSpec
 from engine.checkpoint_record import VERSION
 from helpers import TINY_PROJECTOR, randomised
 from datamodules import DigitsDataModule
-from interop.export import data_facts, export, main as export_command
+from interop.export import data_facts, detectron2_config, export, main as export_command
 from interop.official import exported_backbone
 from methods import BYOL, DINO, NNCLR, BarlowTwins, CrossEntropy, LinearProbe, MoCoV2, MoCoV3, PaCo, PaCoRIDE, SimCLR, SimSiam, SwAV, VICReg
 from methods.longtail import tau_normalised
@@ -229,6 +229,18 @@ def moco_converter(state: dict) -> dict:
 
 
 @pytest.mark.slow
+def test_detectron2_settings_of_each_resnet_family_are_those_detectron2_builds_it_with():
+    imagenet = {"MODEL.PIXEL_MEAN": [123.675, 116.28, 103.53], "MODEL.PIXEL_STD": [58.395, 57.12, 57.375]}
+    base = {"MODEL.RESNETS.STRIDE_IN_1X1": False, "INPUT.FORMAT": "RGB"} | imagenet
+    assert detectron2_config(BackboneSpec("resnet50"), None) == base | {"MODEL.RESNETS.DEPTH": 50}
+    assert detectron2_config(BackboneSpec("resnext50_32x4d"), None) == base | {
+        "MODEL.RESNETS.DEPTH": 50, "MODEL.RESNETS.NUM_GROUPS": 32, "MODEL.RESNETS.WIDTH_PER_GROUP": 4}
+    # basic blocks: detectron2 refuses R18/R34 unless res2 outputs 64 channels
+    assert detectron2_config(BackboneSpec("resnet18"), None) == base | {"MODEL.RESNETS.DEPTH": 18, "MODEL.RESNETS.RES2_OUT_CHANNELS": 64}
+    own = detectron2_config(BackboneSpec("resnet50"), {"mean": [0.5, 0.5, 0.5], "std": [0.25, 0.25, 0.25]})
+    assert (own["MODEL.PIXEL_MEAN"], own["MODEL.PIXEL_STD"]) == ([127.5] * 3, [63.75] * 3)
+
+
 def test_detectron2_export_has_the_keys_and_shapes_that_moco_s_converter_writes_for_a_resnet50(tmp_path):
     trunk = torchvision.models.resnet50()
     trunk.fc = nn.Identity()  # the trunk: the converter would carry a MoCo head along as stem.fc.*, which detectron2 leaves unused
@@ -271,12 +283,14 @@ def test_an_exported_long_tail_classifier_predicts_the_classes_validate_predicts
     randomised(model.backbone).eval()
     with torch.no_grad():
         spread(model.classifier, model.backbone(IMAGES))
+        model.classifier.bias.fill_(0.3)  # the same for every class: the argmax stays; tau-normalised, it is dropped
         expected = model.classify(IMAGES).argmax(dim=1)
     assert expected.tolist() == [0, 1]
     pth, _, record = export(saved(model, tmp_path / "last.ckpt"), "torchvision", tmp_path / "classifier")
     state = torch.load(pth, weights_only=True)
     # the weights the model classifies with: tau-normalised where it is set (the same argmax either way here)
     assert torch.equal(state["fc.weight"], tau_normalised(model.classifier.weight, tau_norm) if tau_norm else model.classifier.weight)
+    assert torch.equal(state["fc.bias"], torch.zeros(10) if tau_norm else torch.full((10,), 0.3))
     exported = torchvision_model("resnet18", small_input=True, num_classes=10)
     exported.load_state_dict(state, strict=True)
     with torch.no_grad():
@@ -318,6 +332,7 @@ def test_tau_normalisation_is_applied_to_paco_s_centres_when_asked(tmp_path):
     with torch.no_grad():
         features = model.backbone(IMAGES)
         spread(model.classifier, features)
+        model.classifier.bias.fill_(0.3)  # dropped by the tau-normalisation
         expected = (features @ tau_normalised(model.classifier.weight, 1.0).T).argmax(dim=1)
     assert expected.tolist() == [0, 1]
     pth = export(saved(model, tmp_path / "last.ckpt"), "torchvision", tmp_path / "tau", tau_norm=1.0)[0]

@@ -92,6 +92,8 @@ def test_the_lock_of_a_run_that_ended_or_died_is_taken_over(tmp_path):
         ("--data.init_args.batch_size=32", "data.init_args.batch_size 32 (the run was trained with 16)"),
         ("--trainer.max_epochs=3", "trainer.max_epochs 3 (the run was trained with 1)"),
         ("--seed_everything=1", "seed_everything 1 (the run was trained with 0)"),
+        ("--trainer.accumulate_grad_batches=2", "trainer.accumulate_grad_batches 2 (the run was trained with 1)"),
+        ("--trainer.gradient_clip_val=1.0", "trainer.gradient_clip_val 1.0 (the run was trained with None)"),
         # what a CPU without bf16 units chooses for the same command (engine.devices.choose_cpu_precision): the error says how to keep it
         ("--trainer.precision=bf16-mixed", "trainer.precision 'bf16-mixed' (the run was trained with '32-true'; --trainer.precision 32-true "
                                            "resumes it so: on a CPU without bf16 units the precision rule trains a bf16 precision as 32-true)"),

@@ -63,6 +63,14 @@ def test_bad_profile_values_name_their_config_key(args, message):
         long_tail_counts(*args)
 
 
+def test_the_long_tail_seed_draws_which_images_each_class_keeps():
+    labels = np.repeat(np.arange(3), 50)
+    kept = {seed: long_tail_indices(labels, [40, 10, 3], seed=seed) for seed in (0, 0, 1)}
+    assert [int((labels[kept[0]] == c).sum()) for c in range(3)] == [40, 10, 3]
+    assert np.array_equal(long_tail_indices(labels, [40, 10, 3], seed=0), kept[0]) and not np.array_equal(kept[0], kept[1])
+    assert np.array_equal(np.sort(labels[kept[1]]), np.sort(labels[kept[0]]))  # the same counts, other images
+
+
 def test_a_negative_long_tail_seed_names_its_config_key():
     with pytest.raises(ValueError, match=re.escape("data.long_tail_seed must be in [0, 2**32), got -1")):
         long_tail_indices(np.array([0, 1, 1]), [1, 1], seed=-1)
