@@ -270,6 +270,9 @@ class ContrastiveDataModule(L.LightningDataModule):
         defaults = {"size": self.image_size, "mean": self.mean, "std": self.std}
         self.views = {name: build_view(name, spec, defaults, pipeline) for name, spec in (views or {}).items()}
         self.eval_transform = build_view("eval_view", eval_view or self.default_eval_view(), defaults)
+        # the side of each view's images (its `size`, else the dataset's), which a ViT trunk checks (MethodBase.check_data)
+        given = {**(views or {}), "eval_view": eval_view or self.default_eval_view()}
+        self.view_sizes = {name: spec.get("size", self.image_size) for name, spec in given.items()}
         self.splits: dict[str, Dataset] | None = None
         self.resume_at = {"epoch": 0, "batches": 0}
 

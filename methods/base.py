@@ -164,6 +164,27 @@ class MethodBase(EvaluationMixin, CheckpointRecord, L.LightningModule):
                     f"{name} size {module.size} is larger than the {images * self.keys_per_sample} keys of one epoch of "
                     f"{images} training images: it holds keys of the same images from earlier epochs"
                 )
+        self.check_patch_sizes(getattr(datamodule, "view_sizes", {}))
+
+    def check_patch_sizes(self, view_sizes: dict) -> None:
+        """A ViT trunk takes images of its img_size only (timm's strict_img_size) or, with dynamic sizes (DINO's position
+        interpolation), of any multiple of its patch: a view of another size failed at the first step, after the files."""
+        embed = getattr(self.backbone, "patch_embed", None)
+        if embed is None or getattr(embed, "img_size", None) is None:
+            return
+        for name, size in view_sizes.items():
+            where = "data.init_args.eval_view" if name == "eval_view" else f"data.init_args.views.{name}"
+            if isinstance(size, int) and embed.strict_img_size and (size, size) != tuple(embed.img_size):
+                raise ValueError(f"{where} gives {size} px images, but the ViT trunk takes {embed.img_size[0]} px ones only: give that size, "
+                                 "or model.backbone.kwargs.position_interpolation dino for crops of several sizes")
+            if isinstance(size, int) and not embed.strict_img_size and not embed.dynamic_img_pad and size % embed.patch_size[0]:
+                raise ValueError(f"{where} gives {size} px images, which the ViT trunk's {embed.patch_size[0]} px patches do not divide: "
+                                 f"give a multiple of {embed.patch_size[0]}")
+
+    def warn_if_never_reached(self, setting: str, value: int, takes_effect_at: int, run_length: int, unit: str, consequence: str) -> None:
+        """A setting whose effect comes at epoch or step `takes_effect_at` (0-based) of a run of `run_length` (over max_epochs)."""
+        if value > 0 and takes_effect_at >= run_length > 0:
+            warnings.warn(f"model.init_args.{setting} {value} is too long for the run's {run_length} {unit}: {consequence}", stacklevel=2)
 
     def setup(self, stage: str) -> None:
         if self.trainer.datamodule is not None:  # every stage: a check may settle what the evaluation reports (the probe)

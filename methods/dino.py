@@ -110,6 +110,14 @@ class DINO(MomentumMixin, PretrainMethod):
         super().optimizer_step(*args, **kwargs)
         self.update_center()
 
+    def on_fit_start(self) -> None:
+        super().on_fit_start()
+        epochs, warm_up = self.trainer.max_epochs or 0, self.teacher_temperatures[2]  # main_dino.py refuses a longer warm-up than the run
+        self.warn_if_never_reached("warmup_teacher_temperature_epochs", warm_up, warm_up - 1, epochs, "epochs",
+                                   "the teacher temperature never reaches model.init_args.teacher_temperature")
+        self.warn_if_never_reached("freeze_last_layer_epochs", self.freeze_last_layer_epochs, self.freeze_last_layer_epochs, epochs, "epochs",
+                                   "the last layer never trains")
+
     def frozen_modules(self) -> list[nn.Module]:
         return [self.last_layer] if self.trainer.current_epoch < self.freeze_last_layer_epochs else []
 

@@ -21,6 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from engine.compat import attached_trainer, data_position
+from engine.optim import schedule_length
 from methods.losses import check_hyperparameters, sinkhorn_knopp, swav_loss
 from methods.pretrain import PretrainMethod
 from methods.queues import EmbeddingQueue
@@ -73,6 +74,13 @@ class SwAV(PretrainMethod):
                 f"model.init_args.queue_size {size} must be a multiple of the global batch {global_batch} (data.init_args.batch_size x "
                 f"{world_size} processes), as facebookresearch/swav trims it: {size - size % global_batch}"
             )
+
+    def on_fit_start(self) -> None:
+        super().on_fit_start()
+        start, frozen = self.queue_start_epoch, self.freeze_prototypes_steps
+        if self.queues is not None:
+            self.warn_if_never_reached("queue_start_epoch", start, start, self.trainer.max_epochs or 0, "epochs", "the queue is never filled")
+        self.warn_if_never_reached("freeze_prototypes_steps", frozen, frozen, schedule_length(self.trainer), "steps", "the prototypes never train")
 
     def frozen_modules(self) -> list[nn.Module]:
         return [self.prototypes] if self.trainer.global_step < self.freeze_prototypes_steps else []

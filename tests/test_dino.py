@@ -4,6 +4,7 @@ layer is frozen in the first epoch; the teacher follows the student by EMA (face
 Its 2-process equivalence is in tests/test_distributed.py."""
 
 import copy
+import re
 
 import numpy as np
 import pytest
@@ -88,6 +89,19 @@ def test_the_step_sharpens_the_teacher_with_the_temperature_of_its_epoch(warmup_
     assert loss.item() != pytest.approx(dino_loss(student, teacher, torch.zeros(1, 20), 0.1, 0.11 - expected).item(), rel=1e-5)
 
 
+@pytest.mark.parametrize("settings, warned", [
+    (dict(warmup_teacher_temperature_epochs=3), ["warmup_teacher_temperature_epochs 3 is too long for the run's 2 epochs"]),
+    (dict(warmup_teacher_temperature_epochs=2, freeze_last_layer_epochs=1), []),  # the last epoch at 0.07, the last layer trained in it
+    (dict(freeze_last_layer_epochs=2), ["freeze_last_layer_epochs 2 is too long for the run's 2 epochs: the last layer never trains"]),
+])
+def test_warm_ups_and_freezes_longer_than_the_run_are_warnings(settings, warned, tmp_path, recwarn):
+    """main_dino.py refuses a teacher warm-up longer than the run (np.ones of a negative length)."""
+    model = tiny_dino(warmup_teacher_temperature=0.04, teacher_temperature=0.07, **settings)
+    cpu_trainer(tmp_path, max_epochs=2, limit_train_batches=1, limit_val_batches=0).fit(model, digits(VIEWS, batch_size=8))
+    messages = [str(warning.message) for warning in recwarn if "is too long for the run" in str(warning.message)]
+    assert len(messages) == len(warned) and all(message.startswith(f"model.init_args.{text}") for message, text in zip(messages, warned))
+
+
 def test_a_head_with_batchnorm_has_no_biases_before_its_norms_and_builds():
     model = tiny_dino(projector=MLPSpec(hidden_dim=32, output_dim=16, num_layers=3, batch_norm=True, activation="gelu"))
     assert any(isinstance(layer, torch.nn.BatchNorm1d) for layer in model.projector.modules())
@@ -132,6 +146,26 @@ def test_teacher_temperature_warms_up_per_epoch_and_the_last_layer_moves_from_th
 def test_training_steps_lower_the_loss_on_the_embedded_data(tmp_path):
     before, after = loss_before_and_after_training(tiny_dino(backbone=SMALL_TRUNK, freeze_last_layer_epochs=0), VIEWS, tmp_path)
     assert after < 0.9 * before, (before, after)
+
+
+@pytest.mark.parametrize("interpolation, local_size, refused", [
+    ("timm", 32, None), ("timm", 16, "data.init_args.views.local gives 16 px images, but the ViT trunk takes 32 px ones only"),
+    ("dino", 16, None), ("dino", 18, "data.init_args.views.local gives 18 px images, which the ViT trunk's 8 px patches do not divide"),
+])
+def test_crops_a_vit_trunk_cannot_take_are_refused_before_anything_is_written(interpolation, local_size, refused):
+    """timm's patch embedding takes its img_size only, or with DINO's interpolation any multiple of the patch: another
+    crop failed at the first training step, after the run's files were written."""
+    vit = {"name": "vit_tiny", "kwargs": {"img_size": 32, "patch_size": 8, "depth": 1, "position_interpolation": interpolation}}
+    model = tiny_dino(backbone=vit, local_crops=["local"])
+    datamodule = digits(VIEWS | {"local": {"preset": "mocov2", "size": local_size, "scale": [0.2, 0.5], "count": 2}}, batch_size=8)
+    if refused is None:
+        model.check_data(datamodule, world_size=1)
+        first = first_batch(datamodule)
+        with torch.no_grad():
+            model.step(first)  # the accepted crops do pass the trunk
+    else:
+        with pytest.raises(ValueError, match="^" + re.escape(refused)):
+            model.check_data(datamodule, world_size=1)
 
 
 @pytest.mark.parametrize("momentum", [{"shuffle_bn": True, "split_bn": 1}, {"shuffle_bn": False, "split_bn": 4}, {"shuffle_bn": True, "split_bn": 8}])

@@ -118,3 +118,15 @@ def test_a_queue_that_is_not_a_multiple_of_the_global_batch_is_refused():
 def test_training_steps_lower_the_loss_on_the_embedded_data(tmp_path):
     before, after = loss_before_and_after_training(tiny_swav(backbone=SMALL_TRUNK), VIEWS, tmp_path)
     assert after < 0.9 * before, (before, after)
+
+
+@pytest.mark.parametrize("settings, warned", [
+    (dict(queue_size=16, queue_start_epoch=2), ["queue_start_epoch 2 is too long for the run's 2 epochs: the queue is never filled"]),
+    (dict(queue_size=16, queue_start_epoch=1, freeze_prototypes_steps=1), []),
+    (dict(queue_start_epoch=5), []),  # no queue
+    (dict(freeze_prototypes_steps=2), ["freeze_prototypes_steps 2 is too long for the run's 2 steps: the prototypes never train"]),
+])
+def test_a_queue_start_or_a_prototype_freeze_longer_than_the_run_is_a_warning(settings, warned, tmp_path, recwarn):
+    cpu_trainer(tmp_path, max_epochs=2, limit_train_batches=1, limit_val_batches=0).fit(tiny_swav(**settings), digits(VIEWS, batch_size=8))
+    messages = [str(warning.message) for warning in recwarn if "is too long for the run" in str(warning.message)]
+    assert messages == [f"model.init_args.{text}" for text in warned]
