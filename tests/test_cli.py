@@ -203,6 +203,27 @@ def test_the_results_record_the_best_accuracy_of_the_validations_with_its_step_b
     assert [state["best"]["val/top1"]["metrics"] for name, state in saved.items() if name.startswith("FinalValidation")] == [{"val/top1": 0.75, "val/many_top1": 0.125}]
 
 
+class TiedAfterResume(Callback):
+    """`val/top1` 0.75 at the first validation after a resume: the best of AccuracySequence's first two validations again."""
+
+    def on_validation_epoch_end(self, trainer, pl_module) -> None:
+        if not trainer.sanity_checking:
+            pl_module.log("val/top1", 0.75)
+            pl_module.log("val/many_top1", 0.5)
+
+
+@pytest.mark.slow
+def test_a_resumed_run_goes_on_from_the_best_its_checkpoint_holds_and_a_tie_keeps_the_first(tmp_path):
+    """Stopped after two validations (0.25, 0.75), resumed to a third that ties (0.75): the best stays the
+    validation before the stop (PaCo's `acc1 > best_acc1` keeps the first of equal ones)."""
+    run = ["fit", "--config", PRETRAIN_DIGITS, *TINY_RUN, "--trainer.max_epochs=3", "--trainer.logger=false", f"--trainer.default_root_dir={tmp_path}"]
+    main_pretrain.cli_main([*run, "--trainer.max_steps=4", "--trainer.callbacks+=test_cli.AccuracySequence"])
+    main_pretrain.cli_main([*run, "--ckpt_path=last", "--trainer.callbacks+=test_cli.TiedAfterResume"])
+    results = json.loads((tmp_path / "results_val.json").read_text())
+    assert results["global_step"] == 6 and results["metrics"]["val/many_top1"] == 0.5
+    assert results["best"]["val/top1"] == {"global_step": 4, "epoch": 1, "metrics": {"val/top1": 0.75, "val/many_top1": 0.125}}
+
+
 def test_a_bad_value_from_a_config_file_is_named_by_its_key_and_its_file(tmp_path, capsys):
     overlay = tmp_path / "overlay.yaml"
     overlay.write_text("model:\n  init_args:\n    optimizer: {lr: -0.5}\n")

@@ -123,8 +123,9 @@ def test_cifar_loads_from_python_pickle_batches(datamodule_class, tmp_path, monk
 def write_svhn(root: Path, monkeypatch) -> Path:
     split_list = {}
     for split, (url, filename, _) in torchvision.datasets.SVHN.split_list.items():
-        labels = np.array([[10], [1], [5], [10], [9], [2]], dtype=np.uint8)
-        scipy.io.savemat(root / filename, {"X": pixels(32, 32, 3, 6), "y": labels})
+        # the test split of other images and labels than the training split's: a split served for another shows
+        labels = np.array([[3], [10], [7], [1]] if split == "test" else [[10], [1], [5], [10], [9], [2]], dtype=np.uint8)
+        scipy.io.savemat(root / filename, {"X": pixels(32, 32, 3, len(labels)), "y": labels})
         split_list[split] = [url, filename, md5(root / filename)]
     monkeypatch.setattr(torchvision.datasets.SVHN, "split_list", split_list)
     return root
@@ -133,7 +134,9 @@ def write_svhn(root: Path, monkeypatch) -> Path:
 def test_svhn_loads_from_mat_files_with_label_10_meaning_digit_0(tmp_path, monkeypatch):
     datamodule = SVHNDataModule(root=str(write_svhn(tmp_path, monkeypatch)), batch_size=4, num_workers=0, views=VIEWS)
     check_batches(datamodule, 32, 10)
-    assert [datamodule.splits["test"][index][1] for index in range(6)] == [0, 1, 5, 0, 9, 2]
+    assert [datamodule.splits["train"][index][1] for index in range(6)] == [0, 1, 5, 0, 9, 2] and len(datamodule.splits["train"]) == 6
+    assert [datamodule.splits["test"][index][1] for index in range(4)] == [3, 0, 7, 1] and len(datamodule.splits["test"]) == 4
+    assert datamodule.splits["val"] is datamodule.splits["test"]  # validation and test on `test`, as Wang & Liu
 
 
 def write_idx(path: Path, array: np.ndarray) -> None:
@@ -158,6 +161,7 @@ def test_fashion_mnist_loads_from_idx_files_as_three_channel_images(tmp_path):
     image, _ = datamodule.splits["train"][0]
     channels = np.asarray(image)
     assert channels.shape == (28, 28, 3) and (channels[..., 0] == channels[..., 2]).all()  # gray, replicated
+    assert [len(datamodule.splits[split]) for split in ("train", "val", "test")] == [8, 4, 4]  # train, then t10k twice
 
 
 def write_stl10(root: Path, monkeypatch) -> Path:

@@ -146,3 +146,16 @@ def test_the_evaluation_view_resizes_bicubically_when_asked_and_names_an_unknown
     assert not torch.allclose(bicubic, build_view("eval_view", {"preset": "center", "resize": 18}, DEFAULTS)(IMAGE))
     with pytest.raises(ValueError, match="view 'eval_view': interpolation must be one of bilinear, bicubic, got 'lanczos'"):
         build_view("eval_view", {"preset": "center", "interpolation": "lanczos"}, DEFAULTS)
+
+
+@pytest.mark.parametrize("pipeline, preset", [("cpu", "center"), ("cpu", "crop_flip"), ("gpu", "crop_flip")])
+def test_a_views_own_mean_std_and_size_win_over_the_datasets(pipeline, preset):
+    """SVHN's, Fashion-MNIST's and NPID's configs normalise some views with statistics of their own: a gray image of
+    level 128 comes out as (128/255 - mean) / std of the view, at the view's size."""
+    own = {"preset": preset, "size": 8, "mean": [0.1, 0.2, 0.3], "std": [0.5, 0.25, 0.125]}
+    view = build_view("v", own, DEFAULTS, pipeline=pipeline)
+    gray = np.full((20, 20, 3), 128, dtype=np.uint8)
+    out = view(torch.from_numpy(gray).permute(2, 0, 1)[None]) if pipeline == "gpu" else view(Image.fromarray(gray))[None]
+    assert out.shape[-2:] == (8, 8)
+    expected = (128 / 255 - torch.tensor(own["mean"])) / torch.tensor(own["std"])
+    torch.testing.assert_close(out.float().mean(dim=(0, 2, 3)), expected, atol=2e-3, rtol=0)
