@@ -19,6 +19,16 @@ def tiny(method, **kwargs):
     return method(**(COMMON | kwargs))
 
 
+def step_with_its_inputs(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The loss of one step of a weak/strong model on `batch`, with its query, key and the queue before the step."""
+    queue_before = model.queue.read()
+    loss, _ = model.step(batch)
+    with torch.no_grad():
+        _, query = model.embed(batch["views"]["strong"])
+        key = model.target_embed(batch["views"]["weak"])
+    return loss, query, key, queue_before
+
+
 def test_sce_with_coeff_one_is_moco_v2_on_the_same_batch_and_state():
     moco = tiny(MoCoV2, temperature=0.2)
     sce = tiny(SCE, temperature=0.2, temperature_momentum=0.05, coeff=1.0)
@@ -33,12 +43,7 @@ def test_sce_with_coeff_one_is_moco_v2_on_the_same_batch_and_state():
 
 def test_weak_view_feeds_the_target_and_strong_view_the_online_branch_then_keys_are_enqueued():
     model = tiny(SCE, temperature=0.1, temperature_momentum=0.05, coeff=0.5)
-    batch = first_batch(digits(WEAK_STRONG, batch_size=16))
-    queue_before = model.queue.read()
-    loss, _ = model.step(batch)
-    with torch.no_grad():
-        _, query = model.embed(batch["views"]["strong"])
-        key = model.target_embed(batch["views"]["weak"])
+    loss, query, key, queue_before = step_with_its_inputs(model, first_batch(digits(WEAK_STRONG, batch_size=16)))
     torch.testing.assert_close(loss, sce_loss(query, key, queue_before, 0.1, 0.05, 0.5), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(model.queue.keys[:16], key)
     assert torch.equal(model.queue.keys[16:], queue_before[16:])
@@ -88,12 +93,7 @@ def test_no_gradient_reaches_the_target_branch_or_the_queue(method):
 
 def test_ressl_matches_the_teacher_relations_of_the_weak_view_over_the_queue():
     model = tiny(ReSSL, temperature=0.1, temperature_momentum=0.04)
-    batch = first_batch(digits(WEAK_STRONG, batch_size=16))
-    queue_before = model.queue.read()
-    loss, _ = model.step(batch)
-    with torch.no_grad():
-        _, query = model.embed(batch["views"]["strong"])
-        key = model.target_embed(batch["views"]["weak"])
+    loss, query, key, queue_before = step_with_its_inputs(model, first_batch(digits(WEAK_STRONG, batch_size=16)))
     torch.testing.assert_close(loss, ressl_loss(query, key, queue_before, 0.1, 0.04), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(model.queue.keys[:16], key)
 
@@ -120,12 +120,7 @@ def test_the_step_takes_tau_m_and_coeff_at_their_warm_up_points(monkeypatch):
     model = tiny(SCE, temperature=0.1, temperature_momentum=0.05, coeff=0.5,
                  temperature_momentum_warmup=RampSpec(start=0.1, epochs=10), coeff_warmup=RampSpec(start=1.0, epochs=10))
     monkeypatch.setattr(SCE, "epochs_done", property(lambda self: 5.0))  # half-way: tau_m 0.075, coeff 0.75
-    batch = first_batch(digits(WEAK_STRONG, batch_size=16))
-    queue_before = model.queue.read()
-    loss, _ = model.step(batch)
-    with torch.no_grad():
-        _, query = model.embed(batch["views"]["strong"])
-        key = model.target_embed(batch["views"]["weak"])
+    loss, query, key, queue_before = step_with_its_inputs(model, first_batch(digits(WEAK_STRONG, batch_size=16)))
     torch.testing.assert_close(loss, sce_loss(query, key, queue_before, 0.1, 0.075, 0.75), rtol=1e-5, atol=1e-6)
 
 
