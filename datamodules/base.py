@@ -427,21 +427,22 @@ class ContrastiveDataModule(L.LightningDataModule):
         return self._loader(dataset, train=True, sampler=self.train_sampler(seed), generator=torch.Generator().manual_seed(seed),
                             num_workers=0 if self.resident else None, collate_fn=collate_fn)  # indices need no workers
 
-    def images_on_device(self, batch: dict) -> tuple[torch.Tensor | list[torch.Tensor], torch.Tensor]:
-        """The uint8 images of a transferred training batch (`pipeline: gpu`) on the batch's device, and their
-        labels. An encoded image that proves unreadable there is replaced by another of the batch, whose label
-        it then takes."""
-        labels = batch["label"]
+    def images_on_device(self, batch: dict) -> tuple[torch.Tensor | list[torch.Tensor], torch.Tensor, torch.Tensor]:
+        """The uint8 images of a transferred training batch (`pipeline: gpu`) on the batch's device, their labels and
+        their sample indices. An encoded image that proves unreadable there is replaced by another of the batch, whose
+        label and index it then takes (NPID writes a sample's embedding into the bank entry of its index)."""
+        labels, index = batch["label"], batch["index"]
         if self.mode is Pipeline.RESIDENT:
             if self.resident_images.device != labels.device:  # moved once, with the first batch; no host copy is kept
                 self.resident_images = self.resident_images.to(labels.device)
-            return self.resident_images[batch["index"]], labels
+            return self.resident_images[index], labels, index
         if self.mode is Pipeline.ENCODED:
             images, shown = self.encoded_training.decode(batch["image"], labels.device)
             if shown != list(range(len(shown))):
-                labels = labels[torch.tensor(shown, device=labels.device)]
-            return images, labels
-        return batch["image"], labels
+                rows = torch.tensor(shown, device=labels.device)
+                labels, index = labels[rows], index[rows]
+            return images, labels, index
+        return batch["image"], labels, index
 
     def view_batches(self, dataset: Dataset, view: str, device: torch.device) -> Iterator[torch.Tensor]:
         """`dataset` under training view `view` on `device`, batch by batch, drawn where the pipeline draws the
@@ -460,9 +461,9 @@ class ContrastiveDataModule(L.LightningDataModule):
         """Draw the training views from a transferred batch of raw images (`pipeline: gpu`)."""
         if self.mode is Pipeline.CPU or "views" in batch:
             return batch
-        images, labels = self.images_on_device(batch)
+        images, labels, index = self.images_on_device(batch)
         views = {name: view(images) for name, view in self.views.items()}
-        return {"views": views, "label": labels, "index": batch["index"]}
+        return {"views": views, "label": labels, "index": index}
 
     def _eval_loaders(self, split: str) -> list[DataLoader]:
         """The split's loader and the kNN bank's; with several processes each scores its own shard (`EvaluationShard`)."""

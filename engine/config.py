@@ -41,10 +41,10 @@ class RampSpec:
 
     def __post_init__(self):
         check_choices(self, "ramp")
+        if not self.epochs > 0:  # checked here, before anything is written: the first step divided by it
+            raise ValueError(f"a ramp needs epochs > 0, got {self.epochs}")
 
     def value_at(self, final: float, epochs_done: float) -> float:
-        if self.epochs <= 0:
-            raise ValueError(f"a ramp needs epochs > 0, got {self.epochs}")
         progress = min((math.floor(epochs_done) if self.unit == "epoch" else epochs_done) / self.epochs, 1.0)
         remaining = 1.0 - progress if self.shape == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
         return final + (self.start - final) * remaining

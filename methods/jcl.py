@@ -44,8 +44,8 @@ class JCL(MomentumMixin, PretrainMethod):
                 paper's lambda may be in the first code version's units, 1/tau times this one:
                 caiqi/Joint-Contrastive-Learning).
             lambda_ramp: the official code's linear per-epoch ramp lambda_t = jcl_lambda (epoch + 1) / E
-                is `{start: jcl_lambda / E, epochs: E - 1, unit: epoch}` for E training epochs; None
-                keeps lambda constant (the paper's formula).
+                is `{start: jcl_lambda / E, epochs: E - 1, unit: epoch}` for E > 1 training epochs (E = 1: lambda
+                itself, no ramp); None keeps lambda constant (the paper's formula).
             queue_size: K, mean keys kept from previous steps (65,536 on ImageNet).
             momentum: EMA momentum of the key encoder (0.999, constant) and shuffle-BN settings.
             **kwargs: the PretrainMethod arguments (backbone, projector, optimizer, schedule, ...).
@@ -54,6 +54,8 @@ class JCL(MomentumMixin, PretrainMethod):
         super().__init__(**kwargs)
         self.temperature, self.jcl_lambda = temperature, jcl_lambda
         self.lambda_ramp = lambda_ramp and as_spec(RampSpec, lambda_ramp)
+        if self.lambda_ramp:  # a ramp's values are lambda's, from its start on
+            check_hyperparameters("model.lambda_ramp.start as ", jcl_lambda=self.lambda_ramp.start)
         self.init_momentum(momentum)
         self.queue = KeyQueue(queue_size, self.projection_dim)
 

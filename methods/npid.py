@@ -15,6 +15,7 @@ is the mean over the anchors, as MoCo's over its queries (juliendenize/eztorch s
 the view's embedding moves the bank.
 """
 
+import warnings
 from typing import Literal
 
 import torch
@@ -62,6 +63,18 @@ class NPID(PretrainMethod):
 
     def build_bank(self, size: int) -> None:
         self.bank = MemoryBank(size, self.projection_dim).to(self.device)
+
+    def check_data(self, datamodule, world_size: int) -> None:
+        super().check_data(datamodule, world_size)
+        train = (getattr(datamodule, "splits", None) or {}).get("train")
+        if train is None:
+            return
+        if self.bank is not None and len(self.bank.entries) != len(train):  # a second fit on other data: stale entries, or an IndexError
+            raise ValueError(f"NPID's memory bank holds one entry per image of the training split it was built for ({len(self.bank.entries)}), "
+                             f"but {type(datamodule).__name__}'s has {len(train)}: train a new model on this data")
+        if self.num_hard is not None and self.num_hard >= len(train) - 1:
+            warnings.warn(f"model.init_args.num_hard {self.num_hard} keeps all {len(train) - 1} negatives of the {len(train)}-entry bank: "
+                          "the hard loss is the ordinary one here")
 
     def setup(self, stage: str) -> None:
         if self.bank is None:

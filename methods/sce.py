@@ -65,6 +65,10 @@ class SCE(MomentumMixin, PretrainMethod):
         self.symmetric, self.mask_positive_target = symmetric, mask_positive_target
         self.temperature_momentum_warmup = temperature_momentum_warmup and as_spec(RampSpec, temperature_momentum_warmup)
         self.coeff_warmup = coeff_warmup and as_spec(RampSpec, coeff_warmup)
+        if self.temperature_momentum_warmup:  # a ramp's values are its parameter's, from its start on
+            check_hyperparameters("model.temperature_momentum_warmup.start as ", temperature_momentum=self.temperature_momentum_warmup.start)
+        if self.coeff_warmup:
+            check_hyperparameters("model.coeff_warmup.start as ", coeff=self.coeff_warmup.start)
         if predictor is not None:
             self.predictor: nn.Module = as_spec(MLPSpec, predictor).build(self.projection_dim)
         self.target_views = ("global1", "global2") if symmetric else ("weak",)

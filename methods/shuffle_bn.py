@@ -64,9 +64,14 @@ class SplitBatchNorm2d(nn.BatchNorm2d):
         return out.contiguous(memory_format=torch.channels_last) if x.is_contiguous(memory_format=torch.channels_last) else out
 
 
-def convert_to_split_batchnorm(module: nn.Module, num_splits: int) -> nn.Module:
+def convert_to_split_batchnorm(module: nn.Module, num_splits: int, name: str = "") -> nn.Module:
     """Replace every BatchNorm2d by a SplitBatchNorm2d with the same state. Only 2-d BN is split, as in
-    SCE's `convert_to_split_batchnorm`: the projector's BatchNorm1d keeps full-batch statistics."""
+    SCE's `convert_to_split_batchnorm`: the projector's BatchNorm1d keeps full-batch statistics. A subclass of
+    BatchNorm2d (timm's BatchNormAct2d, which adds its activation) is refused: left whole, its keys' statistics would
+    be the full batch's, which split BN is there to avoid (MoCo, Sec. 3.3)."""
+    if isinstance(module, nn.BatchNorm2d) and type(module) is not nn.BatchNorm2d:
+        raise ValueError(f"momentum.split_bn {num_splits}: the trunk's {name or 'module'} is a {type(module).__name__}, which cannot be split "
+                         "into groups: give a trunk with plain BatchNorm2d, or momentum.split_bn 1 with shuffle_bn false")
     if type(module) is nn.BatchNorm2d:
         split = SplitBatchNorm2d(
             module.num_features, num_splits, eps=module.eps, momentum=module.momentum, affine=module.affine
@@ -74,6 +79,6 @@ def convert_to_split_batchnorm(module: nn.Module, num_splits: int) -> nn.Module:
         split.load_state_dict(module.state_dict())
         split.train(module.training)
         return split
-    for name, child in module.named_children():
-        setattr(module, name, convert_to_split_batchnorm(child, num_splits))
+    for child_name, child in module.named_children():
+        setattr(module, child_name, convert_to_split_batchnorm(child, num_splits, f"{name}.{child_name}" if name else child_name))
     return module

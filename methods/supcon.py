@@ -66,6 +66,12 @@ class SupCon(PretrainMethod):
         crops = getattr(datamodule.views["crops"], "count", 1)
         if crops < 2:
             raise ValueError(f"data.views.crops.count must be >= 2 (the crops of one image are positives), got {crops}")
+        train = (getattr(datamodule, "splits", None) or {}).get("train")
+        if self.positives == "class" and train is not None and hasattr(datamodule, "train_class_counts"):
+            unlabelled = len(train) - sum(datamodule.train_class_counts())  # label -1: every one of them would be one class
+            if unlabelled:
+                raise ValueError(f"model.positives class takes the images of a class as positives, but {unlabelled} of the {len(train)} training "
+                                 f"images of {type(datamodule).__name__} have no label: give model.positives instance, or a labelled training split")
 
     def step(self, batch):
         crops = batch["views"]["crops"]  # (B, V, C, H, W)

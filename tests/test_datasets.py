@@ -342,7 +342,7 @@ def test_an_unreadable_training_image_is_replaced_with_the_label_of_its_replacem
     replacement = torch.from_numpy(np.array(Image.open(tmp_path / "train" / "n00000006" / "images" / "n00000006_0.JPEG").convert("RGB"))).permute(2, 0, 1)
     datamodule = TinyImageNetDataModule(root=str(tmp_path), batch_size=200, num_workers=0, views=VIEWS, pipeline="gpu", resident=resident)
     batch = next(iter(datamodule.train_dataloader()))
-    images, labels = datamodule.images_on_device(batch)
+    images, labels, _ = datamodule.images_on_device(batch)
     position = (batch["index"] == 5).nonzero().item()
     assert labels[position].item() == 6 and torch.equal(images[position], replacement)
 

@@ -71,7 +71,7 @@ def test_rgb_and_gray_jpegs_travel_encoded_and_other_files_as_pixels_decoded_by_
 def test_images_decoded_on_the_device_equal_their_pil_decodes(folder):
     datamodule = gpu_folder(folder)
     batch = next(iter(datamodule.train_dataloader()))
-    images, labels = datamodule.images_on_device(batch)
+    images, labels, _ = datamodule.images_on_device(batch)
     assert len(images) == len(TRAIN_FILES) and torch.equal(labels, batch["label"])
     for image, sent, file in zip(images, batch["image"].images, batch["image"].files):
         expected = pil_pixels(datamodule.splits["train"].paths[file])
@@ -124,7 +124,7 @@ def test_broken_files_are_logged_counted_and_replaced_so_that_the_batch_keeps_it
     with caplog.at_level(logging.WARNING, logger="datamodules.image_files"):
         batch = next(iter(datamodule.train_dataloader()))
         labels = batch["label"]
-        images, shown_labels = datamodule.images_on_device(batch)
+        images, shown_labels, shown_index = datamodule.images_on_device(batch)
     train = datamodule.splits["train"]
     assert train.corrupt_count == 2 and len(images) == 10 and shown_labels.shape == (10,)
     assert str(root / "train/c/truncated.jpg") in caplog.text and str(root / "train/b/garbage.jpg") in caplog.text
@@ -132,6 +132,7 @@ def test_broken_files_are_logged_counted_and_replaced_so_that_the_batch_keeps_it
     position = batch["image"].files.index(truncated)  # its header passed the worker's check: the device found it
     following = (position + 1) % 10
     assert labels[position] == 2 and shown_labels[position] == labels[following] != 2
+    assert shown_index[position] == batch["index"][following] != batch["index"][position]  # the image shown, its bank entry
     assert torch.equal(images[position], images[following])
     assert datamodule.encoded_training[truncated]["file"] != truncated  # the workers skip it from now on
 

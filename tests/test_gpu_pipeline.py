@@ -35,7 +35,7 @@ def test_resident_images_are_the_decoded_training_split_in_dataset_order(datamod
     assert datamodule.resident_images.shape == (len(train), 3, 32, 32) and datamodule.resident_images.dtype == torch.uint8
     batch = next(iter(loader))
     assert loader.num_workers == 0 and set(batch) == {"label", "index"}  # indices and labels only
-    images, labels = datamodule.images_on_device(batch)
+    images, labels, _ = datamodule.images_on_device(batch)
     for row, index in enumerate(batch["index"].tolist()):
         expected = RawImageDataset(train)[index]
         assert torch.equal(images[row], expected["image"]) and labels[row] == expected["label"]

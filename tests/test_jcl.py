@@ -131,6 +131,10 @@ def test_bad_jcl_settings_are_refused_with_their_values():
         tiny_jcl(jcl_lambda=-1.0)
     with pytest.raises(ValueError, match="temperature must be > 0, got 0.0"):
         tiny_jcl(temperature=0.0)
+    with pytest.raises(ValueError, match=r"^model.lambda_ramp.start as jcl_lambda must be >= 0, got -0.5$"):
+        tiny_jcl(lambda_ramp=RampSpec(start=-0.5, epochs=10))
+    with pytest.raises(ValueError, match=r"^a ramp needs epochs > 0, got 0$"):  # the official ramp over E - 1 epochs of a 1-epoch run
+        tiny_jcl(lambda_ramp={"start": 4.0, "epochs": 0, "unit": "epoch"})
     with pytest.raises(ValueError, match=r"consumes the views \['query', 'keys'\] but data.views provides \['query', 'key'\]"):
         tiny_jcl().check_data(digits({"query": {"preset": "mocov2"}, "key": {"preset": "mocov2"}}), world_size=1)
 

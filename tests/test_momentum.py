@@ -229,6 +229,15 @@ def test_split_batchnorm_returns_a_channels_last_input_in_channels_last_with_the
     assert torch.equal(channels_last.running_var, nchw.running_var)
 
 
+def test_a_batchnorm_subclass_that_split_bn_cannot_split_is_refused_naming_it():
+    """timm's BatchNormAct2d (EfficientNet, RegNet) was left whole: the keys' statistics were the full batch's."""
+    from timm.layers import BatchNormAct2d
+
+    trunk = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Sequential(nn.BatchNorm2d(4), BatchNormAct2d(4)))
+    with pytest.raises(ValueError, match=r"^momentum.split_bn 4: the trunk's 1.1 is a BatchNormAct2d, which cannot be split"):
+        convert_to_split_batchnorm(trunk, 4)
+
+
 def test_split_batchnorm_refuses_a_batch_that_does_not_divide():
     with pytest.raises(ValueError, match="divisible by 4"):
         SplitBatchNorm2d(3, num_splits=4)(torch.randn(6, 3, 2, 2))

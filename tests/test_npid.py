@@ -3,6 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from datamodules import DigitsDataModule
 from methods import NPID
 from methods.losses import contrastive_loss
 from helpers import TINY_BACKBONE, TINY_PROJECTOR, cpu_trainer, digits, first_batch
@@ -111,6 +112,18 @@ def test_bank_is_sized_from_the_training_split_and_survives_a_checkpoint(tmp_pat
     trainer.save_checkpoint(tmp_path / "npid.ckpt")
     restored = NPID.load_from_checkpoint(tmp_path / "npid.ckpt")  # outside a Trainer: sized by the checkpoint
     assert torch.equal(restored.bank.entries, model.bank.entries)
+
+
+def test_a_second_fit_on_another_training_split_is_refused_and_a_hard_loss_over_the_whole_bank_is_a_warning(tmp_path, recwarn):
+    """The bank has one entry per training image of its first fit: another split left stale entries among the negatives,
+    or an IndexError mid-run."""
+    model = NPID(backbone=TINY_BACKBONE, projector=TINY_PROJECTOR, knn_k=0, loss="hard", num_hard=4095)
+    cpu_trainer(tmp_path, max_steps=1, limit_val_batches=0).fit(model, digits(NPID_VIEWS, batch_size=32))
+    assert [str(w.message) for w in recwarn if "num_hard" in str(w.message)] == [
+        "model.init_args.num_hard 4095 keeps all 1196 negatives of the 1197-entry bank: the hard loss is the ordinary one here"]
+    twice = DigitsDataModule(batch_size=32, num_workers=0, views=NPID_VIEWS, train_variants=2, eval_variants=1)
+    with pytest.raises(ValueError, match=r"^NPID's memory bank holds one entry per image of the training split it was built for \(1197\), but DigitsDataModule's has 2394"):
+        cpu_trainer(tmp_path, max_steps=1, limit_val_batches=0).fit(model, twice)
 
 
 def test_setup_without_a_datamodule_is_refused(tmp_path):

@@ -129,6 +129,13 @@ def test_bad_sce_settings_are_refused_with_their_values():
         tiny(SCE, temperature_momentum=0.0)
     with pytest.raises(ValueError, match=r"coeff must lie in \[0, 1\], got 1.5"):
         tiny(SCE, coeff=1.5)
+    # a ramp's start and length, before anything is written (they failed at the first training step)
+    with pytest.raises(ValueError, match=r"^model.temperature_momentum_warmup.start as temperature_momentum must be > 0, got 0.0$"):
+        tiny(SCE, temperature_momentum_warmup={"start": 0.0, "epochs": 5})
+    with pytest.raises(ValueError, match=r"^model.coeff_warmup.start as coeff must lie in \[0, 1\], got 1.5$"):
+        tiny(SCE, coeff_warmup={"start": 1.5, "epochs": 5})
+    with pytest.raises(ValueError, match=r"^a ramp needs epochs > 0, got 0$"):
+        tiny(SCE, coeff_warmup={"start": 1.0, "epochs": 0})
     with pytest.raises(ValueError, match=r"consumes the views \['global1', 'global2'\] but data.views provides \['weak', 'strong'\]"):
         tiny(SCE, symmetric=True).check_data(digits(WEAK_STRONG), world_size=1)
 

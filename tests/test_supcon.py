@@ -52,6 +52,21 @@ def test_the_step_contrasts_every_crop_of_every_image_with_the_configured_positi
     torch.testing.assert_close(features, per_crop[0][0], rtol=1e-5, atol=1e-6)  # the probe sees crop 0
 
 
+@pytest.mark.parametrize("setting", sorted(SETTINGS))
+def test_class_positives_over_training_images_without_labels_are_refused(setting):
+    """Images labelled -1 (STL-10's unlabeled split, a folder of unlabelled images) would all be positives of each other."""
+    model, datamodule = tiny_supcon(**SETTINGS[setting]), digits(CROPS)
+    datamodule.setup()
+    train = datamodule.splits["train"]
+    train.labels = train.labels.copy()  # the process's cached Digits-M arrays stay as they are for the other tests
+    train.labels[:5] = -1
+    if SETTINGS[setting]["positives"] == "instance":
+        model.check_data(datamodule, world_size=1)
+    else:
+        with pytest.raises(ValueError, match=r"^model.positives class takes the images of a class as positives, but 5 of the 1197 training images"):
+            model.check_data(datamodule, world_size=1)
+
+
 def test_instance_positives_ignore_the_class_labels():
     model = tiny_supcon(**SETTINGS["tcl_ssl"]).eval()
     batch = first_batch(digits(CROPS, batch_size=8))
