@@ -21,6 +21,7 @@ from analysis.knn import knn_grid
 from analysis.figures import plot_against_temperature, plot_local_separation, plot_negative_entropy
 from analysis.key_distribution import key_distribution
 from analysis.metrics import local_separation, negative_entropy, tolerance
+from analysis.representation import eval_embeddings, fixed_subset
 from datamodules.digits import composite_digits
 from methods import NPID
 from methods.evaluation import knn_predict, knn_topk_accuracy
@@ -105,6 +106,14 @@ def test_analyse_reports_a_fixed_subset_in_eval_mode_and_leaves_the_random_strea
     assert analyse(model.eval(), datamodule, max_samples=40).scalars() == report.scalars()
     assert 0 < report.uniformity <= 4 and -1 <= report.tolerance <= 1
     assert 0 < report.scalars()["negative_entropy"] <= math.log(39)
+    # the numbers of the report's own parts: the nearest negative, the targets' tolerance, the temperature given
+    assert report.scalars()["local_separation"] == pytest.approx((report.positive - report.nearest_negatives[:, 0]).mean().item())
+    _, subset = fixed_subset(model, datamodule, "val", None, 40, 0)
+    with torch.no_grad():
+        _, targets, labels = eval_embeddings(model.eval(), datamodule, subset)
+    assert report.tolerance == pytest.approx(tolerance(targets, labels).item(), abs=1e-6)
+    warmer = analyse(model, datamodule, temperature=1.0, max_samples=40).entropy.mean()
+    assert warmer > analyse(model, datamodule, temperature=0.05, max_samples=40).entropy.mean()  # Wang & Liu: entropy grows with tau
 
 
 def test_a_view_of_two_crops_an_image_is_analysed_by_its_first_crop():

@@ -52,6 +52,14 @@ def test_cifar_resnet32_gives_64d_features_with_the_ldam_parameter_count():
     # then 4 blocks of 2*(32*32*9) + 128; stage 3 likewise at 64 wide. LDAM-DRW's table's 0.46 M adds
     # the 10-class fc (650 -> 464,154); with CIFAR-100's fc (6,500) it is 470,004.
     assert sum(p.numel() for p in trunk.parameters()) == 463_504
+    # LDAM-DRW resnet_cifar.py forward: relu(bn1(conv1(x))), the three stages, then the average over the 8 x 8 map
+    seen = {}
+    trunk.layer1.register_forward_pre_hook(lambda module, inputs: seen.setdefault("stem", inputs[0]))
+    trunk.layer3.register_forward_hook(lambda module, inputs, output: seen.setdefault("stage3", output))
+    with torch.no_grad():
+        features = trunk(torch.randn(2, 3, 32, 32))
+    assert seen["stem"].min() >= 0 and seen["stage3"].shape == (2, 64, 8, 8)
+    torch.testing.assert_close(features, seen["stage3"].mean(dim=(2, 3)))
 
 
 @pytest.mark.parametrize("depth", [20, 32, 44, 56, 110])

@@ -24,11 +24,12 @@ def config(directory: Path, seed: int, temperature: float = 0.2) -> dict:
 
 
 def write_run(directory: Path, seed: int, metrics: dict, temperature: float = 0.2, linear: float | None = None, trainer: dict | None = None,
-              linear_lr: float | None = None) -> None:
+              linear_lr: float | None = None, data: dict | None = None) -> None:
     """What the CLI leaves in a run directory (`config.yaml`, `results_val.json`) and the linear stage in `linear/`."""
     directory.mkdir(parents=True)
     settings = config(directory, seed, temperature)
     settings["trainer"] |= trainer or {}
+    settings["data"]["init_args"] |= data or {}
     (directory / "config.yaml").write_text(yaml.safe_dump(settings))
     (directory / "results_val.json").write_text(json.dumps({"epoch": 5, "global_step": 10, "metrics": metrics}))
     if linear is not None:
@@ -57,6 +58,17 @@ def test_seeds_of_one_setting_make_one_row_of_mean_and_sample_std_and_missing_me
     assert rows["model.temperature=0.2"]["train/images_per_s n"] == "1"
     assert rows["model.temperature=0.1"]["linear/val/probe_top1 mean"] == "n/a"
     assert (tmp_path / "out" / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("other", [dict(data={"batch_size": 256}), dict(trainer={"max_epochs": 10})], ids=["data", "trainer"])
+def test_seeds_of_other_data_or_run_length_are_not_one_setting(other, tmp_path):
+    write_run(tmp_path / "runs" / "a", 0, {"val/knn_top1": 0.2})
+    write_run(tmp_path / "runs" / "b", 1, {"val/knn_top1": 0.4}, **other)
+    compare.main([str(tmp_path / "runs"), "--out", str(tmp_path / "out")])
+    with (tmp_path / "out" / "comparison.csv").open() as stream:
+        rows = list(csv.DictReader(stream))
+    changed = next(iter(other.values()))
+    assert len(rows) == 2 and any(f"{key}={value}" in row["setting"] for row in rows for key, value in changed.items()), rows
 
 
 def test_runs_probed_with_other_linear_settings_are_rows_of_their_own_and_runs_not_probed_yet_join_the_one_protocol(tmp_path):

@@ -133,6 +133,7 @@ def test_broken_files_are_logged_counted_and_replaced_so_that_the_batch_keeps_it
     following = (position + 1) % 10
     assert labels[position] == 2 and shown_labels[position] == labels[following] != 2
     assert shown_index[position] == batch["index"][following] != batch["index"][position]  # the image shown, its bank entry
+    assert labels.tolist() == [train.labels[file] for file in batch["image"].files]  # a worker's replacement comes with its label
     assert torch.equal(images[position], images[following])
     assert datamodule.encoded_training[truncated]["file"] != truncated  # the workers skip it from now on
 

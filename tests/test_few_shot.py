@@ -7,9 +7,11 @@ import numpy as np
 import pytest
 
 import torch
+import torch.nn.functional as F
 
 from analysis.few_shot import draw_shots, few_shot, mean_interval, probe_top1
 from analysis.representation import evaluated_features, split_dataset
+from datamodules.base import dataset_labels
 from backbones import BackboneSpec
 from methods import DINO, NPID
 from helpers import TINY_PROJECTOR, digits, randomised
@@ -90,6 +92,17 @@ def test_few_shot_probes_a_tiny_model_on_digits_and_repeats_itself():
     assert few_shot(model, datamodule, shots=(1, 3), draws=3, seed=5) == record
     with pytest.raises(ValueError, match="draws must be >= 2"):
         few_shot(model, datamodule, draws=1)
+    # the second draw of 3 shots recomputed on its own: its images, their labels and the L2-normalised features
+    training, evaluation = split_dataset(datamodule, "train"), split_dataset(datamodule, "val")
+    rows = draw_shots(dataset_labels(training), (3,), 6)[3]
+    model.eval()
+    with torch.no_grad():
+        features, labels = evaluated_features(model, datamodule, torch.utils.data.Subset(training, rows.tolist()))
+        eval_features, eval_labels = evaluated_features(model, datamodule, evaluation)
+    expected = probe_top1(F.normalize(features, dim=1).numpy(), labels.numpy(), F.normalize(eval_features, dim=1).numpy(), eval_labels.numpy())
+    assert record["shots"][3]["top1"][1] == pytest.approx(expected, abs=1e-9)
+    assert len(set(record["shots"][1]["top1"])) > 1  # each draw its own shots
+    assert few_shot(model, datamodule, shots=(3,), draws=3, seed=5, regularisation=1e-6)["shots"][3]["top1"] != record["shots"][3]["top1"]  # C is used
 
 
 

@@ -60,6 +60,12 @@ def optimizer_state() -> dict:
 
 
 # ----------------------------------------------------------------- the official files
+def moved(state: dict) -> dict:
+    """A momentum copy's weights: the online ones moved, as an EMA leaves them (a file whose two encoders were equal could
+    not show that the online one is read)."""
+    return {key: value + 0.05 * torch.rand_like(value) if value.is_floating_point() else value for key, value in state.items()}
+
+
 def moco_file(trunk: nn.Module, arch: str = "resnet18") -> dict:
     """facebookresearch/moco main_moco.py: DDP (`module.`), MoCo(encoder_q, encoder_k, queue), the v2 MLP as `fc`."""
     state = trunk.state_dict()
@@ -67,7 +73,7 @@ def moco_file(trunk: nn.Module, arch: str = "resnet18") -> dict:
         "epoch": 200,
         "arch": arch,
         "state_dict": renamed(state, "module.encoder_q.") | renamed(head(512, 512, 128), "module.encoder_q.fc.")
-        | renamed(state, "module.encoder_k.") | renamed(head(512, 512, 128), "module.encoder_k.fc.")
+        | renamed(moved(state), "module.encoder_k.") | renamed(head(512, 512, 128), "module.encoder_k.fc.")
         | {"module.queue": torch.randn(128, 64), "module.queue_ptr": torch.zeros(1, dtype=torch.long)},
         "optimizer": optimizer_state(),
     }
@@ -86,7 +92,7 @@ def sce_file(trunk: nn.Module) -> dict:
         "global_step": 78000,
         "pytorch-lightning_version": "1.5.10",
         "state_dict": renamed(state, "trunk.") | renamed(projector, "projector.layers.")
-        | renamed(state, "momentum_trunk.") | renamed(projector, "momentum_projector.layers.")
+        | renamed(moved(state), "momentum_trunk.") | renamed(moved(projector), "momentum_projector.layers.")
         | {"queue": torch.randn(128, 64), "queue_ptr": torch.zeros(1, dtype=torch.long)},
         "hyper_parameters": sce_hyperparameters(),
     }
@@ -118,8 +124,8 @@ def paco_file(trunk: nn.Module, centres: nn.Linear) -> dict:
         "arch": "resnet18",
         "acc": 55.3,
         "state_dict": renamed(state, "module.encoder_q.") | renamed(mlp, "module.encoder_q.fc.")
-        | renamed(state, "module.encoder_k.") | renamed(mlp, "module.encoder_k.fc.")
-        | renamed(centres.state_dict(), "module.linear.") | renamed(centres.state_dict(), "module.linear_k.")
+        | renamed(moved(state), "module.encoder_k.") | renamed(moved(mlp), "module.encoder_k.fc.")
+        | renamed(centres.state_dict(), "module.linear.") | renamed(moved(centres.state_dict()), "module.linear_k.")
         | {"module.queue": torch.randn(64, 128), "module.queue_l": torch.randint(0, 10, (64,)), "module.queue_ptr": torch.zeros(1, dtype=torch.long)},
         "optimizer": optimizer_state(),
     }
@@ -176,7 +182,7 @@ def mocov3_file(trunk: nn.Module, classifier_name: str, arch: str) -> dict:
         "epoch": 100,
         "arch": arch,
         "state_dict": renamed(state, "module.base_encoder.") | renamed(projector, f"module.base_encoder.{classifier_name}.")
-        | renamed(state, "module.momentum_encoder.") | renamed(projector, f"module.momentum_encoder.{classifier_name}.")
+        | renamed(moved(state), "module.momentum_encoder.") | renamed(moved(projector), f"module.momentum_encoder.{classifier_name}.")
         | renamed(predictor, "module.predictor."),
         "optimizer": optimizer_state(),
         "scaler": {"scale": 65536.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000, "_growth_tracker": 0},
@@ -520,7 +526,8 @@ def test_paco_import_predicts_the_classes_of_the_source_classifier(tmp_path):
         centred = features - features.mean(dim=0)  # centre i scores (f - mean) . (f_i - mean): image i in class i
         centres.weight[: len(IMAGES)] = 100 * centred
         centres.bias[: len(IMAGES)] = -100 * features.mean(dim=0) @ centred.T
-        expected = centres(features).argmax(dim=1)  # PaCo's _inference: linear on the pooled encoder_q feature
+        logits = centres(features)  # PaCo's _inference: linear on the pooled encoder_q feature
+        expected = logits.argmax(dim=1)
     assert len(expected.unique()) > 1
     path = tmp_path / "paco_r18.pth"
     torch.save(paco_file(trunk, centres), path)
@@ -528,6 +535,7 @@ def test_paco_import_predicts_the_classes_of_the_source_classifier(tmp_path):
         model = model_class(backbone=SMALL_RESNET18, num_classes=10, pretrained_ckpt=str(path)).eval()
         with torch.no_grad():
             assert torch.equal(model.classify(IMAGES).argmax(dim=1), expected)
+            torch.testing.assert_close(model.classify(IMAGES), logits)  # the online centres (`linear`), not the momentum ones
 
 
 def test_a_file_without_a_classifier_is_refused_by_a_long_tail_classifier(tmp_path):

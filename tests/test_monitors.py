@@ -61,6 +61,18 @@ def test_collapse_metrics_are_the_same_at_every_call_in_eval_mode_and_leave_the_
     assert metrics["projector_alignment"] > 0  # two different augmentations of each image
 
 
+def test_a_collapsed_projector_reads_as_collapsed_while_the_trunk_does_not():
+    """Every projection the same vector: rank 1 and no spread, measured on the projections, not on the trunk's features."""
+    model, datamodule = tiny_moco(), digits(MOCO_VIEWS, batch_size=16)
+    model.projector = torch.nn.Linear(model.feature_dim, 8)
+    with torch.no_grad():
+        model.projector.weight.zero_()
+        model.projector.bias.copy_(torch.arange(1.0, 9.0))
+    metrics = collapse_metrics(model, datamodule, max_samples=24)
+    assert metrics["rankme_projector"] == pytest.approx(1.0, abs=1e-3) and metrics["projector_std"] == pytest.approx(0.0, abs=1e-6)
+    assert metrics["rankme_trunk"] > 2
+
+
 def test_the_two_views_of_a_one_view_method_are_two_draws_of_its_view():
     model, datamodule = NPID(backbone=SMALL_TRUNK, projector=TINY_PROJECTOR, temperature=0.2, knn_k=0), digits({"image": {"preset": "npid"}}, batch_size=16)
     assert collapse_metrics(model, datamodule, max_samples=16)["projector_alignment"] > 0

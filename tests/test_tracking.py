@@ -6,8 +6,10 @@ import shutil
 import socket
 import statistics
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 from test_cli import PRETRAIN_DIGITS, TINY_RUN
 
 import main_pretrain
@@ -130,6 +132,14 @@ def test_only_a_fit_that_resumes_a_checkpoint_continues_the_wandb_run_its_direct
     restarted = started("fit", resumed=False)
     assert restarted != first and (tmp_path / RUN_ID_FILE).read_text() == restarted
 
+def test_a_new_fit_from_the_command_line_in_a_directory_whose_earlier_start_wrote_no_checkpoint_starts_its_own_wandb_run(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / RUN_ID_FILE).write_text("abc12345")  # a start that was stopped before its first checkpoint
+    main_pretrain.cli_main(["fit", "--config", PRETRAIN_DIGITS, *TINY_RUN, f"--trainer.default_root_dir={run}"])
+    assert (run / RUN_ID_FILE).read_text() not in ("abc12345", "")
+
+
 @pytest.fixture(scope="module")
 def offline_runs(tmp_path_factory):
     """Seeds 0 and 1 of the quickstart config, two training steps each: seed 0 with neither credentials nor
@@ -177,6 +187,13 @@ def test_training_throughput_counts_the_images_and_carries_over_a_restart(offlin
     assert metrics["train/time_s"] > 0 and metrics["train/images_per_s"] > 2 * 16 / metrics["train/time_s"]  # validation excluded
     (resumed,) = [callback for callback in restarted.trainer.callbacks if isinstance(callback, TrainingThroughput)]
     assert resumed.earlier["images"] == 2 * 16 and resumed.earlier["time_s"] >= metrics["train/time_s"]
+    assert resumed.earlier["validation_s"] > 0 and resumed.totals()["validation_s"] >= resumed.earlier["validation_s"]  # carried over too
+
+
+def test_the_throughput_counts_the_images_of_every_process():
+    counter = TrainingThroughput()
+    counter.on_train_batch_end(SimpleNamespace(world_size=2), None, None, {"index": torch.arange(4)}, 0)
+    assert counter.totals()["images"] == 8
 
 
 def test_compare_reads_the_wandb_runs_of_the_run_directorys_own_id_only(offline_runs, tmp_path):
@@ -208,7 +225,6 @@ def test_compare_tables_the_two_seeds_of_the_offline_runs_and_plots_their_curves
 def test_a_fit_continues_its_directory_s_w_and_b_run_only_when_it_resumes_that_directory_s_run(tmp_path):
     """A checkpoint of another run, continued where a start without a checkpoint left a W&B id, is a run of its own:
     reusing the id merged the two runs into one W&B run."""
-    from types import SimpleNamespace
 
     from engine.cli.resume import continues_this_run
 

@@ -52,6 +52,8 @@ def test_mocov3_init_uses_xavier_bounds_with_q_k_v_apart_zero_biases_and_the_fla
 def test_mocov3_options_freeze_the_patch_projection_and_the_fixed_position_table_which_no_optimizer_group_holds():
     trunk, _ = build_backbone("vit_tiny", **MOCOV3, **TINY)
     torch.testing.assert_close(trunk.pos_embed[0], sincos_2d_position_embedding((4, 4), 192))
+    # patch (row 0, column 1), its column's sine at the second frequency: omega_1 = 10000^(-1/48) (moco-v3 vits.py)
+    assert trunk.pos_embed[0, 2, 96 + 1].item() == pytest.approx(math.sin(10000 ** (-1 / 48)), abs=1e-6)
     frozen = {name for name, p in trunk.named_parameters() if not p.requires_grad}
     assert frozen == {"pos_embed", "patch_embed.proj.weight", "patch_embed.proj.bias"}
     grouped = {id(p) for group in parameter_groups(trunk.named_parameters(), OptimizerSpec(name="adamw")) for p in group["params"]}
