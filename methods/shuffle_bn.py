@@ -69,7 +69,7 @@ def convert_to_split_batchnorm(module: nn.Module, num_splits: int, name: str = "
     SCE's `convert_to_split_batchnorm`: the projector's BatchNorm1d keeps full-batch statistics. A subclass of
     BatchNorm2d (timm's BatchNormAct2d, which adds its activation) is refused: left whole, its keys' statistics would
     be the full batch's, which split BN is there to avoid (MoCo, Sec. 3.3)."""
-    if isinstance(module, nn.BatchNorm2d) and type(module) is not nn.BatchNorm2d:
+    if isinstance(module, nn.BatchNorm2d) and type(module) not in (nn.BatchNorm2d, SplitBatchNorm2d):
         raise ValueError(f"momentum.split_bn {num_splits}: the trunk's {name or 'module'} is a {type(module).__name__}, which cannot be split "
                          "into groups: give a trunk with plain BatchNorm2d, or momentum.split_bn 1 with shuffle_bn false")
     if type(module) is nn.BatchNorm2d:
